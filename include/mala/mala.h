@@ -1,0 +1,221 @@
+// mala — MassAlloc Attention (MALA): causal softmax attention that skips the post-score work of
+// tiles whose largest contribution ratio is below tau / L_q.  The rules are in docs/rule.md.
+//
+// This is the one public header.  Every entry point takes a plain argument struct and returns a
+// Status whose message names the offending argument; nothing is written when a check fails.
+//
+// Layout conventions (as flash_attn):
+//   q, o, dout, dq : [batch, seqlen_q, heads_q,  head_dim]
+//   k, v, dk, dv   : [batch, seqlen_k, heads_kv, head_dim]
+//   lse            : [batch, heads_q, seqlen_q] fp32          (varlen: [heads_q, total_q])
+//   fwd/bwd_slots  : [batch, heads_q, seqlen_q] int32         (varlen: [heads_q, total_q])
+//   tile_mask      : [batch, heads_q, n_q_tiles, n_k_tiles] uint8, values TileState
+// Strides are in elements; head_dim must be contiguous.  A stride struct left at zero means the
+// contiguous layout above.  With cu_seqlens_q/k set (varlen), tensors are [total, heads, head_dim],
+// `batch` is the number of sequences and seqlen_q/seqlen_k are the maxima over sequences.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+namespace mala {
+
+enum class DType : int { f32 = 0, f16 = 1, bf16 = 2 };
+enum class Device : int { cpu = 0, cuda = 1 };
+
+const char* dtype_name(DType);
+size_t dtype_size(DType);
+
+struct Status {
+  bool ok = true;
+  std::string message;  // on error: names the argument, e.g. "tau: must be >= 0 (got -1)"
+  explicit operator bool() const { return ok; }
+  static Status success() { return {}; }
+  static Status error(std::string msg) { return {false, std::move(msg)}; }
+};
+
+// Element strides of a [batch, seqlen, heads, head_dim] tensor (head_dim stride is 1).
+// All zero = contiguous.
+struct Strides {
+  int64_t batch = 0;
+  int64_t row = 0;
+  int64_t head = 0;
+};
+
+// Per-tile decisions, written to the optional tile_mask outputs (tests and analysis).
+enum TileState : uint8_t {
+  kTileIllegal = 0,   // no row of the query tile sees any key of the key tile (never visited)
+  kTileSkipped = 1,   // QK computed, post-score work skipped
+  kTileRetained = 2,  // post-score work executed
+};
+
+// Tile sizes an implementation uses.  Part of the semantics: the CPU path accepts them so it can
+// reproduce any kernel's decisions.
+struct Tiles {
+  int block_q = 128;
+  int block_k = 128;
+};
+
+struct ForwardArgs {
+  Device device = Device::cpu;
+  DType dtype = DType::f32;  // q, k, v, o
+
+  const void* q = nullptr;
+  const void* k = nullptr;
+  const void* v = nullptr;
+  void* o = nullptr;
+  float* lse = nullptr;           // optional
+  int32_t* fwd_slots = nullptr;   // optional realized work per row
+  uint8_t* tile_mask = nullptr;   // optional TileState per (batch, head, q tile, k tile)
+
+  int64_t batch = 1, seqlen_q = 0, seqlen_k = 0;
+  int64_t heads_q = 1, heads_kv = 1, head_dim = 0;
+  Strides q_strides, k_strides, v_strides, o_strides;
+
+  const int32_t* cu_seqlens_q = nullptr;  // varlen: [batch + 1], same device as the tensors
+  const int32_t* cu_seqlens_k = nullptr;
+
+  bool causal = true;          // bottom-right aligned when seqlen_q != seqlen_k
+  float softmax_scale = 0.f;   // 0 = 1/sqrt(head_dim)
+  float tau = 1.0f;            // 0 = exact dense attention
+  int block_q = 0, block_k = 0;  // 0 = the implementation's tiles (see forward_tiles)
+  void* stream = nullptr;      // cudaStream_t for Device::cuda
+};
+
+struct BackwardArgs {
+  Device device = Device::cpu;
+  DType dtype = DType::f32;  // q, k, v, o, dout, dq, dk, dv
+
+  const void* q = nullptr;
+  const void* k = nullptr;
+  const void* v = nullptr;
+  const void* o = nullptr;
+  const void* dout = nullptr;
+  const float* lse = nullptr;  // from forward (required)
+  void* dq = nullptr;
+  void* dk = nullptr;
+  void* dv = nullptr;
+  int32_t* bwd_slots = nullptr;  // optional
+  uint8_t* tile_mask = nullptr;  // optional, [batch, heads_q, n_q_tiles, n_k_tiles]
+
+  int64_t batch = 1, seqlen_q = 0, seqlen_k = 0;
+  int64_t heads_q = 1, heads_kv = 1, head_dim = 0;
+  Strides q_strides, k_strides, v_strides, o_strides, dout_strides;
+  Strides dq_strides, dk_strides, dv_strides;
+
+  const int32_t* cu_seqlens_q = nullptr;
+  const int32_t* cu_seqlens_k = nullptr;
+
+  bool causal = true;
+  float softmax_scale = 0.f;
+  float tau = 1.0f;
+  int block_q = 0, block_k = 0;
+  // CUDA: scratch of backward_workspace_size() bytes (fp32 dQ accumulator, rowsum(dO*O)).
+  // Null = allocated stream-ordered inside the call.
+  void* workspace = nullptr;
+  size_t workspace_bytes = 0;
+  void* stream = nullptr;
+};
+
+// Decode / small-query prefill against a KV cache (flash_attn_with_kvcache semantics).
+//   q          : [batch, seqlen_q, heads_q, head_dim]
+//   k/v_cache  : contiguous [batch, cache_capacity, heads_kv, head_dim], or paged
+//                [num_blocks, page_size, heads_kv, head_dim] with block_table [batch, max_pages]
+//   cache_seqlens [batch] int32: keys already in the cache (before k_new is appended)
+//   k_new/v_new: optional [batch, seqlen_new, heads_kv, head_dim], written into the cache at
+//                cache_seqlens[b] before attending; attention then sees cache_seqlens[b]+seqlen_new keys.
+//   tile_mask  : optional [batch, heads_kv (packed) or heads_q, n_q_tiles, n_k_tiles]
+struct DecodeArgs {
+  Device device = Device::cpu;
+  DType dtype = DType::f32;
+
+  const void* q = nullptr;
+  void* k_cache = nullptr;
+  void* v_cache = nullptr;
+  const int32_t* cache_seqlens = nullptr;
+  const int32_t* block_table = nullptr;  // paged when non-null
+  int64_t block_table_stride = 0;        // elements between batch rows (0 = max_pages)
+  int64_t max_pages = 0;                 // columns of block_table
+  int64_t page_size = 0;
+  int64_t num_pages = 0;                 // rows of the paged cache (for bounds checks)
+  const void* k_new = nullptr;
+  const void* v_new = nullptr;
+  void* o = nullptr;
+  float* lse = nullptr;            // optional [batch, heads_q, seqlen_q]
+  int32_t* fwd_slots = nullptr;    // optional [batch, heads_q, seqlen_q]
+  uint8_t* tile_mask = nullptr;    // optional
+
+  int64_t batch = 1, seqlen_q = 1, seqlen_new = 0, cache_capacity = 0;
+  int64_t heads_q = 1, heads_kv = 1, head_dim = 0;
+  Strides q_strides, k_cache_strides, v_cache_strides, k_new_strides, v_new_strides, o_strides;
+
+  bool causal = true;
+  float softmax_scale = 0.f;
+  float tau = 1.0f;
+  int block_q = 0, block_k = 0;
+  int num_splits = 0;     // 0 = heuristic (decode_num_splits)
+  bool pack_gqa = true;   // query heads sharing a KV head form one query tile
+  void* workspace = nullptr;  // CUDA: decode_workspace_size() bytes; null = allocated in the call
+  size_t workspace_bytes = 0;
+  void* stream = nullptr;
+};
+
+// ---- entry points ----------------------------------------------------------------------------
+Status forward(const ForwardArgs& args);
+Status backward(const BackwardArgs& args);
+Status decode(const DecodeArgs& args);
+
+// Argument checks alone (what the entry points run first).
+Status check(const ForwardArgs& args);
+Status check(const BackwardArgs& args);
+Status check(const DecodeArgs& args);
+
+// Tile sizes the implementation for args.device uses (block_q/block_k of 0 resolved).
+Tiles forward_tiles(const ForwardArgs& args);
+Tiles backward_tiles(const BackwardArgs& args);
+Tiles decode_tiles(const DecodeArgs& args);
+int decode_num_splits(const DecodeArgs& args);  // resolves num_splits = 0
+size_t backward_workspace_size(const BackwardArgs& args);
+size_t decode_workspace_size(const DecodeArgs& args);
+
+bool cuda_available();        // built with CUDA and a device is present
+std::string device_name();    // "cpu (N threads)" or the CUDA device name
+
+// ---- exact references (CPU, fp32 in/out, double accumulation), kept apart from the tiled code --
+namespace reference {
+// Dense softmax attention (ignores tau, tiles and slot/tile outputs).
+Status dense_forward(const ForwardArgs& args);
+Status dense_backward(const BackwardArgs& args);
+}  // namespace reference
+
+// ---- fidelity and work ----------------------------------------------------------------------
+struct Distribution {
+  double mean = 0, p95 = 0, max = 0;
+  int64_t count = 0;
+};
+// Statistics over rows with visible keys (L_q > 0). slots: [batch, heads_q, seqlen_q] (CPU memory).
+Distribution slot_stats(const int32_t* slots, int64_t batch, int64_t heads_q, int64_t seqlen_q,
+                        int64_t seqlen_k, bool causal);
+// Fraction of legal tiles retained in a tile_mask of n entries.
+double retained_fraction(const uint8_t* tile_mask, int64_t n);
+// Omitted dense mass per valid row, 1 - exp(lse - lse_dense); rows with L_q = 0 are ignored.
+Distribution omitted_mass(const float* lse, const float* lse_dense, int64_t n);
+// ||x - ref|| / ||ref|| over n fp32 values.
+double relative_l2(const float* x, const float* ref, int64_t n);
+
+// ---- workloads (docs/workloads.md) -----------------------------------------------------------
+// "random": q, k, v, dout ~ N(0, 1): near-uniform attention, MALA retains almost everything.
+// "synthetic": a documented generator with a sharpness knob (0 = random-like; larger = sharper
+// attention, fewer retained tiles).
+struct WorkloadSpec {
+  std::string regime = "synthetic";
+  int64_t batch = 1, seqlen = 4096, heads_q = 8, heads_kv = 1, head_dim = 128;
+  double sharpness = 1.0;
+  uint64_t seed = 0;
+};
+// Fills contiguous fp32 q, dout [batch, seqlen, heads_q, head_dim] and k, v
+// [batch, seqlen, heads_kv, head_dim]; dout may be null.
+Status make_workload(const WorkloadSpec& spec, float* q, float* k, float* v, float* dout);
+
+}  // namespace mala

@@ -1,0 +1,62 @@
+// The MALA rule, written once for the CPU implementation and every CUDA kernel.
+// See docs/rule.md (and ../shared/MALA_SPEC.md) for the definition these functions implement.
+#pragma once
+
+#include <math.h>
+
+#if defined(__CUDACC__)
+#define MALA_HD __host__ __device__ __forceinline__
+#else
+#define MALA_HD inline
+#endif
+
+namespace mala {
+namespace rule {
+
+// Keys visible to query row `row` (0-based): bottom-right causal alignment, so row q sees keys
+// k <= q + (seqlen_k - seqlen_q).  Clamped to [0, seqlen_k].  Non-causal rows see every key.
+MALA_HD int visible_keys(int row, int seqlen_q, int seqlen_k, bool causal) {
+  if (!causal) return seqlen_k;
+  int L = row + seqlen_k - seqlen_q + 1;
+  return L < 0 ? 0 : (L > seqlen_k ? seqlen_k : L);
+}
+
+// log(tau / L) in the given log base (log_tau = log_b(tau), log_L = log_b(L)).  tau = 0 gives -inf:
+// nothing is ever skipped.  Only meaningful for L > 0.
+MALA_HD float log_threshold(float log_tau, float log_L) { return log_tau - log_L; }
+
+// The tile test for one row.  True when this row lets the tile be skipped.
+//   tile_max : the row's largest score over its legal keys in the tile (-inf when it has none:
+//              such a row does not constrain the tile)
+//   log_norm : log of the normalizer tested against: m + log(l) of the mass retained so far
+//              (online, forward/decode; -inf before anything is retained, so the first legal
+//              tile is always kept) or the saved lse (offline, backward)
+//   log_thr  : log(tau / L_q)
+// All three must be in the same log base (natural on the CPU, base 2 in the kernels).
+// A tile is skipped iff every row of the query tile allows it.
+MALA_HD bool row_allows_skip(float tile_max, float log_norm, float log_thr) {
+  if (tile_max == -INFINITY) return true;
+  return tile_max - log_norm < log_thr;
+}
+
+// Margin of the test, (tile_max - log_norm) - log_thr: negative allows skipping.  Used by tests to
+// recognise rounding flips (|margin| below ~1e-3).
+MALA_HD float row_margin(float tile_max, float log_norm, float log_thr) {
+  return (tile_max - log_norm) - log_thr;
+}
+
+// Split-KV partition of a sequence's key tiles [0, n_tiles): split s owns
+// [s * per, min((s + 1) * per, n_tiles)) with per = ceil(n_tiles / num_splits).  Splits past the
+// end own nothing.  Each split walks its tiles from the last down.
+MALA_HD void split_tiles(int n_tiles, int num_splits, int split, int* begin, int* end) {
+  int per = (n_tiles + num_splits - 1) / num_splits;
+  int b = split * per;
+  int e = b + per;
+  *begin = b < n_tiles ? b : n_tiles;
+  *end = e < n_tiles ? e : n_tiles;
+}
+
+MALA_HD int ceil_div(int a, int b) { return (a + b - 1) / b; }
+
+}  // namespace rule
+}  // namespace mala
