@@ -26,10 +26,10 @@ enum Stream : uint64_t {
 };
 
 // Synthetic-regime constants (score units are natural-log units of scale * q.k).
-// Locality: at distance 0 the structured score is kLocality * s.
-constexpr double kLocality = 1.5;
-// Sink: key 0 scores about kSink * s for every query.
-constexpr double kSink = 1.5;
+// The structured score peak is c(s) = kPeak * sqrt(s): a query scores its own position, its
+// needle, and the sink key at about c(s).  The square root spreads the measured transition
+// (c from about 15, everything retained, to about 30, a few tiles per row) over s = 1.5 .. 8.
+constexpr double kPeak = 12.0;
 // Sink channel amplitude on the query side tends to kSinkQueryMax; it sets the sink's
 // mean-to-noise ratio (the noise part of q is N(0, 1) in that channel too).
 constexpr double kSinkQueryMax = 4.0;
@@ -136,17 +136,17 @@ struct Synthetic {
   Synthetic(const WorkloadSpec& s) {
     B = s.batch, N = s.seqlen, Hq = s.heads_q, Hkv = s.heads_kv, d = s.head_dim;
     group = Hq / Hkv;
-    const double sharp = s.sharpness;
+    const double peak = kPeak * std::sqrt(s.sharpness);
     // With d >= 3 the last channel is the sink's; the rotating pairs take the rest.
     sink_dim = d >= 3 ? d - 1 : -1;
     pairs = (sink_dim >= 0 ? d - 1 : d) / 2;
     const double sqrt_d = std::sqrt(static_cast<double>(d));
     // Structured score of a query and a key at distance D: a^2 * sum_f cos(omega_f D) / sqrt(d)
-    // = kLocality * s * mean_f cos(omega_f D)  (1 at D = 0).
-    rope_amp = pairs > 0 ? std::sqrt(kLocality * sharp * sqrt_d / static_cast<double>(pairs)) : 0;
-    // Sink score b * beta / sqrt(d) = kSink * s; b grows from 0 to kSinkQueryMax.
-    sink_q = kSinkQueryMax * std::sqrt(sharp / (1.0 + sharp));
-    sink_k = sink_q > 0 ? kSink * sharp * sqrt_d / sink_q : 0;
+    // = c(s) * mean_f cos(omega_f D)  (c(s) at D = 0).
+    rope_amp = pairs > 0 ? std::sqrt(peak * sqrt_d / static_cast<double>(pairs)) : 0;
+    // Sink score b * beta / sqrt(d) = c(s); b grows from 0 to kSinkQueryMax.
+    sink_q = kSinkQueryMax * std::sqrt(s.sharpness / (1.0 + s.sharpness));
+    sink_k = sink_q > 0 ? peak * sqrt_d / sink_q : 0;
     if (sink_dim < 0) sink_q = sink_k = 0;
 
     omega.resize(pairs);

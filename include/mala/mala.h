@@ -11,8 +11,12 @@
 //   fwd/bwd_slots  : [batch, heads_q, seqlen_q] int32         (varlen: [heads_q, total_q])
 //   tile_mask      : [batch, heads_q, n_q_tiles, n_k_tiles] uint8, values TileState
 // Strides are in elements; head_dim must be contiguous.  A stride struct left at zero means the
-// contiguous layout above.  With cu_seqlens_q/k set (varlen), tensors are [total, heads, head_dim],
-// `batch` is the number of sequences and seqlen_q/seqlen_k are the maxima over sequences.
+// contiguous layout above; a zero field is filled in from the ones inside it (head = head_dim,
+// row = heads * head, batch = seqlen * row).  Negative or overlapping strides are rejected.
+// With cu_seqlens_q/k set (varlen), tensors are [total, heads, head_dim], `batch` is the number
+// of sequences and seqlen_q/seqlen_k are the maxima over sequences (tile_mask: n_q_tiles =
+// ceil(seqlen_q / block_q), n_k_tiles = ceil(seqlen_k / block_k); tiles past a sequence's end are
+// kTileIllegal).  Varlen sequences may be empty.
 #pragma once
 
 #include <cstddef>
@@ -125,7 +129,12 @@ struct BackwardArgs {
 //   cache_seqlens [batch] int32: keys already in the cache (before k_new is appended)
 //   k_new/v_new: optional [batch, seqlen_new, heads_kv, head_dim], written into the cache at
 //                cache_seqlens[b] before attending; attention then sees cache_seqlens[b]+seqlen_new keys.
-//   tile_mask  : optional [batch, heads_kv (packed) or heads_q, n_q_tiles, n_k_tiles]
+//   tile_mask  : optional [batch, heads_kv (packed) or heads_q, n_q_tiles, n_k_tiles] with
+//                n_q_tiles = ceil(seqlen_q * G / block_q) packed (rows r = token * G + g, G =
+//                heads_q / heads_kv) or ceil(seqlen_q / block_q), and n_k_tiles = ceil(capacity /
+//                block_k), capacity = cache_capacity (contiguous) or max_pages * page_size (paged).
+//   Split-KV: split s owns rule::split_tiles(ceil(Nk / block_k), num_splits, s) of the sequence's
+//   key tiles, Nk = cache_seqlens[b] + seqlen_new.
 struct DecodeArgs {
   Device device = Device::cpu;
   DType dtype = DType::f32;

@@ -1,8 +1,234 @@
-// Placeholder until the decode kernel lands (issue 4).
+// CUDA decode (issue 4): split-KV MALA decode over a contiguous or paged KV cache.
+// Host side: tiles, the num_splits heuristic, the workspace, parameter packing and dispatch.  The
+// kernels are in decode_kernel.cuh (instantiated in instantiations/decode_*.cu).
+//
+// CUDA-graph safe: the host never reads cache_seqlens (the kernels do), never synchronizes, and
+// allocates nothing when args.workspace is given (otherwise stream-ordered cudaMallocAsync/FreeAsync).
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <string>
+
+#include "cpu/layout.h"
 #include "cuda/backend.h"
-namespace mala { namespace cuda_backend {
-Status decode(const DecodeArgs&) { return Status::error("device: CUDA decode not implemented yet"); }
-Tiles decode_tiles(const DecodeArgs&) { return {64, 128}; }
-int decode_num_splits(const DecodeArgs&) { return 1; }
-size_t decode_workspace_size(const DecodeArgs&) { return 0; }
-} }
+#include "cuda/decode_launch.cuh"
+
+namespace mala {
+namespace cuda_backend {
+
+namespace {
+
+using cuda::kDecodeBlockQ;
+
+constexpr int kMaxSplits = 256;
+// tau > 0: every split retains its first legal tile, so splits are kept at >= this many key tiles
+// (of the capacity) each; more splits buy parallelism at the price of forced retentions.
+constexpr int kMinTilesPerSplitSparse = 4;
+
+struct Geometry {
+  int64_t block_k, capacity, n_cap, HS, R, NQT;
+};
+
+Geometry geometry(const DecodeArgs& a) {
+  Geometry g;
+  g.block_k = cuda::decode_block_k(static_cast<int>(a.head_dim));
+  const bool paged = a.block_table != nullptr;
+  g.capacity = paged ? a.page_size * a.max_pages : a.cache_capacity;
+  g.n_cap = (g.capacity + g.block_k - 1) / g.block_k;
+  const int64_t group = a.heads_q / std::max<int64_t>(a.heads_kv, 1);
+  g.HS = a.pack_gqa ? a.heads_kv : a.heads_q;
+  g.R = a.pack_gqa ? a.seqlen_q * group : a.seqlen_q;
+  g.NQT = (g.R + kDecodeBlockQ - 1) / kDecodeBlockQ;
+  return g;
+}
+
+int sm_count() {
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) {
+    cudaGetLastError();
+    return 132;
+  }
+  static int cache[64] = {0};
+  if (dev >= 0 && dev < 64 && cache[dev] > 0) return cache[dev];
+  int n = 0;
+  if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || n <= 0) {
+    cudaGetLastError();
+    n = 132;
+  }
+  if (dev >= 0 && dev < 64) cache[dev] = n;
+  return n;
+}
+
+struct WorkspaceLayout {
+  size_t o_bytes = 0, lse_bytes = 0, cnt_bytes = 0, total = 0;
+};
+
+size_t align256(size_t x) { return (x + 255) / 256 * 256; }
+
+WorkspaceLayout workspace_layout(const DecodeArgs& a, int splits) {
+  WorkspaceLayout w;
+  if (splits <= 1) return w;
+  const Geometry g = geometry(a);
+  const size_t entries = static_cast<size_t>(a.batch) * g.HS * g.NQT * splits;
+  w.o_bytes = align256(entries * kDecodeBlockQ * a.head_dim * sizeof(float));
+  w.lse_bytes = align256(entries * kDecodeBlockQ * sizeof(float));
+  w.cnt_bytes = align256(entries * sizeof(int));
+  w.total = w.o_bytes + w.lse_bytes + w.cnt_bytes;
+  return w;
+}
+
+Status aligned(const void* p, const char* what) {
+  if (p && reinterpret_cast<uintptr_t>(p) % 16 != 0)
+    return Status::error(std::string(what) + ": CUDA decode needs 16-byte aligned tensors");
+  return Status::success();
+}
+
+Status strides_ok(const layout::Resolved& r, const char* what) {
+  if (r.batch % 8 || r.row % 8 || r.head % 8)
+    return Status::error(std::string(what) + ": CUDA decode needs strides that are multiples of 8 elements (got batch=" +
+                         std::to_string(r.batch) + ", row=" + std::to_string(r.row) + ", head=" +
+                         std::to_string(r.head) + ")");
+  return Status::success();
+}
+
+}  // namespace
+
+Tiles decode_tiles(const DecodeArgs& a) {
+  return {kDecodeBlockQ, cuda::decode_block_k(static_cast<int>(a.head_dim))};
+}
+
+int decode_num_splits(const DecodeArgs& a) {
+  if (a.num_splits > 0) return a.num_splits;
+  const Geometry g = geometry(a);
+  const int64_t base = std::max<int64_t>(1, a.batch * g.HS * g.NQT);
+  const int64_t sms = sm_count();
+  // At most one wave of CTAs (one CTA per SM; a second partial wave would double the time).
+  int64_t want = std::max<int64_t>(1, sms / base);
+  if (a.tau > 0.f) want = std::min<int64_t>(want, std::max<int64_t>(1, g.n_cap / kMinTilesPerSplitSparse));
+  want = std::min<int64_t>(want, g.n_cap);
+  want = std::min<int64_t>(want, kMaxSplits);
+  return static_cast<int>(std::max<int64_t>(want, 1));
+}
+
+size_t decode_workspace_size(const DecodeArgs& a) { return workspace_layout(a, cuda_backend::decode_num_splits(a)).total; }
+
+Status decode(const DecodeArgs& a) {
+  if (a.dtype != DType::bf16 && a.dtype != DType::f16)
+    return Status::error("dtype: CUDA decode supports bfloat16 and float16");
+  const int d = static_cast<int>(a.head_dim);
+  const Geometry g = geometry(a);
+  const int splits = cuda_backend::decode_num_splits(a);
+  const bool paged = a.block_table != nullptr;
+  const int64_t cache_rows = paged ? a.page_size : a.cache_capacity;
+  const int64_t new_rows = std::max<int64_t>(a.seqlen_new, 1);
+
+  const layout::Resolved qs = layout::resolve(a.q_strides, a.seqlen_q, a.heads_q, d);
+  const layout::Resolved os = layout::resolve(a.o_strides, a.seqlen_q, a.heads_q, d);
+  const layout::Resolved ks = layout::resolve(a.k_cache_strides, cache_rows, a.heads_kv, d);
+  const layout::Resolved vs = layout::resolve(a.v_cache_strides, cache_rows, a.heads_kv, d);
+  const layout::Resolved kns = layout::resolve(a.k_new_strides, new_rows, a.heads_kv, d);
+  const layout::Resolved vns = layout::resolve(a.v_new_strides, new_rows, a.heads_kv, d);
+  const std::pair<const void*, const char*> ptrs[] = {{a.q, "q"},         {a.k_cache, "k_cache"}, {a.v_cache, "v_cache"},
+                                                      {a.k_new, "k_new"}, {a.v_new, "v_new"},     {a.o, "o"}};
+  for (const auto& pt : ptrs) {
+    Status s = aligned(pt.first, pt.second);
+    if (!s) return s;
+  }
+  const std::pair<layout::Resolved, const char*> strs[] = {{qs, "q_strides"},           {os, "o_strides"},
+                                                           {ks, "k_cache_strides"},     {vs, "v_cache_strides"},
+                                                           {kns, "k_new_strides"},      {vns, "v_new_strides"}};
+  for (const auto& st : strs) {
+    Status s = strides_ok(st.first, st.second);
+    if (!s) return s;
+  }
+  if (a.batch * g.HS * g.NQT * static_cast<int64_t>(splits) > (int64_t{1} << 31) / 2 || g.HS > 65535 || a.batch > 65535)
+    return Status::error("batch: too many query tiles for one CUDA decode launch");
+
+  cuda::DecodeParams p{};
+  p.q = a.q;
+  p.k_cache = a.k_cache;
+  p.v_cache = a.v_cache;
+  p.cache_seqlens = a.cache_seqlens;
+  p.block_table = a.block_table;
+  p.bt_stride = a.block_table_stride ? a.block_table_stride : a.max_pages;
+  p.page_size = static_cast<int>(paged ? a.page_size : 0);
+  p.capacity = static_cast<int>(g.capacity);
+  p.page_shift = -1;
+  if (paged && (a.page_size & (a.page_size - 1)) == 0)
+    for (int sh = 0; sh < 31; ++sh)
+      if ((int64_t{1} << sh) == a.page_size) p.page_shift = sh;
+  p.page_in_tile = paged && (a.page_size % g.block_k == 0) ? 1 : 0;
+  p.k_new = a.seqlen_new > 0 ? a.k_new : nullptr;
+  p.v_new = a.seqlen_new > 0 ? a.v_new : nullptr;
+  p.o = a.o;
+  p.lse = a.lse;
+  p.slots = a.fwd_slots;
+  p.tile_mask = a.tile_mask;
+  p.B = static_cast<int>(a.batch);
+  p.Nq = static_cast<int>(a.seqlen_q);
+  p.seqlen_new = static_cast<int>(a.seqlen_new);
+  p.Hq = static_cast<int>(a.heads_q);
+  p.Hkv = static_cast<int>(a.heads_kv);
+  p.G = static_cast<int>(a.heads_q / a.heads_kv);
+  p.HS = static_cast<int>(g.HS);
+  p.R = static_cast<int>(g.R);
+  p.NQT = static_cast<int>(g.NQT);
+  p.S = splits;
+  p.n_cap = static_cast<int>(g.n_cap);
+  p.causal = a.causal ? 1 : 0;
+  p.pack = a.pack_gqa ? 1 : 0;
+  const float scale = a.softmax_scale > 0.f ? a.softmax_scale : 1.0f / std::sqrt(static_cast<float>(d));
+  p.scale_log2 = scale * 1.4426950408889634f;
+  p.log2_tau = a.tau > 0.f ? std::log2(a.tau) : -INFINITY;
+  p.q_sb = qs.batch, p.q_sr = qs.row, p.q_sh = qs.head;
+  p.o_sb = os.batch, p.o_sr = os.row, p.o_sh = os.head;
+  p.k_sb = ks.batch, p.k_sr = ks.row, p.k_sh = ks.head;
+  p.v_sb = vs.batch, p.v_sr = vs.row, p.v_sh = vs.head;
+  p.kn_sb = kns.batch, p.kn_sr = kns.row, p.kn_sh = kns.head;
+  p.vn_sb = vns.batch, p.vn_sr = vns.row, p.vn_sh = vns.head;
+
+  cudaStream_t stream = static_cast<cudaStream_t>(a.stream);
+  const WorkspaceLayout wl = workspace_layout(a, splits);
+  void* ws = nullptr;
+  bool owned = false;
+  if (wl.total > 0) {
+    if (a.workspace) {
+      ws = a.workspace;
+    } else {
+      cudaError_t e = cudaMallocAsync(&ws, wl.total, stream);
+      if (e != cudaSuccess) {
+        cudaGetLastError();
+        return Status::error(std::string("workspace: cudaMallocAsync failed: ") + cudaGetErrorString(e));
+      }
+      owned = true;
+    }
+    char* base = static_cast<char*>(ws);
+    p.ws_o = reinterpret_cast<float*>(base);
+    p.ws_lse = reinterpret_cast<float*>(base + wl.o_bytes);
+    p.ws_cnt = reinterpret_cast<int*>(base + wl.o_bytes + wl.lse_bytes);
+  }
+
+  const bool dense = !(a.tau > 0.f);
+  const bool bf16 = a.dtype == DType::bf16;
+  cudaError_t err;
+  switch (d) {
+    case 64: err = bf16 ? cuda::launch_decode_bf16_d64(p, dense, stream) : cuda::launch_decode_fp16_d64(p, dense, stream); break;
+    case 128: err = bf16 ? cuda::launch_decode_bf16_d128(p, dense, stream) : cuda::launch_decode_fp16_d128(p, dense, stream); break;
+    case 256: err = bf16 ? cuda::launch_decode_bf16_d256(p, dense, stream) : cuda::launch_decode_fp16_d256(p, dense, stream); break;
+    default: err = cudaErrorInvalidValue; break;
+  }
+  if (owned) {
+    cudaError_t e = cudaFreeAsync(ws, stream);
+    if (err == cudaSuccess) err = e;
+  }
+  if (err != cudaSuccess) {
+    cudaGetLastError();
+    return Status::error(std::string("device: CUDA decode launch failed: ") + cudaGetErrorString(err));
+  }
+  return Status::success();
+}
+
+}  // namespace cuda_backend
+}  // namespace mala

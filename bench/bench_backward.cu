@@ -1,0 +1,196 @@
+// Backward benchmark (run_backward_bench): latency, dense-equivalent TFLOP/s (2.5 x the causal forward
+// count), realized mean backward post-score slots per query and retained tile fraction, for each
+// (regime, sharpness, N, tau); ratios are to our own tau = 0 backward on the same inputs in the same
+// run.  O and lse come from our CUDA forward at the same tau (the backward tests against them).
+//   mala_bench --op bwd --n 1K,32K,128K --tau 0,1 --regime random,synthetic --sharpness 4 --iters 10
+// Self-contained timing (CUDA events, warm-up, median, 256 MB L2 flush before each timed call) so it
+// does not depend on the forward bench's helpers.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "bench.h"
+
+namespace {
+
+using mala_bench::DevMem;
+using mala_bench::Options;
+
+std::vector<uint16_t> to_bits(const std::vector<float>& x, mala::DType t) {
+  std::vector<uint16_t> out(x.size());
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < static_cast<int64_t>(x.size()); ++i) {
+    if (t == mala::DType::bf16) {
+      __nv_bfloat16 h = __float2bfloat16_rn(x[i]);
+      std::memcpy(&out[i], &h, 2);
+    } else {
+      __half h = __float2half_rn(x[i]);
+      std::memcpy(&out[i], &h, 2);
+    }
+  }
+  return out;
+}
+
+double median_ms(const Options& opt, int iters, void* flush, size_t flush_bytes, cudaEvent_t e0, cudaEvent_t e1,
+                 const std::function<void()>& fn) {
+  for (int w = 0; w < opt.warmup; ++w) fn();
+  BENCH_CUDA(cudaDeviceSynchronize());
+  std::vector<float> ms;
+  for (int it = 0; it < iters; ++it) {
+    if (opt.flush_l2) BENCH_CUDA(cudaMemsetAsync(flush, it & 0xff, flush_bytes));
+    BENCH_CUDA(cudaEventRecord(e0));
+    fn();
+    BENCH_CUDA(cudaEventRecord(e1));
+    BENCH_CUDA(cudaEventSynchronize(e1));
+    float t = 0;
+    BENCH_CUDA(cudaEventElapsedTime(&t, e0, e1));
+    ms.push_back(t);
+  }
+  std::sort(ms.begin(), ms.end());
+  return ms[ms.size() / 2];
+}
+
+}  // namespace
+
+int run_backward_bench(int argc, char** argv) {
+  const Options opt = mala_bench::parse_options(argc, argv);
+  const int64_t B = opt.batch, hq = opt.heads_q, hkv = opt.heads_kv, d = opt.head_dim;
+  const size_t flush_bytes = size_t(256) << 20;
+  DevMem flush(flush_bytes);
+  cudaEvent_t e0, e1;
+  BENCH_CUDA(cudaEventCreate(&e0));
+  BENCH_CUDA(cudaEventCreate(&e1));
+  std::printf("== backward: %s B=%lld Hq=%lld Hkv=%lld d=%lld %s, %s (device %s)\n", mala::dtype_name(opt.dtype),
+              (long long)B, (long long)hq, (long long)hkv, (long long)d, opt.causal ? "causal" : "non-causal",
+              "median of --iters, L2 flushed", mala::device_name().c_str());
+  std::printf("%-10s %5s %6s %4s %10s %8s %10s %9s %9s\n", "regime", "sharp", "N", "tau", "bwd ms", "TFLOP/s",
+              "slots/q", "retained", "vs tau0");
+  int rc = 0;
+  for (const std::string& regime : opt.regimes) {
+    const std::vector<double> sharps = regime == "synthetic" ? opt.sharpness : std::vector<double>{0.0};
+    for (double sharp : sharps)
+      for (int64_t n : opt.n) {
+        const size_t nq_el = static_cast<size_t>(B * n * hq * d), nk_el = static_cast<size_t>(B * n * hkv * d);
+        std::vector<float> q(nq_el), k(nk_el), v(nk_el), dout(nq_el);
+        mala::WorkloadSpec w;
+        w.regime = regime;
+        w.batch = B;
+        w.seqlen = n;
+        w.heads_q = hq;
+        w.heads_kv = hkv;
+        w.head_dim = d;
+        w.sharpness = sharp;
+        w.seed = opt.seed;
+        mala::Status s = mala::make_workload(w, q.data(), k.data(), v.data(), dout.data());
+        if (!s) {
+          std::printf("workload: %s\n", s.message.c_str());
+          return 1;
+        }
+        DevMem gq(nq_el * 2), gk(nk_el * 2), gv(nk_el * 2), gdo(nq_el * 2), go(nq_el * 2), gdq(nq_el * 2),
+            gdk(nk_el * 2), gdv(nk_el * 2);
+        DevMem glse(static_cast<size_t>(B * hq * n) * 4), gslots(static_cast<size_t>(B * hq * n) * 4);
+        {
+          auto hb = to_bits(q, opt.dtype);
+          BENCH_CUDA(cudaMemcpy(gq.p, hb.data(), nq_el * 2, cudaMemcpyHostToDevice));
+          hb = to_bits(dout, opt.dtype);
+          BENCH_CUDA(cudaMemcpy(gdo.p, hb.data(), nq_el * 2, cudaMemcpyHostToDevice));
+          hb = to_bits(k, opt.dtype);
+          BENCH_CUDA(cudaMemcpy(gk.p, hb.data(), nk_el * 2, cudaMemcpyHostToDevice));
+          hb = to_bits(v, opt.dtype);
+          BENCH_CUDA(cudaMemcpy(gv.p, hb.data(), nk_el * 2, cudaMemcpyHostToDevice));
+        }
+        q.clear(); q.shrink_to_fit();
+        dout.clear(); dout.shrink_to_fit();
+        const double flops = 2.5 * mala_bench::forward_flops(B, n, n, hq, d, opt.causal);
+        double t0_ms = 0;
+        for (float tau : opt.tau) {
+          mala::ForwardArgs f;
+          f.device = mala::Device::cuda;
+          f.dtype = opt.dtype;
+          f.q = gq.p;
+          f.k = gk.p;
+          f.v = gv.p;
+          f.o = go.p;
+          f.lse = glse.as<float>();
+          f.batch = B;
+          f.seqlen_q = f.seqlen_k = n;
+          f.heads_q = hq;
+          f.heads_kv = hkv;
+          f.head_dim = d;
+          f.causal = opt.causal;
+          f.tau = tau;
+          s = mala::forward(f);
+          if (!s) {
+            std::printf("forward (needed for O, lse): %s\n", s.message.c_str());
+            return 1;
+          }
+          mala::BackwardArgs a;
+          a.device = mala::Device::cuda;
+          a.dtype = opt.dtype;
+          a.q = gq.p;
+          a.k = gk.p;
+          a.v = gv.p;
+          a.o = go.p;
+          a.dout = gdo.p;
+          a.lse = glse.as<float>();
+          a.dq = gdq.p;
+          a.dk = gdk.p;
+          a.dv = gdv.p;
+          a.batch = B;
+          a.seqlen_q = a.seqlen_k = n;
+          a.heads_q = hq;
+          a.heads_kv = hkv;
+          a.head_dim = d;
+          a.causal = opt.causal;
+          a.tau = tau;
+          DevMem ws(mala::backward_workspace_size(a));
+          a.workspace = ws.p;
+          a.workspace_bytes = ws.bytes;
+          // Realized work (untimed call with the counters on).
+          const mala::Tiles t = mala::backward_tiles(a);
+          const int64_t nqt = (n + t.block_q - 1) / t.block_q, nkt = (n + t.block_k - 1) / t.block_k;
+          const int64_t mask_n = B * hq * nqt * nkt;
+          DevMem gmask(static_cast<size_t>(mask_n));
+          mala::BackwardArgs ac = a;
+          ac.bwd_slots = gslots.as<int32_t>();
+          ac.tile_mask = gmask.as<uint8_t>();
+          s = mala::backward(ac);
+          if (!s) {
+            std::printf("backward: %s\n", s.message.c_str());
+            return 1;
+          }
+          BENCH_CUDA(cudaDeviceSynchronize());
+          std::vector<int32_t> slots(static_cast<size_t>(B * hq * n));
+          std::vector<uint8_t> mask(static_cast<size_t>(mask_n));
+          BENCH_CUDA(cudaMemcpy(slots.data(), gslots.p, slots.size() * 4, cudaMemcpyDeviceToHost));
+          BENCH_CUDA(cudaMemcpy(mask.data(), gmask.p, mask.size(), cudaMemcpyDeviceToHost));
+          const mala::Distribution sd = mala::slot_stats(slots.data(), B, hq, n, n, opt.causal);
+          const double kept = mala::retained_fraction(mask.data(), mask_n);
+          const int iters = std::max(3, n >= 65536 ? std::min(opt.iters, 5) : opt.iters);
+          const double ms = median_ms(opt, iters, flush.p, flush_bytes, e0, e1, [&]() {
+            mala::Status st = mala::backward(a);
+            if (!st) {
+              std::printf("backward: %s\n", st.message.c_str());
+              std::exit(1);
+            }
+          });
+          if (tau == 0.f) t0_ms = ms;
+          char ratio[32] = "-";
+          if (t0_ms > 0 && tau != 0.f) std::snprintf(ratio, sizeof ratio, "%.2fx", t0_ms / ms);
+          std::printf("%-10s %5.1f %6s %4g %10.3f %8.1f %10.1f %8.2f%% %9s\n", regime.c_str(), sharp,
+                      mala_bench::fmt_n(n).c_str(), tau, ms, flops / (ms * 1e-3) / 1e12, sd.mean, 100.0 * kept, ratio);
+          std::fflush(stdout);
+        }
+      }
+  }
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+  return rc;
+}

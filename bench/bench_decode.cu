@@ -1,0 +1,399 @@
+// Decode benchmark (issue 4): mala::decode on the GPU, 1 query token per sequence against a KV cache
+// of N keys, Hq = 8, Hkv = 1, d = 128, bf16, batch 1 and 8, tau = 0 and 1, random and synthetic inputs.
+//
+// Timing: CUDA events around one decode call, preceded (outside the events) by a kernel that reads
+// 256 MiB (evicts L2, leaves no dirty lines), median of `iters` runs after warm-up.  The workspace
+// is preallocated.
+// Every MALA timing prints the realized retained fraction of legal tiles (from tile_mask, in a
+// separate untimed call), the mean omitted mass (vs our tau = 0 lse of the same inputs), and the memory
+// floor: (bytes of K + retained V) / copy bandwidth, the bandwidth measured here with a 1 GiB
+// cudaMemcpy D2D counting read + write.
+//
+// Inputs:
+//   random    : q, K, V ~ N(0, 1) (device-generated).
+//   synthetic : mala::make_workload(regime "synthetic", sharpness s) for one sequence of 128K tokens
+//               per batch entry (seed = batch index); a decode at N uses the workload's keys [0, N)
+//               and its query row N-1 (the token at position N-1 sees every key).  Larger s: sharper
+//               attention (locality, a sink, planted needles), fewer retained tiles.
+//   recency   : score(q, key pos) ~ -slope * (N-1-pos)/128 + N(0,1) nats (see apply_recency): the
+//               last query attends sharply to the newest keys.  Under split-KV each split keeps its
+//               own normalizer, so a tile is skipped only when it is ~log(L) nats below what its own
+//               split has retained: homogeneous far context is retained; a ramp is skipped.
+// Each N uses a cache of capacity N (the kernel's split heuristic depends on the capacity only).
+//
+// Entry point: run_decode_bench(argc, argv) (called by bench_main.cpp); flags: --quick (fewer
+// lengths / runs), --sweep (num_splits sweep at the largest N).  Built with -DMALA_DECODE_BENCH_MAIN
+// it has its own main().
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "mala/mala.h"
+
+namespace {
+
+#define BENCH_CHECK(expr)                                                                      \
+  do {                                                                                         \
+    cudaError_t e_ = (expr);                                                                   \
+    if (e_ != cudaSuccess) {                                                                   \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #expr, cudaGetErrorString(e_)); \
+      std::exit(1);                                                                            \
+    }                                                                                          \
+  } while (0)
+
+__device__ __forceinline__ uint64_t mix64(uint64_t x) {
+  x += 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+
+__global__ void fill_normal_bf16(__nv_bfloat16* p, int64_t n, uint64_t seed) {
+  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
+    const uint64_t h = mix64(seed ^ mix64(static_cast<uint64_t>(i)));
+    const float u1 = ((h >> 40) + 0.5f) * (1.0f / 16777216.0f);
+    const float u2 = ((h & 0xFFFFFF) + 0.5f) * (1.0f / 16777216.0f);
+    p[i] = __float2bfloat16_rn(sqrtf(-2.f * logf(u1)) * cosf(6.2831853f * u2));
+  }
+}
+
+// "recency" input: score(q, key pos) ~ -slope * (N - 1 - pos) / 128 + N(0, 1) nats: a ramp of
+// `slope` nats per 128-key tile towards the newest key (a sharp sliding-window-like head).
+// q[.., 0] = sqrt(d), K[.., pos, 0] = the ramp, all other entries N(0, 1) (K, V already filled).
+__global__ void apply_recency(__nv_bfloat16* q, __nv_bfloat16* k, int64_t batch, int64_t n, int64_t cap_stride,
+                              int hq, int d, float slope) {
+  const int64_t total = batch * n;
+  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < total; i += (int64_t)gridDim.x * blockDim.x) {
+    const int64_t b = i / n, pos = i % n;
+    k[(b * cap_stride + pos) * d] = __float2bfloat16_rn(-slope * static_cast<float>(n - 1 - pos) / 128.f);
+  }
+  if (blockIdx.x == 0)
+    for (int64_t i = threadIdx.x; i < batch * hq; i += blockDim.x) q[i * d] = __float2bfloat16_rn(sqrtf((float)d));
+}
+
+std::vector<uint16_t> to_bf16(const float* x, size_t n) {
+  std::vector<uint16_t> out(n);
+  for (size_t i = 0; i < n; ++i) {
+    __nv_bfloat16 h = __float2bfloat16_rn(x[i]);
+    std::memcpy(&out[i], &h, 2);
+  }
+  return out;
+}
+
+// Reads the whole buffer (evicts L2 and leaves it clean; a memset would leave dirty lines whose
+// write-back would be charged to the next kernel).
+__global__ void flush_l2(const uint4* p, int64_t n, uint32_t* sink) {
+  uint32_t x = 0;
+  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
+    const uint4 v = __ldcg(p + i);
+    x ^= v.x ^ v.y ^ v.z ^ v.w;
+  }
+  if (x == 0x12345678u) *sink = x;
+}
+
+float median(std::vector<float> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+struct Env {
+  cudaStream_t stream;
+  cudaEvent_t e0, e1;
+  void* flush = nullptr;
+  size_t flush_bytes = size_t(256) << 20;
+  double copy_bw = 0;  // bytes/s, read + write
+  int iters = 30;
+  uint32_t* sink = nullptr;
+  void flush_l2_now() {
+    flush_l2<<<1056, 512, 0, stream>>>(static_cast<const uint4*>(flush), flush_bytes / 16, sink);
+  }
+};
+
+double measure_copy_bw(Env& env) {
+  const size_t bytes = size_t(1) << 30;
+  void *a, *b;
+  BENCH_CHECK(cudaMalloc(&a, bytes));
+  BENCH_CHECK(cudaMalloc(&b, bytes));
+  BENCH_CHECK(cudaMemset(a, 1, bytes));
+  std::vector<float> t;
+  for (int i = 0; i < 12; ++i) {
+    BENCH_CHECK(cudaEventRecord(env.e0, env.stream));
+    BENCH_CHECK(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice, env.stream));
+    BENCH_CHECK(cudaEventRecord(env.e1, env.stream));
+    BENCH_CHECK(cudaEventSynchronize(env.e1));
+    float ms;
+    BENCH_CHECK(cudaEventElapsedTime(&ms, env.e0, env.e1));
+    if (i >= 2) t.push_back(ms);
+  }
+  cudaFree(a);
+  cudaFree(b);
+  return 2.0 * bytes / (median(t) * 1e-3);
+}
+
+// Median time (microseconds) of one decode call with a cold L2.
+float time_decode(Env& env, const mala::DecodeArgs& a) {
+  for (int i = 0; i < (env.iters > 1 ? 3 : 0); ++i) {
+    mala::Status st = mala::decode(a);
+    if (!st) {
+      std::fprintf(stderr, "decode failed: %s\n", st.message.c_str());
+      std::exit(1);
+    }
+  }
+  std::vector<float> t;
+  for (int i = 0; i < env.iters; ++i) {
+    env.flush_l2_now();
+    BENCH_CHECK(cudaEventRecord(env.e0, env.stream));
+    mala::decode(a);
+    BENCH_CHECK(cudaEventRecord(env.e1, env.stream));
+    BENCH_CHECK(cudaEventSynchronize(env.e1));
+    float ms;
+    BENCH_CHECK(cudaEventElapsedTime(&ms, env.e0, env.e1));
+    t.push_back(ms * 1000.f);
+  }
+  BENCH_CHECK(cudaGetLastError());
+  return median(t);
+}
+
+struct Problem {
+  int64_t batch, n, cap_stride;  // cap_stride: rows between batch entries in the device buffers
+  const int64_t hq = 8, hkv = 1, d = 128;
+  uint16_t* q;  // [batch, 1, hq, d]
+  uint16_t* k;  // [batch, cap_stride, hkv, d]
+  uint16_t* v;
+};
+
+struct Stats {
+  double retained = 0, omitted_mean = 0, omitted_max = 0;
+  int splits = 0;
+};
+
+mala::DecodeArgs make_args(const Problem& pb, Env& env, int32_t* lens, float tau, void* ws, size_t ws_bytes,
+                           int num_splits) {
+  mala::DecodeArgs a;
+  a.device = mala::Device::cuda;
+  a.dtype = mala::DType::bf16;
+  a.q = pb.q;
+  a.k_cache = pb.k;
+  a.v_cache = pb.v;
+  a.cache_seqlens = lens;
+  a.batch = pb.batch;
+  a.seqlen_q = 1;
+  a.cache_capacity = pb.n;
+  a.heads_q = pb.hq;
+  a.heads_kv = pb.hkv;
+  a.head_dim = pb.d;
+  a.k_cache_strides.batch = pb.cap_stride * pb.hkv * pb.d;
+  a.v_cache_strides.batch = pb.cap_stride * pb.hkv * pb.d;
+  a.tau = tau;
+  a.num_splits = num_splits;
+  a.stream = env.stream;
+  a.workspace = ws;
+  a.workspace_bytes = ws_bytes;
+  return a;
+}
+
+struct Bufs {
+  void* ws = nullptr;
+  size_t ws_bytes = size_t(64) << 20;
+  void* o = nullptr;
+  float* lse0 = nullptr;
+  float* lse1 = nullptr;
+  uint8_t* mask = nullptr;
+  int32_t* lens = nullptr;
+};
+
+// Realized work of one configuration (untimed call with tile_mask and lse).
+Stats realized(const Problem& pb, Env& env, Bufs& bf, float tau, int num_splits) {
+  Stats s;
+  mala::DecodeArgs a = make_args(pb, env, bf.lens, tau, bf.ws, bf.ws_bytes, num_splits);
+  a.o = bf.o;
+  s.splits = mala::decode_num_splits(a);
+  const int64_t nkt = (pb.n + 127) / 128;
+  a.tile_mask = bf.mask;
+  a.lse = bf.lse1;
+  mala::Status st = mala::decode(a);
+  if (!st) {
+    std::fprintf(stderr, "decode failed: %s\n", st.message.c_str());
+    std::exit(1);
+  }
+  mala::DecodeArgs a0 = make_args(pb, env, bf.lens, 0.f, bf.ws, bf.ws_bytes, 0);
+  a0.o = bf.o;
+  a0.lse = bf.lse0;
+  mala::decode(a0);
+  BENCH_CHECK(cudaStreamSynchronize(env.stream));
+  const int64_t tiles_q = (8 + 15) / 16;
+  std::vector<uint8_t> mask(pb.batch * pb.hkv * tiles_q * nkt);
+  BENCH_CHECK(cudaMemcpy(mask.data(), bf.mask, mask.size(), cudaMemcpyDeviceToHost));
+  s.retained = mala::retained_fraction(mask.data(), static_cast<int64_t>(mask.size()));
+  std::vector<float> l0(pb.batch * pb.hq), l1(l0.size());
+  BENCH_CHECK(cudaMemcpy(l0.data(), bf.lse0, l0.size() * 4, cudaMemcpyDeviceToHost));
+  BENCH_CHECK(cudaMemcpy(l1.data(), bf.lse1, l1.size() * 4, cudaMemcpyDeviceToHost));
+  mala::Distribution om = mala::omitted_mass(l1.data(), l0.data(), static_cast<int64_t>(l0.size()));
+  s.omitted_mean = om.mean;
+  s.omitted_max = om.max;
+  return s;
+}
+
+void bench_problem(const Problem& pb, Env& env, Bufs& bf, const char* input, bool sweep) {
+  std::vector<int32_t> lens(pb.batch, static_cast<int32_t>(pb.n));
+  BENCH_CHECK(cudaMemcpy(bf.lens, lens.data(), lens.size() * 4, cudaMemcpyHostToDevice));
+  const double k_bytes = double(pb.batch) * pb.n * pb.hkv * pb.d * 2;
+  mala::DecodeArgs a0 = make_args(pb, env, bf.lens, 0.f, bf.ws, bf.ws_bytes, 0);
+  a0.o = bf.o;
+  const float t0 = time_decode(env, a0);
+  const int s0 = mala::decode_num_splits(a0);
+  const double floor0 = 2 * k_bytes / env.copy_bw * 1e6;
+  std::printf("decode N=%-6lld B=%lld %-14s tau=0 splits=%3d: %8.2f us | retained 1.000 | floor(K+V) %7.2f us | "
+              "x floor %.2f\n",
+              (long long)pb.n, (long long)pb.batch, input, s0, t0, floor0, t0 / floor0);
+  std::vector<int> split_list = {0};
+  if (sweep) split_list = {0, 16, 32, 64, 96, 128};
+  for (int ns : split_list) {
+    Stats st = realized(pb, env, bf, 1.f, ns);
+    mala::DecodeArgs a1 = make_args(pb, env, bf.lens, 1.f, bf.ws, bf.ws_bytes, ns);
+    a1.o = bf.o;
+    const float t1 = time_decode(env, a1);
+    const double floor1 = (k_bytes + st.retained * k_bytes) / env.copy_bw * 1e6;
+    std::printf("decode N=%-6lld B=%lld %-14s tau=1 splits=%3d: %8.2f us | retained %.3f | omitted mean %.2e max "
+                "%.2e | floor(K+retV) %7.2f us | x floor %.2f | speedup vs tau0 %.2fx\n",
+                (long long)pb.n, (long long)pb.batch, input, st.splits, t1, st.retained, st.omitted_mean,
+                st.omitted_max, floor1, t1 / floor1, t0 / t1);
+  }
+  std::fflush(stdout);
+}
+
+}  // namespace
+
+int run_decode_bench(int argc, char** argv) {
+  bool quick = false, sweep = false, profile = false, no_synth = false;
+  for (int i = 1; i < argc; ++i) {
+    if (!std::strcmp(argv[i], "--quick")) quick = true;
+    if (!std::strcmp(argv[i], "--sweep")) sweep = true;
+    if (!std::strcmp(argv[i], "--profile")) profile = true;      // one call per config (for ncu)
+    if (!std::strcmp(argv[i], "--no-synthetic")) no_synth = true;
+  }
+  if (!mala::cuda_available()) {
+    std::printf("decode bench: no CUDA device\n");
+    return 0;
+  }
+  Env env;
+  env.iters = profile ? 1 : quick ? 10 : 30;
+  BENCH_CHECK(cudaStreamCreateWithFlags(&env.stream, cudaStreamNonBlocking));
+  BENCH_CHECK(cudaEventCreate(&env.e0));
+  BENCH_CHECK(cudaEventCreate(&env.e1));
+  BENCH_CHECK(cudaMalloc(&env.flush, env.flush_bytes));
+  BENCH_CHECK(cudaMemset(env.flush, 1, env.flush_bytes));
+  BENCH_CHECK(cudaMalloc(&env.sink, 4));
+  env.copy_bw = measure_copy_bw(env);
+  std::printf("== decode benchmark on %s: copy bandwidth %.0f GB/s (1 GiB D2D, read+write)\n",
+              mala::device_name().c_str(), env.copy_bw / 1e9);
+  std::printf("   Hq=8 Hkv=1 d=128 bf16, 1 token, cache capacity = N, cold L2, median of %d\n", env.iters);
+
+  std::vector<int64_t> lengths = {1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072};
+  if (quick) lengths = {1024, 8192, 32768, 131072};
+  if (profile) lengths = {1024, 131072};
+  const int64_t max_n = lengths.back();
+  const int64_t max_b = 8, hq = 8, d = 128;
+  Bufs bf;
+  BENCH_CHECK(cudaMalloc(&bf.ws, bf.ws_bytes));
+  BENCH_CHECK(cudaMalloc(&bf.o, max_b * hq * d * 2));
+  BENCH_CHECK(cudaMalloc(&bf.lse0, max_b * hq * 4));
+  BENCH_CHECK(cudaMalloc(&bf.lse1, max_b * hq * 4));
+  BENCH_CHECK(cudaMalloc(&bf.mask, max_b * ((max_n + 127) / 128)));
+  BENCH_CHECK(cudaMalloc(&bf.lens, max_b * 4));
+  uint16_t *q, *k, *v;
+  const size_t kv_elems = size_t(max_b) * max_n * d;
+  BENCH_CHECK(cudaMalloc(&q, max_b * hq * d * 2));
+  BENCH_CHECK(cudaMalloc(&k, kv_elems * 2));
+  BENCH_CHECK(cudaMalloc(&v, kv_elems * 2));
+
+  // random
+  fill_normal_bf16<<<1024, 256, 0, env.stream>>>(reinterpret_cast<__nv_bfloat16*>(k), kv_elems, 11);
+  fill_normal_bf16<<<1024, 256, 0, env.stream>>>(reinterpret_cast<__nv_bfloat16*>(v), kv_elems, 12);
+  fill_normal_bf16<<<64, 256, 0, env.stream>>>(reinterpret_cast<__nv_bfloat16*>(q), max_b * hq * d, 13);
+  BENCH_CHECK(cudaStreamSynchronize(env.stream));
+  for (int64_t b : {int64_t(1), int64_t(8)})
+    for (int64_t n : lengths) {
+      Problem pb{b, n, max_n, 8, 1, 128, q, k, v};
+      bench_problem(pb, env, bf, "random", sweep && n == max_n);
+    }
+
+  // recency ramps (device-generated; regenerated per N since the ramp spans the context).
+  for (float slope : quick ? std::vector<float>{16.f} : std::vector<float>{2.f, 16.f}) {
+    char name[32];
+    std::snprintf(name, sizeof name, "recency(%g/tile)", slope);
+    for (int64_t b : {int64_t(1), int64_t(8)})
+      for (int64_t n : lengths) {
+        if (profile) break;
+        fill_normal_bf16<<<1024, 256, 0, env.stream>>>(reinterpret_cast<__nv_bfloat16*>(k), kv_elems, 21);
+        fill_normal_bf16<<<64, 256, 0, env.stream>>>(reinterpret_cast<__nv_bfloat16*>(q), max_b * hq * d, 23);
+        apply_recency<<<1024, 256, 0, env.stream>>>(reinterpret_cast<__nv_bfloat16*>(q), reinterpret_cast<__nv_bfloat16*>(k),
+                                                    b, n, max_n, hq, d, slope);
+        BENCH_CHECK(cudaStreamSynchronize(env.stream));
+        Problem pb{b, n, max_n, 8, 1, 128, q, k, v};
+        bench_problem(pb, env, bf, name, sweep && n == max_n);
+      }
+  }
+
+  // synthetic: one 128K workload per batch entry; query row N-1 for each N.
+  std::vector<double> sharp = quick ? std::vector<double>{16.0} : std::vector<double>{4.0, 16.0};
+  if (no_synth || profile) sharp.clear();
+  std::vector<float> hq_buf(size_t(max_n) * hq * d), hk(size_t(max_n) * d), hv(hk.size());
+  for (double s : sharp) {
+    // host q rows per (N, batch entry): [n_index][b][hq*d]
+    std::vector<std::vector<uint16_t>> qrows(lengths.size(), std::vector<uint16_t>(max_b * hq * d));
+    for (int64_t b = 0; b < max_b; ++b) {
+      mala::WorkloadSpec spec;
+      spec.regime = "synthetic";
+      spec.batch = 1;
+      spec.seqlen = max_n;
+      spec.heads_q = hq;
+      spec.heads_kv = 1;
+      spec.head_dim = d;
+      spec.sharpness = s;
+      spec.seed = static_cast<uint64_t>(b);
+      mala::Status st = mala::make_workload(spec, hq_buf.data(), hk.data(), hv.data(), nullptr);
+      if (!st) {
+        std::fprintf(stderr, "make_workload: %s\n", st.message.c_str());
+        return 1;
+      }
+      std::vector<uint16_t> kb = to_bf16(hk.data(), hk.size()), vb = to_bf16(hv.data(), hv.size());
+      BENCH_CHECK(cudaMemcpy(k + b * max_n * d, kb.data(), kb.size() * 2, cudaMemcpyHostToDevice));
+      BENCH_CHECK(cudaMemcpy(v + b * max_n * d, vb.data(), vb.size() * 2, cudaMemcpyHostToDevice));
+      for (size_t li = 0; li < lengths.size(); ++li) {
+        std::vector<uint16_t> r = to_bf16(&hq_buf[size_t(lengths[li] - 1) * hq * d], hq * d);
+        std::copy(r.begin(), r.end(), qrows[li].begin() + b * hq * d);
+      }
+    }
+    char name[32];
+    std::snprintf(name, sizeof name, "synthetic(s=%g)", s);
+    for (int64_t b : {int64_t(1), int64_t(8)})
+      for (size_t li = 0; li < lengths.size(); ++li) {
+        BENCH_CHECK(cudaMemcpy(q, qrows[li].data(), qrows[li].size() * 2, cudaMemcpyHostToDevice));
+        Problem pb{b, lengths[li], max_n, 8, 1, 128, q, k, v};
+        bench_problem(pb, env, bf, name, sweep && lengths[li] == max_n);
+      }
+  }
+  cudaFree(q);
+  cudaFree(k);
+  cudaFree(v);
+  cudaFree(bf.ws);
+  cudaFree(bf.o);
+  cudaFree(bf.lse0);
+  cudaFree(bf.lse1);
+  cudaFree(bf.mask);
+  cudaFree(bf.lens);
+  cudaFree(env.flush);
+  return 0;
+}
+
+#ifdef MALA_DECODE_BENCH_MAIN
+int main(int argc, char** argv) { return run_decode_bench(argc, argv); }
+#endif

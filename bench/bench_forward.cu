@@ -1,0 +1,285 @@
+// Forward benchmark (issue 3) and the shared bench helpers declared in bench.h.
+//
+// For each N, input regime (random; synthetic at each sharpness) and tau: one untimed call with
+// lse/fwd_slots/tile_mask to measure the realized work (mean post-score slots per query, retained
+// fraction of legal tiles, omitted mass vs our tau = 0 lse), then the timed calls (no optional
+// outputs).  TFLOP/s use the dense causal count 4 * sum_q L_q * d * Hq (the same count for every tau,
+// so they are "effective" TFLOP/s for tau > 0); speedup is against our tau = 0 on the same inputs.
+//
+// Tuning builds (-DMALA_BENCH_TUNE, never in CMake) add --variant to time other tile configurations
+// of the same kernel template (d = 128, bf16, contiguous, no optional outputs).
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "bench.h"
+
+#ifdef MALA_BENCH_TUNE
+#include "cuda/fwd_kernel.cuh"
+#endif
+
+namespace mala_bench {
+
+namespace {
+
+template <typename T>
+__global__ void convert_kernel(const float* __restrict__ in, T* __restrict__ out, size_t n) {
+  size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
+  size_t stride = (size_t)gridDim.x * blockDim.x;
+  for (; i < n; i += stride) {
+    if constexpr (std::is_same<T, __nv_bfloat16>::value) out[i] = __float2bfloat16_rn(in[i]);
+    else out[i] = __float2half_rn(in[i]);
+  }
+}
+
+float* flush_buffer(size_t* bytes) {
+  static float* buf = nullptr;
+  static const size_t kBytes = 256ull << 20;
+  if (!buf) BENCH_CUDA(cudaMalloc(&buf, kBytes));
+  *bytes = kBytes;
+  return reinterpret_cast<float*>(buf);
+}
+
+#ifdef MALA_BENCH_TUNE
+template <int MT, int W, int BK, bool LAZY = true> struct TuneCfg {
+  static constexpr int kMT = MT, kWarps = W, kBk = BK;
+  static constexpr bool kLazyV = LAZY;
+};
+
+bool variant_tiles(const std::string& name, int* bq, int* bk) {
+  if (name.size() < 7 || name[0] != 'm' || name[2] != 'w' || name[4] != 'k') return false;
+  *bq = 16 * (name[1] - '0');
+  *bk = std::stoi(name.substr(5, 2));
+  return true;
+}
+
+// Launches a tuning variant on contiguous inputs; returns false for an unknown name.
+bool launch_variant(const std::string& name, const mala::ForwardArgs& a, int* bq, int* bk) {
+  mala::cuda::FwdParams p{};
+  const int64_t d = a.head_dim;
+  p.q = a.q, p.k = a.k, p.v = a.v, p.o = a.o;
+  p.lse = a.lse, p.slots = a.fwd_slots, p.tile_mask = a.tile_mask;
+  p.q_sh = d, p.q_sr = a.heads_q * d, p.q_sb = a.seqlen_q * p.q_sr;
+  p.o_sh = p.q_sh, p.o_sr = p.q_sr, p.o_sb = p.q_sb;
+  p.k_sh = d, p.k_sr = a.heads_kv * d, p.k_sb = a.seqlen_k * p.k_sr;
+  p.v_sh = p.k_sh, p.v_sr = p.k_sr, p.v_sb = p.k_sb;
+  p.batch = (int)a.batch, p.seqlen_q = (int)a.seqlen_q, p.seqlen_k = (int)a.seqlen_k;
+  p.heads_q = (int)a.heads_q, p.heads_kv = (int)a.heads_kv, p.group = (int)(a.heads_q / a.heads_kv);
+  p.causal = a.causal;
+  p.scale_log2 = 1.4426950408889634f / std::sqrt((float)d);
+  p.log2_tau = a.tau > 0 ? std::log2(a.tau) : -INFINITY;
+  using T = __nv_bfloat16;
+  auto go = [&](auto cfg) {
+    using C = decltype(cfg);
+    *bq = 16 * C::kMT, *bk = C::kBk;
+    p.n_q_tiles_mask = (int)((a.seqlen_q + *bq - 1) / *bq);
+    p.n_k_tiles_mask = (int)((a.seqlen_k + *bk - 1) / *bk);
+    BENCH_CUDA((mala::cuda::launch_fwd_cfg<T, 128, C>(p, (cudaStream_t)a.stream)));
+    return true;
+  };
+  if (d != 128 || a.dtype != mala::DType::bf16) return false;
+  if (name == "m2w4k64") return go(TuneCfg<2, 4, 64>{});
+  if (name == "m2w4k64e") return go(TuneCfg<2, 4, 64, false>{});  // V always prefetched
+  if (name == "m1w4k64") return go(TuneCfg<1, 4, 64>{});
+  if (name == "m1w8k64") return go(TuneCfg<1, 8, 64>{});
+  if (name == "m2w4k32") return go(TuneCfg<2, 4, 32>{});
+  return false;
+}
+#endif
+
+// Runs the forward (library or tuning variant).  Prints and exits on failure.
+void run_fwd(const Options& opt, const mala::ForwardArgs& a, int* bq, int* bk) {
+#ifdef MALA_BENCH_TUNE
+  if (!opt.variant.empty()) {
+    if (!launch_variant(opt.variant, a, bq, bk)) {
+      std::fprintf(stderr, "unknown variant %s\n", opt.variant.c_str());
+      std::exit(2);
+    }
+    return;
+  }
+#endif
+  (void)opt;
+  mala::Tiles t = mala::forward_tiles(a);
+  *bq = t.block_q, *bk = t.block_k;
+  mala::Status s = mala::forward(a);
+  if (!s.ok) {
+    std::fprintf(stderr, "forward failed: %s\n", s.message.c_str());
+    std::exit(1);
+  }
+}
+
+}  // namespace
+
+void upload_converted(const float* host, size_t n, mala::DType dtype, void* dev) {
+  const size_t chunk = 64ull << 20;  // elements per staging copy
+  float* staging = nullptr;
+  BENCH_CUDA(cudaMalloc(&staging, std::min(n, chunk) * sizeof(float)));
+  for (size_t off = 0; off < n; off += chunk) {
+    size_t m = std::min(chunk, n - off);
+    BENCH_CUDA(cudaMemcpy(staging, host + off, m * sizeof(float), cudaMemcpyHostToDevice));
+    if (dtype == mala::DType::bf16)
+      convert_kernel<<<1024, 256>>>(staging, static_cast<__nv_bfloat16*>(dev) + off, m);
+    else if (dtype == mala::DType::f16)
+      convert_kernel<<<1024, 256>>>(staging, static_cast<__half*>(dev) + off, m);
+    else
+      BENCH_CUDA(cudaMemcpy(static_cast<float*>(dev) + off, staging, m * 4, cudaMemcpyDeviceToDevice));
+    BENCH_CUDA(cudaGetLastError());
+  }
+  BENCH_CUDA(cudaDeviceSynchronize());
+  cudaFree(staging);
+}
+
+bool make_device_workload(const Options& opt, const std::string& regime, double sharpness, int64_t seqlen,
+                          bool with_dout, Workload* w) {
+  mala::WorkloadSpec& s = w->spec;
+  s.regime = regime;
+  s.batch = opt.batch, s.seqlen = seqlen, s.heads_q = opt.heads_q, s.heads_kv = opt.heads_kv;
+  s.head_dim = opt.head_dim, s.sharpness = sharpness, s.seed = opt.seed;
+  const size_t nq = (size_t)s.batch * seqlen * s.heads_q * s.head_dim;
+  const size_t nk = (size_t)s.batch * seqlen * s.heads_kv * s.head_dim;
+  std::vector<float> q(nq), k(nk), v(nk), dout(with_dout ? nq : 0);
+  mala::Status st = mala::make_workload(s, q.data(), k.data(), v.data(), with_dout ? dout.data() : nullptr);
+  if (!st.ok) {
+    std::fprintf(stderr, "make_workload: %s\n", st.message.c_str());
+    return false;
+  }
+  const size_t es = mala::dtype_size(opt.dtype);
+  w->q.alloc(nq * es), w->k.alloc(nk * es), w->v.alloc(nk * es);
+  upload_converted(q.data(), nq, opt.dtype, w->q.p);
+  upload_converted(k.data(), nk, opt.dtype, w->k.p);
+  upload_converted(v.data(), nk, opt.dtype, w->v.p);
+  if (with_dout) {
+    w->dout.alloc(nq * es);
+    upload_converted(dout.data(), nq, opt.dtype, w->dout.p);
+  }
+  return true;
+}
+
+double time_median_ms(const Options& opt, const std::function<void(cudaStream_t)>& fn) {
+  static cudaStream_t stream = nullptr;
+  static cudaEvent_t e0 = nullptr, e1 = nullptr;
+  if (!stream) {
+    BENCH_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    BENCH_CUDA(cudaEventCreate(&e0));
+    BENCH_CUDA(cudaEventCreate(&e1));
+  }
+  size_t fb = 0;
+  float* flush = flush_buffer(&fb);
+  for (int i = 0; i < opt.warmup; ++i) fn(stream);
+  BENCH_CUDA(cudaStreamSynchronize(stream));
+  std::vector<float> ms;
+  for (int i = 0; i < std::max(opt.iters, 1); ++i) {
+    if (opt.flush_l2) BENCH_CUDA(cudaMemsetAsync(flush, i & 0xff, fb, stream));
+    BENCH_CUDA(cudaEventRecord(e0, stream));
+    fn(stream);
+    BENCH_CUDA(cudaEventRecord(e1, stream));
+    BENCH_CUDA(cudaEventSynchronize(e1));
+    float t = 0;
+    BENCH_CUDA(cudaEventElapsedTime(&t, e0, e1));
+    ms.push_back(t);
+  }
+  BENCH_CUDA(cudaGetLastError());
+  std::sort(ms.begin(), ms.end());
+  return ms[ms.size() / 2];
+}
+
+int run_forward_bench(const Options& opt) {
+  const int64_t B = opt.batch, hq = opt.heads_q, hkv = opt.heads_kv, d = opt.head_dim;
+  std::printf("\n== forward: B=%lld Hq=%lld Hkv=%lld d=%lld %s %s, median of %d (warm-up %d), L2 %s\n",
+              (long long)B, (long long)hq, (long long)hkv, (long long)d, mala::dtype_name(opt.dtype),
+              opt.causal ? "causal" : "non-causal", opt.iters, opt.warmup, opt.flush_l2 ? "flushed" : "warm");
+  if (!opt.variant.empty()) std::printf("   kernel variant: %s\n", opt.variant.c_str());
+  std::printf("%6s %-10s %5s %5s %6s %10s %8s %8s %9s %8s %10s %10s\n", "N", "regime", "sharp", "tau", "tiles",
+              "ms", "TFLOP/s", "vs_tau0", "slots/q", "retain%", "omit_mean", "omit_max");
+  std::vector<std::pair<std::string, double>> inputs;
+  for (const auto& r : opt.regimes) {
+    if (r == "synthetic")
+      for (double s : opt.sharpness) inputs.push_back({r, s});
+    else
+      inputs.push_back({r, 0.0});
+  }
+  for (int64_t n : opt.n) {
+    const double flops = forward_flops(B, n, n, hq, d, opt.causal);
+    for (const auto& in : inputs) {
+      Workload w;
+      if (!make_device_workload(opt, in.first, in.second, n, false, &w)) return 1;
+      const size_t es = mala::dtype_size(opt.dtype);
+      DevMem o((size_t)B * n * hq * d * es), lse((size_t)B * hq * n * 4), lse0((size_t)B * hq * n * 4),
+          slots((size_t)B * hq * n * 4);
+      mala::ForwardArgs a;
+      a.device = mala::Device::cuda;
+      a.dtype = opt.dtype;
+      a.q = w.q.p, a.k = w.k.p, a.v = w.v.p, a.o = o.p;
+      a.batch = B, a.seqlen_q = n, a.seqlen_k = n, a.heads_q = hq, a.heads_kv = hkv, a.head_dim = d;
+      a.causal = opt.causal;
+
+      // Dense lse for the omitted mass.
+      {
+        mala::ForwardArgs a0 = a;
+        a0.tau = 0.f;
+        a0.lse = lse0.as<float>();
+        int bq, bk;
+        run_fwd(opt, a0, &bq, &bk);
+        BENCH_CUDA(cudaDeviceSynchronize());
+      }
+      std::vector<float> lse_dense((size_t)B * hq * n);
+      BENCH_CUDA(cudaMemcpy(lse_dense.data(), lse0.p, lse_dense.size() * 4, cudaMemcpyDeviceToHost));
+
+      double t_tau0 = -1;
+      for (float tau : opt.tau) {
+        int bq = 0, bk = 0;
+        mala::ForwardArgs ar = a;
+        ar.tau = tau;
+        // Realized work (untimed call with the optional outputs).
+        {
+          mala::Tiles t = mala::forward_tiles(ar);
+          bq = t.block_q, bk = t.block_k;
+        }
+#ifdef MALA_BENCH_TUNE
+        if (!opt.variant.empty() && !variant_tiles(opt.variant, &bq, &bk)) return 2;
+#endif
+        const int64_t nqt = (n + bq - 1) / bq, nkt = (n + bk - 1) / bk;
+        DevMem mask((size_t)B * hq * nqt * nkt);
+        mala::ForwardArgs aw = ar;
+        aw.lse = lse.as<float>(), aw.fwd_slots = slots.as<int32_t>(), aw.tile_mask = mask.as<uint8_t>();
+        run_fwd(opt, aw, &bq, &bk);
+        BENCH_CUDA(cudaDeviceSynchronize());
+        std::vector<int32_t> hs((size_t)B * hq * n);
+        std::vector<float> hl(hs.size());
+        std::vector<uint8_t> hm(mask.bytes);
+        BENCH_CUDA(cudaMemcpy(hs.data(), slots.p, hs.size() * 4, cudaMemcpyDeviceToHost));
+        BENCH_CUDA(cudaMemcpy(hl.data(), lse.p, hl.size() * 4, cudaMemcpyDeviceToHost));
+        BENCH_CUDA(cudaMemcpy(hm.data(), mask.p, hm.size(), cudaMemcpyDeviceToHost));
+        const mala::Distribution sd = mala::slot_stats(hs.data(), B, hq, n, n, opt.causal);
+        const double ret = mala::retained_fraction(hm.data(), (int64_t)hm.size());
+        const mala::Distribution om = mala::omitted_mass(hl.data(), lse_dense.data(), (int64_t)hl.size());
+
+        const double ms = time_median_ms(opt, [&](cudaStream_t s) {
+          mala::ForwardArgs at = ar;
+          at.stream = s;
+          int x, y;
+          run_fwd(opt, at, &x, &y);
+        });
+        if (tau == 0.f) t_tau0 = ms;
+        char ratio[32] = "-";
+        if (t_tau0 > 0) std::snprintf(ratio, sizeof ratio, "%.3fx", t_tau0 / ms);
+        char tiles[16];
+        std::snprintf(tiles, sizeof tiles, "%dx%d", bq, bk);
+        std::printf("%6s %-10s %5.1f %5.2f %6s %10.3f %8.1f %8s %9.1f %8.2f %10.2e %10.2e\n", fmt_n(n).c_str(),
+                    in.first.c_str(), in.second, tau, tiles, ms, flops / (ms * 1e-3) / 1e12, ratio, sd.mean,
+                    100.0 * ret, om.mean, om.max);
+        std::fflush(stdout);
+      }
+    }
+  }
+  return 0;
+}
+
+}  // namespace mala_bench

@@ -1,0 +1,102 @@
+"""Fake (meta) implementations and autograd for the C++ operators torch.ops.mala.*.
+
+The fake implementations give torch.compile and FakeTensor the output shapes without running
+anything; autograd pairs mala::fwd with mala::bwd (and the varlen pair).  The gradient does not
+flow through the returned lse (as flash_attn): lse is marked non-differentiable.
+"""
+
+import torch
+
+_EMPTY = (0,)
+
+
+def _stats_outputs(kernel, q, rows_shape, batch, seqlen_q, seqlen_k, heads_q, heads_kv, causal, wanted):
+    """Fake slots and tile-mask tensors (empty unless return_stats)."""
+    if not wanted:
+        return q.new_empty(_EMPTY, dtype=torch.int32), q.new_empty(_EMPTY, dtype=torch.uint8)
+    block_q, block_k, _ = torch.ops.mala.tile_sizes(
+        kernel, q.device, q.dtype, int(batch), int(seqlen_q), int(seqlen_k), int(heads_q), int(heads_kv),
+        int(q.shape[-1]), causal, 0)
+    mask_shape = (batch, heads_q, -(-seqlen_q // block_q), -(-seqlen_k // block_k))
+    return q.new_empty(rows_shape, dtype=torch.int32), q.new_empty(mask_shape, dtype=torch.uint8)
+
+
+@torch.library.register_fake("mala::fwd")
+def _fwd_fake(q, k, v, tau, causal, softmax_scale, return_stats):
+    batch, seqlen_q, heads_q, _ = q.shape
+    lse = q.new_empty((batch, heads_q, seqlen_q), dtype=torch.float32)
+    slots, tile_mask = _stats_outputs("forward", q, lse.shape, batch, seqlen_q, k.shape[1], heads_q, k.shape[2],
+                                      causal, return_stats)
+    return q.new_empty(q.shape), lse, slots, tile_mask
+
+
+@torch.library.register_fake("mala::fwd_varlen")
+def _fwd_varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, tau, causal, softmax_scale,
+                     return_stats):
+    total_q, heads_q, _ = q.shape
+    lse = q.new_empty((heads_q, total_q), dtype=torch.float32)
+    slots, tile_mask = _stats_outputs("forward", q, lse.shape, cu_seqlens_q.shape[0] - 1, max_seqlen_q, max_seqlen_k,
+                                      heads_q, k.shape[1], causal, return_stats)
+    return q.new_empty(q.shape), lse, slots, tile_mask
+
+
+@torch.library.register_fake("mala::bwd")
+def _bwd_fake(dout, q, k, v, out, lse, tau, causal, softmax_scale, return_stats):
+    batch, seqlen_q, heads_q, _ = q.shape
+    slots, tile_mask = _stats_outputs("backward", q, lse.shape, batch, seqlen_q, k.shape[1], heads_q, k.shape[2],
+                                      causal, return_stats)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), slots, tile_mask
+
+
+@torch.library.register_fake("mala::bwd_varlen")
+def _bwd_varlen_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, tau, causal,
+                     softmax_scale, return_stats):
+    slots, tile_mask = _stats_outputs("backward", q, lse.shape, cu_seqlens_q.shape[0] - 1, max_seqlen_q,
+                                      max_seqlen_k, q.shape[1], k.shape[1], causal, return_stats)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), slots, tile_mask
+
+
+@torch.library.register_fake("mala::kvcache")
+def _kvcache_fake(q, k_cache, v_cache, cache_seqlens, k, v, block_table, tau, causal, softmax_scale, num_splits,
+                  return_stats):
+    batch, seqlen_q, heads_q, _ = q.shape
+    lse = q.new_empty((batch, heads_q, seqlen_q), dtype=torch.float32)
+    slots = q.new_empty(lse.shape if return_stats else _EMPTY, dtype=torch.int32)
+    return q.new_empty(q.shape), lse, slots
+
+
+# ---- autograd -------------------------------------------------------------------------------
+
+def _fwd_setup_context(ctx, inputs, output):
+    q, k, v, tau, causal, softmax_scale, _ = inputs
+    out, lse, _, _ = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.rule = (tau, causal, softmax_scale)
+    ctx.mark_non_differentiable(lse)
+
+
+def _fwd_backward(ctx, dout, _dlse, _dslots, _dmask):
+    q, k, v, out, lse = ctx.saved_tensors
+    tau, causal, softmax_scale = ctx.rule
+    dq, dk, dv, _, _ = torch.ops.mala.bwd(dout, q, k, v, out, lse, tau, causal, softmax_scale, False)
+    return dq, dk, dv, None, None, None, None
+
+
+def _fwd_varlen_setup_context(ctx, inputs, output):
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, tau, causal, softmax_scale, _ = inputs
+    out, lse, _, _ = output
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
+    ctx.rule = (max_seqlen_q, max_seqlen_k, tau, causal, softmax_scale)
+    ctx.mark_non_differentiable(lse)
+
+
+def _fwd_varlen_backward(ctx, dout, _dlse, _dslots, _dmask):
+    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+    max_seqlen_q, max_seqlen_k, tau, causal, softmax_scale = ctx.rule
+    dq, dk, dv, _, _ = torch.ops.mala.bwd_varlen(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                                 max_seqlen_k, tau, causal, softmax_scale, False)
+    return dq, dk, dv, None, None, None, None, None, None, None, None
+
+
+torch.library.register_autograd("mala::fwd", _fwd_backward, setup_context=_fwd_setup_context)
+torch.library.register_autograd("mala::fwd_varlen", _fwd_varlen_backward, setup_context=_fwd_varlen_setup_context)

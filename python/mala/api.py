@@ -1,0 +1,221 @@
+"""The user-facing functions (flash_attn conventions: [batch, seqlen, heads, head_dim], GQA by head
+counts, bottom-right causal alignment when seqlen_q != seqlen_k).
+
+Each is a thin wrapper over torch.ops.mala.*; autograd for attention/attention_varlen comes from
+torch.library.register_autograd (mala/_ops.py), so both work under torch.compile(fullgraph=True).
+return_stats=True runs the same operators through a small autograd.Function that also records the
+backward's work; it is for eager mode only.
+"""
+
+import math
+from typing import Optional, Union
+
+import torch
+
+from .stats import AttentionStats, visible_keys_decode, visible_keys_dense, visible_keys_varlen
+
+
+def _scale_arg(softmax_scale, head_dim):
+    if softmax_scale is None:
+        return 0.0  # the library's 1/sqrt(head_dim)
+    scale = float(softmax_scale)
+    if not (math.isfinite(scale) and scale > 0.0):
+        raise ValueError(f"softmax_scale: must be finite and > 0, or None for 1/sqrt(head_dim) (got {softmax_scale})")
+    return scale
+
+
+def _tau_arg(tau):
+    tau = float(tau)
+    if not (math.isfinite(tau) and tau >= 0.0):
+        raise ValueError(f"tau: must be finite and >= 0 (got {tau})")
+    return tau
+
+
+def _eager_only(what):
+    if torch.compiler.is_compiling():
+        raise RuntimeError(f"{what}: not supported under torch.compile; call mala eagerly to collect stats")
+
+
+def _host_checks_allowed(t):
+    """Value checks of index tensors copy them to the host: skipped while compiling or capturing."""
+    if torch.compiler.is_compiling():
+        return False
+    return not (t.is_cuda and torch.cuda.is_current_stream_capturing())
+
+
+def _check_cu_seqlens(cu, name, total, max_seqlen, max_name):
+    if not isinstance(cu, torch.Tensor) or cu.dtype != torch.int32 or cu.dim() != 1 or cu.numel() < 2:
+        raise ValueError(f"{name}: must be a 1-D int32 tensor of batch + 1 >= 2 offsets")
+    values = cu.tolist()
+    if values[0] != 0:
+        raise ValueError(f"{name}: must start at 0 (got {values[0]})")
+    for b in range(len(values) - 1):
+        n = values[b + 1] - values[b]
+        if n < 0:
+            raise ValueError(f"{name}: must be non-decreasing (entry {b + 1} = {values[b + 1]} < entry {b} = {values[b]})")
+        if n > max_seqlen:
+            raise ValueError(f"{name}: sequence {b} has length {n} > {max_name} = {max_seqlen}")
+    if values[-1] != total:
+        raise ValueError(f"{name}: last entry {values[-1]} must equal the number of rows {total}")
+
+
+def _results(out, lse, stats, return_lse, return_stats):
+    extra = ((lse,) if return_lse else ()) + ((stats,) if return_stats else ())
+    return (out,) + extra if extra else out
+
+
+class _AttentionWithStats(torch.autograd.Function):
+    """The same operators as the registered autograd, also filling an AttentionStats (eager only)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, tau, causal, softmax_scale, stats, varlen):
+        if varlen is None:
+            out, lse, slots, mask = torch.ops.mala.fwd(q, k, v, tau, causal, softmax_scale, True)
+            ctx.save_for_backward(q, k, v, out, lse)
+        else:
+            cu_q, cu_k, max_q, max_k = varlen
+            out, lse, slots, mask = torch.ops.mala.fwd_varlen(q, k, v, cu_q, cu_k, max_q, max_k, tau, causal,
+                                                              softmax_scale, True)
+            ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
+            ctx.max_seqlens = (max_q, max_k)
+        stats.fwd_slots, stats.fwd_tile_mask = slots, mask
+        ctx.rule = (tau, causal, softmax_scale)
+        ctx.stats = stats
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        tau, causal, softmax_scale = ctx.rule
+        if len(ctx.saved_tensors) == 5:
+            q, k, v, out, lse = ctx.saved_tensors
+            dq, dk, dv, slots, mask = torch.ops.mala.bwd(dout, q, k, v, out, lse, tau, causal, softmax_scale, True)
+            seqlen_q, seqlen_k, batch = q.shape[1], k.shape[1], q.shape[0]
+        else:
+            q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
+            seqlen_q, seqlen_k = ctx.max_seqlens
+            batch = cu_q.numel() - 1
+            dq, dk, dv, slots, mask = torch.ops.mala.bwd_varlen(dout, q, k, v, out, lse, cu_q, cu_k, seqlen_q,
+                                                                seqlen_k, tau, causal, softmax_scale, True)
+        stats = ctx.stats
+        stats.bwd_block_q, stats.bwd_block_k, _ = torch.ops.mala.tile_sizes(
+            "backward", q.device, q.dtype, batch, seqlen_q, seqlen_k, q.shape[-2], k.shape[-2], q.shape[-1], causal, 0)
+        stats.bwd_slots, stats.bwd_tile_mask = slots, mask
+        return dq, dk, dv, None, None, None, None, None
+
+
+def _new_stats(q, k, batch, seqlen_q, seqlen_k, causal, visible_keys):
+    block_q, block_k, _ = torch.ops.mala.tile_sizes("forward", q.device, q.dtype, batch, seqlen_q, seqlen_k,
+                                                    q.shape[-2], k.shape[-2], q.shape[-1], causal, 0)
+    return AttentionStats(fwd_block_q=block_q, fwd_block_k=block_k, fwd_slots=torch.empty(0), visible_keys=visible_keys)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tau: float = 1.0, causal: bool = True,
+              softmax_scale: Optional[float] = None, return_lse: bool = False, return_stats: bool = False):
+    """MALA attention.  q [B, Nq, Hq, d], k/v [B, Nk, Hkv, d] (Hq % Hkv == 0) -> out [B, Nq, Hq, d].
+
+    tau = 0 is exact dense attention; tau = 1 the paper's default tolerance.  causal aligns the
+    diagonal bottom-right (row i sees keys <= i + Nk - Nq).  CUDA: float16/bfloat16, head_dim 64,
+    128 or 256; CPU tensors run the exact CPU implementation (float32 too).  Differentiable in q, k, v.
+    Returns out, then lse [B, Hq, Nq] float32 if return_lse, then an AttentionStats if return_stats.
+    """
+    tau = _tau_arg(tau)
+    scale = _scale_arg(softmax_scale, q.shape[-1])
+    if not return_stats:
+        out, lse, _, _ = torch.ops.mala.fwd(q, k, v, tau, causal, scale, False)
+        return _results(out, lse, None, return_lse, False)
+    _eager_only("return_stats")
+    if q.dim() != 4 or k.dim() != 4:
+        raise ValueError("q: must have 4 dimensions [batch, seqlen, heads, head_dim]")
+    stats = _new_stats(q, k, q.shape[0], q.shape[1], k.shape[1], causal,
+                       visible_keys_dense(q.shape[1], k.shape[1], causal, q.device))
+    out, lse = _AttentionWithStats.apply(q, k, v, tau, causal, scale, stats, None)
+    return _results(out, lse, stats, return_lse, True)
+
+
+def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                     cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, tau: float = 1.0,
+                     causal: bool = True, softmax_scale: Optional[float] = None, return_lse: bool = False,
+                     return_stats: bool = False, check_inputs: bool = True):
+    """MALA attention over packed sequences.  q [total_q, Hq, d], k/v [total_k, Hkv, d]; sequence b is
+    rows cu_seqlens_q[b]:cu_seqlens_q[b+1] of q (and likewise for k).  cu_seqlens_* are int32
+    [batch + 1] on the device of q.  lse is [Hq, total_q].  check_inputs validates the offsets on the
+    host (one synchronization; skipped under torch.compile and CUDA-graph capture).
+    """
+    tau = _tau_arg(tau)
+    scale = _scale_arg(softmax_scale, q.shape[-1])
+    max_seqlen_q, max_seqlen_k = int(max_seqlen_q), int(max_seqlen_k)
+    if check_inputs and _host_checks_allowed(q):
+        _check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", q.shape[0], max_seqlen_q, "max_seqlen_q")
+        _check_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", k.shape[0], max_seqlen_k, "max_seqlen_k")
+        if cu_seqlens_k.numel() != cu_seqlens_q.numel():
+            raise ValueError(f"cu_seqlens_k: must have {cu_seqlens_q.numel()} entries like cu_seqlens_q "
+                             f"(got {cu_seqlens_k.numel()})")
+    if not return_stats:
+        out, lse, _, _ = torch.ops.mala.fwd_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                                   tau, causal, scale, False)
+        return _results(out, lse, None, return_lse, False)
+    _eager_only("return_stats")
+    stats = _new_stats(q, k, cu_seqlens_q.numel() - 1, max_seqlen_q, max_seqlen_k, causal,
+                       visible_keys_varlen(cu_seqlens_q, cu_seqlens_k, causal))
+    out, lse = _AttentionWithStats.apply(q, k, v, tau, causal, scale, stats,
+                                         (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
+    return _results(out, lse, stats, return_lse, True)
+
+
+def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           cache_seqlens: Union[torch.Tensor, int], k: Optional[torch.Tensor] = None,
+                           v: Optional[torch.Tensor] = None, block_table: Optional[torch.Tensor] = None,
+                           tau: float = 1.0, causal: bool = True, softmax_scale: Optional[float] = None,
+                           num_splits: int = 0, return_lse: bool = False, return_stats: bool = False,
+                           check_inputs: bool = True):
+    """Decode / chunked prefill against a KV cache (flash_attn_with_kvcache semantics, no autograd).
+
+    q [B, Nq, Hq, d]; k_cache/v_cache [B, capacity, Hkv, d], or paged [num_blocks, page_size, Hkv, d]
+    with block_table int32 [B, max_pages]; cache_seqlens int32 [B] (or an int): keys already cached.
+    k/v [B, Nnew, Hkv, d], if given, are written into the cache in place at cache_seqlens[b] before
+    attending; attention then sees cache_seqlens[b] + Nnew keys, bottom-right causal.  cache_seqlens
+    itself is not advanced.  num_splits 0 = automatic split-KV.  Capturable in a CUDA graph.
+    """
+    tau = _tau_arg(tau)
+    scale = _scale_arg(softmax_scale, q.shape[-1])
+    if int(num_splits) < 0:
+        raise ValueError(f"num_splits: must be >= 0, 0 meaning automatic (got {num_splits})")
+    if isinstance(cache_seqlens, int):
+        cache_seqlens = torch.full((q.shape[0],), cache_seqlens, dtype=torch.int32, device=q.device)
+    if check_inputs and _host_checks_allowed(q) and isinstance(cache_seqlens, torch.Tensor) \
+            and cache_seqlens.dtype == torch.int32 and k_cache.dim() == 4:
+        seqlen_new = 0 if k is None else k.shape[1]
+        capacity = k_cache.shape[1] * (block_table.shape[1] if block_table is not None and block_table.dim() == 2
+                                       else 1)
+        lengths = cache_seqlens.tolist()
+        for b, n in enumerate(lengths):
+            if n < 0 or n + seqlen_new > capacity:
+                raise ValueError(f"cache_seqlens: entry {b} = {n} plus {seqlen_new} new keys is outside the cache "
+                                 f"capacity {capacity}")
+        if block_table is not None and block_table.dtype == torch.int32 and block_table.numel():
+            lo, hi = int(block_table.min()), int(block_table.max())
+            if lo < 0 or hi >= k_cache.shape[0]:
+                raise ValueError(f"block_table: entries must lie in [0, {k_cache.shape[0]}) (got {lo}..{hi})")
+    out, lse, slots = torch.ops.mala.kvcache(q, k_cache, v_cache, cache_seqlens, k, v, block_table, tau, causal,
+                                             scale, int(num_splits), bool(return_stats))
+    stats = None
+    if return_stats:
+        _eager_only("return_stats")
+        seqlen_new = 0 if k is None else k.shape[1]
+        capacity = k_cache.shape[1] * (block_table.shape[1] if block_table is not None else 1)
+        block_q, block_k, splits = torch.ops.mala.tile_sizes("decode", q.device, q.dtype, q.shape[0], q.shape[1],
+                                                             capacity, q.shape[2], k_cache.shape[2], q.shape[3],
+                                                             causal, int(num_splits))
+        stats = AttentionStats(fwd_block_q=block_q, fwd_block_k=block_k, fwd_slots=slots, num_splits=splits,
+                               visible_keys=visible_keys_decode(cache_seqlens, seqlen_new, q.shape[1], causal))
+    return _results(out, lse, stats, return_lse, return_stats)
+
+
+def tile_sizes(kernel: str, q: torch.Tensor, k: torch.Tensor, causal: bool = True, num_splits: int = 0):
+    """(block_q, block_k) the named kernel ('forward', 'backward', 'decode') uses for these inputs."""
+    batch, seqlen_q = (q.shape[0], q.shape[1]) if q.dim() == 4 else (1, q.shape[0])
+    seqlen_k = k.shape[1] if k.dim() == 4 else k.shape[0]
+    block_q, block_k, _ = torch.ops.mala.tile_sizes(kernel, q.device, q.dtype, batch, seqlen_q, seqlen_k,
+                                                    q.shape[-2], k.shape[-2], q.shape[-1], causal, int(num_splits))
+    return block_q, block_k

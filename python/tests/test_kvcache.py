@@ -1,0 +1,132 @@
+"""mala.attention_with_kvcache: decode against contiguous and paged caches, in-place append, CUDA graphs."""
+
+import pytest
+import torch
+
+import mala
+from conftest import HAS_CUDA, device_params, dtype_for, rand, reference_attention, rel_l2
+
+
+def _cache_case(device, batch=3, capacity=700, hq=8, hkv=2, d=128, seqlen_q=1, seqlen_new=1, seed=0):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    dtype = dtype_for(device)
+    k_cache = rand((batch, capacity, hkv, d), device, dtype)
+    v_cache = rand((batch, capacity, hkv, d), device, dtype)
+    lengths = torch.randint(1, capacity - seqlen_new, (batch,), generator=g, dtype=torch.int32)
+    lengths[0] = capacity - seqlen_new  # one full cache
+    cache_seqlens = lengths.to(device)
+    q = rand((batch, seqlen_q, hq, d), device, dtype)
+    k_new = rand((batch, seqlen_new, hkv, d), device, dtype) if seqlen_new else None
+    v_new = rand((batch, seqlen_new, hkv, d), device, dtype) if seqlen_new else None
+    return q, k_cache, v_cache, cache_seqlens, k_new, v_new
+
+
+def _dense_per_sequence(q, k_cache, v_cache, cache_seqlens, seqlen_new, causal=True):
+    """The reference: each sequence's cache prefix (after the append), dense, bottom-right causal."""
+    outs = []
+    for b in range(q.shape[0]):
+        n = int(cache_seqlens[b]) + seqlen_new
+        out, _ = reference_attention(q[b:b + 1], k_cache[b:b + 1, :n], v_cache[b:b + 1, :n], causal)
+        outs.append(out)
+    return torch.cat(outs)
+
+
+def _to_paged(k_cache, v_cache, page_size, seed=0):
+    """Scatter a contiguous cache into shuffled pages; returns paged caches and the block table."""
+    batch, capacity, hkv, d = k_cache.shape
+    pages_per_seq = capacity // page_size
+    num_pages = batch * pages_per_seq + 3  # a few unused pages
+    perm = torch.randperm(num_pages, generator=torch.Generator().manual_seed(seed))[: batch * pages_per_seq]
+    block_table = perm.view(batch, pages_per_seq).to(torch.int32).to(k_cache.device)
+    k_paged = torch.zeros((num_pages, page_size, hkv, d), dtype=k_cache.dtype, device=k_cache.device)
+    v_paged = torch.zeros_like(k_paged)
+    k_paged[block_table.long().flatten()] = k_cache.reshape(batch * pages_per_seq, page_size, hkv, d)
+    v_paged[block_table.long().flatten()] = v_cache.reshape(batch * pages_per_seq, page_size, hkv, d)
+    return k_paged, v_paged, block_table
+
+
+@pytest.mark.parametrize("device", device_params())
+@pytest.mark.parametrize("seqlen_q", [1, 3])
+@pytest.mark.parametrize("num_splits", [0, 1, 3])
+def test_decode_matches_dense_and_appends(device, seqlen_q, num_splits):
+    q, k_cache, v_cache, cache_seqlens, k_new, v_new = _cache_case(device, seqlen_q=seqlen_q, seqlen_new=seqlen_q)
+    k_before, v_before = k_cache.clone(), v_cache.clone()
+    out, lse = mala.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k=k_new, v=v_new, tau=0.0,
+                                           num_splits=num_splits, return_lse=True)
+    assert out.shape == q.shape and lse.shape == (q.shape[0], q.shape[2], seqlen_q)
+    # The new keys/values were written at cache_seqlens[b]; nothing else changed.
+    expected_k, expected_v = k_before.clone(), v_before.clone()
+    for b in range(q.shape[0]):
+        n = int(cache_seqlens[b])
+        expected_k[b, n:n + seqlen_q] = k_new[b]
+        expected_v[b, n:n + seqlen_q] = v_new[b]
+    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+    ref = _dense_per_sequence(q, k_cache, v_cache, cache_seqlens, seqlen_q)
+    assert rel_l2(out, ref) < 1e-2
+
+
+@pytest.mark.parametrize("device", device_params())
+def test_decode_tau1_within_bound_without_append(device):
+    """Without k/v the cache is read only; tau = 1 stays within the bound of the dense answer."""
+    q, k_cache, v_cache, cache_seqlens, _, _ = _cache_case(device, seqlen_q=1, seqlen_new=0, seed=1)
+    k_before = k_cache.clone()
+    out, lse, stats = mala.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, tau=1.0, return_lse=True,
+                                                  return_stats=True)
+    assert torch.equal(k_cache, k_before)
+    _, lse_dense = mala.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, tau=0.0, return_lse=True)
+    omitted = 1 - torch.exp(lse - lse_dense)
+    assert omitted.max().item() <= 0.5 + 2e-2 and omitted.min().item() > -2e-2
+    assert stats.fwd_slots.shape == (q.shape[0], q.shape[2], 1)
+    assert 0.0 < stats.fwd_retained_fraction <= 1.0 and stats.num_splits >= 1
+
+
+@pytest.mark.parametrize("device", device_params())
+@pytest.mark.parametrize("page_size", [64, 256])
+def test_paged_cache_equals_contiguous(device, page_size):
+    q, k_cache, v_cache, cache_seqlens, k_new, v_new = _cache_case(device, capacity=768, seqlen_new=1, seed=2)
+    k_paged, v_paged, block_table = _to_paged(k_cache, v_cache, page_size)
+    out_paged = mala.attention_with_kvcache(q, k_paged, v_paged, cache_seqlens, k=k_new, v=v_new,
+                                            block_table=block_table, tau=0.0)
+    out = mala.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k=k_new, v=v_new, tau=0.0)
+    torch.testing.assert_close(out_paged, out, atol=2e-2 if q.dtype == torch.bfloat16 else 1e-5, rtol=1e-2)
+    # The append went into the right pages.
+    b, n = 1, int(cache_seqlens[1])
+    page, slot = block_table[b, n // page_size].item(), n % page_size
+    assert torch.equal(k_paged[page, slot], k_new[b, 0]) and torch.equal(v_paged[page, slot], v_new[b, 0])
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="no CUDA GPU")
+def test_cuda_graph_capture_and_replay():
+    """A decode step captured once and replayed with new q, k/v and cache lengths."""
+    device = "cuda"
+    q, k_cache, v_cache, cache_seqlens, k_new, v_new = _cache_case(device, seqlen_new=1, seed=3)
+    capacity = k_cache.shape[1]
+    static = dict(q=q.clone(), k=k_new.clone(), v=v_new.clone(), lens=cache_seqlens.clamp(max=capacity - 8))
+
+    def step():
+        return mala.attention_with_kvcache(static["q"], k_cache, v_cache, static["lens"], k=static["k"],
+                                           v=static["v"], tau=1.0)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):  # warm up outside the graph
+            step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = step()
+
+    for i in range(3):
+        new_q = rand(q.shape, device, q.dtype)
+        new_k, new_v = rand(k_new.shape, device, q.dtype), rand(v_new.shape, device, q.dtype)
+        static["q"].copy_(new_q)
+        static["k"].copy_(new_k)
+        static["v"].copy_(new_v)
+        static["lens"].add_(1)
+        graph.replay()
+        torch.cuda.synchronize()
+        k_eager, v_eager = k_cache.clone(), v_cache.clone()
+        eager = mala.attention_with_kvcache(new_q, k_eager, v_eager, static["lens"], k=new_k, v=new_v, tau=1.0)
+        torch.testing.assert_close(static_out, eager, atol=0, rtol=0)
+        assert torch.equal(k_cache, k_eager), f"replay {i}: the graph must append into the cache like eager"

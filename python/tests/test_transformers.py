@@ -1,0 +1,144 @@
+"""attn_implementation="mala" in a small Llama (random weights): same logits as SDPA at tau = 0,
+training steps at tau = 1, generate() with a DynamicCache, padding falls back to SDPA."""
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import mala  # noqa: E402
+import mala.integrations.transformers as mala_hf  # noqa: E402
+from conftest import device_params, rel_l2  # noqa: E402
+
+
+@pytest.fixture
+def mala_calls(monkeypatch):
+    """Records (seqlen_q, seqlen_k) of every mala.attention call, so tests can tell mala from the fallback."""
+    calls = []
+    real = mala.attention
+
+    def spy(q, k, v, **kwargs):
+        calls.append((q.shape[1], k.shape[1]))
+        return real(q, k, v, **kwargs)
+
+    monkeypatch.setattr(mala, "attention", spy)
+    return calls
+
+
+def _config(**overrides):
+    cfg = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=1024, attention_dropout=0.0, tie_word_embeddings=False)
+    cfg.update(overrides)
+    return transformers.LlamaConfig(**cfg)  # head_dim = 64
+
+
+def _models(device, tau, seed=0):
+    """A mala model and an sdpa model with identical weights."""
+    mala_hf.register(tau=tau)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    torch.manual_seed(seed)
+    ref = transformers.AutoModelForCausalLM.from_config(_config(), attn_implementation="sdpa", dtype=dtype)
+    model = transformers.AutoModelForCausalLM.from_config(_config(), attn_implementation="mala", dtype=dtype)
+    model.load_state_dict(ref.state_dict())
+    assert model.config._attn_implementation == "mala"
+    return model.to(device).eval(), ref.to(device).eval()
+
+
+def _tokens(device, batch=2, n=200, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 512, (batch, n), generator=g).to(device)
+
+
+def _tolerance(device):
+    return 2e-2 if device == "cuda" else 1e-4
+
+
+@pytest.mark.parametrize("device", device_params())
+def test_logits_match_sdpa_at_tau0(device, mala_calls):
+    model, ref = _models(device, tau=0.0)
+    ids = _tokens(device)
+    with torch.no_grad():
+        logits = model(ids).logits
+        ref_logits = ref(ids).logits
+    assert mala_calls == [(200, 200)] * 2, "both layers must run mala"
+    assert rel_l2(logits, ref_logits) < _tolerance(device)
+
+
+@pytest.mark.parametrize("device", device_params())
+def test_decode_step_with_cache_matches_sdpa(device, mala_calls):
+    """Prefill with a DynamicCache, then one token: Nq = 1 against Nk = n + 1 keys (bottom-right)."""
+    model, ref = _models(device, tau=0.0)
+    ids = _tokens(device, n=150)
+    with torch.no_grad():
+        out = model(ids[:, :-1], use_cache=True)
+        step = model(ids[:, -1:], past_key_values=out.past_key_values, use_cache=True).logits
+        ref_out = ref(ids[:, :-1], use_cache=True)
+        ref_step = ref(ids[:, -1:], past_key_values=ref_out.past_key_values, use_cache=True).logits
+        # Two new tokens at once (1 < Nq < Nk): mala's bottom-right causal rule needs no mask.
+        two = model(ids[:, -2:], past_key_values=model(ids[:, :-2], use_cache=True).past_key_values).logits
+        ref_two = ref(ids[:, -2:], past_key_values=ref(ids[:, :-2], use_cache=True).past_key_values).logits
+    assert rel_l2(step, ref_step) < _tolerance(device)
+    assert rel_l2(two, ref_two) < _tolerance(device)
+    assert mala_calls == [(149, 149)] * 2 + [(1, 150)] * 2 + [(148, 148)] * 2 + [(2, 150)] * 2
+
+
+@pytest.mark.parametrize("device", device_params())
+def test_trains_with_tau1(device, mala_calls):
+    model, _ = _models(device, tau=1.0)
+    model.train()
+    ids = _tokens(device, batch=2, n=256, seed=1)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(6):
+        loss = model(ids, labels=ids).loss
+        assert torch.isfinite(loss), "loss must stay finite"
+        opt.zero_grad()
+        loss.backward()
+        for p in model.parameters():
+            assert p.grad is None or torch.isfinite(p.grad).all()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0], f"memorizing one batch should lower the loss: {losses}"
+    assert len(mala_calls) == 12
+
+
+@pytest.mark.parametrize("device", device_params())
+def test_generate_runs_and_matches_sdpa_greedy(device, mala_calls):
+    model, ref = _models(device, tau=0.0)
+    ids = _tokens(device, batch=2, n=40, seed=2)
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=0)
+        ref_out = ref.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    assert out.shape == (2, 52)
+    assert mala_calls[:4] == [(40, 40), (40, 40), (1, 41), (1, 41)], mala_calls[:4]
+    if device == "cpu":  # float32: no near-ties, greedy decoding is identical
+        assert torch.equal(out, ref_out)
+    else:  # bfloat16: the first new token at least
+        assert torch.equal(out[:, 40], ref_out[:, 40])
+    # tau = 1 generates too.
+    mala_hf.register(tau=1.0)
+    with torch.no_grad():
+        assert model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0).shape == (2, 44)
+
+
+@pytest.mark.parametrize("device", device_params())
+def test_padding_falls_back_to_sdpa_or_raises(device, mala_calls):
+    model, ref = _models(device, tau=0.0)
+    ids = _tokens(device, batch=2, n=64, seed=3)
+    mask = torch.ones_like(ids)
+    mask[0, :10] = 0  # left padding in the first sequence
+    with torch.no_grad():
+        logits = model(ids, attention_mask=mask).logits
+        ref_logits = ref(ids, attention_mask=mask).logits
+    assert rel_l2(logits[:, 10:], ref_logits[:, 10:]) < _tolerance(device)
+    assert mala_calls == [], "a padding mask must not reach mala"
+    mala_hf.register(tau=0.0, on_mask="error")
+    try:
+        with pytest.raises(ValueError, match="attention_mask"):
+            with torch.no_grad():
+                model(ids, attention_mask=mask)
+        with torch.no_grad():  # an all-ones mask needs no mask: mala runs
+            model(ids, attention_mask=torch.ones_like(ids))
+        assert len(mala_calls) == 2
+    finally:
+        mala_hf.register(tau=0.0)

@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# GPU checks, in two halves so that compiling never costs GPU time:
+#   scripts/gpu_check.sh build            here (nvcc, GoogleTest, no GPU needed): builds the GPU tests, the
+#                                         benchmark and the CLI for sm_90a into build-gpu/ and stages the
+#                                         binaries in .carry/gpu/
+#   scripts/gpu_check.sh run [--quick]    on the GPU machine (device tool: carry [".carry/gpu"]): GPU tests
+#                                         (every kernel against the CPU implementation), compute-sanitizer
+#                                         memcheck + racecheck on the small-shape tests, the benchmark, and
+#                                         `mala report` on the GPU.  Logs go to $OUT (or gpu-logs/).
+# Environment: CUDA_ARCHS (default 90a), MALA_BENCH_ARGS (extra benchmark flags),
+#              MALA_SANITIZER_FILTER (gtest filter of the small-shape tests, default *Small*).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+step=${1:-run}
+shift || true
+
+case "$step" in
+build)
+  set -e
+  cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=Release -DMALA_CUDA=ON \
+        -DCMAKE_CUDA_ARCHITECTURES="${CUDA_ARCHS:-90a}" >/dev/null
+  cmake --build build-gpu -j "$(nproc)" --target mala_gpu_tests mala_bench mala_cli
+  mkdir -p .carry/gpu
+  cp build-gpu/tests/mala_gpu_tests build-gpu/bench/mala_bench build-gpu/tools/mala .carry/gpu/
+  cp scripts/gpu_check.sh .carry/gpu/
+  du -sh .carry/gpu
+  ;;
+run)
+  quick=0
+  [ "${1:-}" = "--quick" ] && quick=1
+  bin=.carry/gpu
+  out=${OUT:-gpu-logs}
+  mkdir -p "$out"
+  status=0
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$out/device.txt"
+  echo "== GPU tests (every kernel against the CPU implementation)"
+  "$bin/mala_gpu_tests" --gtest_brief=1 2>&1 | tee "$out/gpu_tests.log" | tail -40 || status=1
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+  if command -v compute-sanitizer >/dev/null; then
+    filter=${MALA_SANITIZER_FILTER:-*Small*}
+    for tool in memcheck racecheck; do
+      echo "== compute-sanitizer $tool ($filter)"
+      compute-sanitizer --tool "$tool" --error-exitcode 3 "$bin/mala_gpu_tests" --gtest_brief=1 \
+        --gtest_filter="$filter" >"$out/sanitizer_$tool.log" 2>&1
+      rc=$?
+      tail -3 "$out/sanitizer_$tool.log"
+      [ $rc = 0 ] || { echo "compute-sanitizer $tool: exit $rc"; status=1; }
+    done
+  fi
+  echo "== benchmark"
+  if [ $quick = 1 ]; then
+    "$bin/mala_bench" --quick ${MALA_BENCH_ARGS:-} 2>&1 | tee "$out/bench.log" || status=1
+  else
+    "$bin/mala_bench" ${MALA_BENCH_ARGS:-} 2>&1 | tee "$out/bench.log" || status=1
+  fi
+  echo "== mala report on the GPU"
+  "$bin/mala" report --device cuda --n 8192 2>&1 | tee "$out/report.log" || status=1
+  echo "gpu_check: $([ $status = 0 ] && echo PASS || echo FAIL)"
+  exit $status
+  ;;
+*)
+  echo "gpu_check.sh: unknown step '$step' (build | run [--quick])" >&2
+  exit 2
+  ;;
+esac

@@ -1,0 +1,521 @@
+// The fused MALA backward kernel (offline rule), hand-written mma.sync m16n8k16, one source for
+// sm_80 and sm_90a.  Instantiated by src/cuda/instantiations/bwd_*.cu, launched by backward.cu.
+//
+// One CTA (8 warps) owns one key tile J_j (BK keys) of one KV head of one sequence, and a set of
+// `heads_per_cta` query heads of that KV head's group.  K_j and V_j stay in shared memory, dK and dV
+// accumulate in registers.  The CTA walks (head, query tile) pairs, query tiles ascending from the
+// first one with a legal entry.  Per visited tile (BQ query rows):
+//   1. S^T = K_j Q_i^T (warp w: 16 keys x BQ queries, fp32 C fragments), scaled to log2 units.
+//   2. The offline test, entry by entry with rule::row_allows_skip(s, lse, log(tau/L_q)) in base 2
+//      (equivalent to the row-max form: every legal entry must allow the skip), voted over the CTA
+//      with __syncthreads_or.  A skipped tile stops here: no dO, no D, no exp, no further matmul.
+//   3. Retained: P^T = exp2(S^T - lse), dP^T = V_j dO_i^T, dS^T = P^T (dP^T - D), P^T and dS^T are
+//      repacked in registers as A fragments: dV += P^T dO_i, dK += dS^T Q_i; dS^T also goes to shared
+//      memory (two buffers) for dQ_i += dS K_j (warps split dQ's rows/cols), computed at the start of
+//      the next iteration (after its top barrier, so no extra barrier) and added to the fp32
+//      workspace with red.global.add (v2 on sm_90).
+// Pipelining: Q_{t+1} (with its lse; log2(tau/L) is computed into shared memory) is prefetched with
+// cp.async while tile t is processed.  dO/D of tile t are loaded only once tile t is retained, except
+// for a speculative prefetch of dO_{t+1} issued when tile t was retained (always right with tau = 0
+// and on dense inputs; on sparse inputs it is rarely issued because a skipped tile issues none).
+// Barriers per tile: 1 (tau = 0, dO prefetched), 2 (tau > 0: + the vote), +1 when dO_t was not
+// prefetched.  The scale is applied once at the end (dK in the epilogue, dQ in the convert kernel).
+#pragma once
+
+#include <math.h>
+#include <stdint.h>
+
+#include "common/rule.h"
+#include "cuda/bwd_params.cuh"
+#include "cuda/ptx.cuh"
+#include "cuda/smem_tile.cuh"
+
+namespace mala {
+namespace cuda {
+
+// 4-byte global->shared copy, zero-filled when !valid (the scalars lse and D of a query tile).
+__device__ __forceinline__ void bwd_cp_async_4(uint32_t smem, const void* gmem, bool valid) {
+  int src_size = valid ? 4 : 0;
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem), "l"(gmem), "r"(src_size));
+}
+
+// Fire-and-forget fp32 add of two consecutive floats (8-byte aligned).
+__device__ __forceinline__ void bwd_red_add2(float* p, float a, float b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(p), "f"(a), "f"(b) : "memory");
+#else
+  atomicAdd(p, a);
+  atomicAdd(p + 1, b);
+#endif
+}
+
+__device__ __forceinline__ void bwd_mbar_init(uint32_t addr, int count) {
+  asm volatile("mbarrier.init.shared.b64 [%0], %1;\n" ::"r"(addr), "r"(count) : "memory");
+}
+__device__ __forceinline__ void bwd_mbar_arrive(uint32_t addr) {
+  asm volatile("{\n .reg .b64 st;\n mbarrier.arrive.shared.b64 st, [%0];\n}\n" ::"r"(addr) : "memory");
+}
+__device__ __forceinline__ void bwd_mbar_wait(uint32_t addr, uint32_t parity) {
+  uint32_t done;
+  do {
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.test_wait.parity.shared.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(addr), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+
+template <typename T, int D>
+struct BwdKernel {
+  using Cfg = BwdConfig<D>;
+  static constexpr int BQ = Cfg::BQ, BK = Cfg::BK, WD = Cfg::WARPS_D;
+  static constexpr int kThreads = 256, kWarps = 8;
+  static constexpr int kKeyWarps = kWarps / WD;  // 16-key slabs
+  static_assert(kKeyWarps * 16 == BK, "BK must be 16 keys per key slab");
+  static constexpr int DW = D / WD;   // dK/dV columns per warp
+  static constexpr int NT = BQ / 8;   // n8 tiles of S^T per warp
+  static constexpr int KQ = BQ / 16;  // k16 steps over the query rows
+  static constexpr int KD = D / 16;   // k16 steps over the head dim
+  static constexpr int NDW = DW / 8;  // n8 tiles of dK/dV per warp
+  static constexpr int WQ = BQ / 16;  // dQ: warps along query rows
+  static constexpr int WDQ = kWarps / WQ;
+  static constexpr int DQN = D / WDQ;  // dQ columns per warp
+  static constexpr int NDQ = DQN / 8;
+  static_assert(NT % 2 == 0 && NDW % 2 == 0 && NDQ % 2 == 0, "fragment pairs");
+
+  using KTile = SmemTile<BK, D>;
+  using QTile = SmemTile<BQ, D>;
+  using STile = SmemTile<BK, BQ>;  // dS^T [key][query]
+
+  // Shared memory: K, V, dO (2 stages), dS^T (2 buffers), D (2 stages), lse and log2(tau/L_q)
+  // (3 stages each), then Q (q_stages = 2 or 3 stages, the last region so its size can vary).
+  static constexpr int kOffK = 0;
+  static constexpr int kOffV = kOffK + KTile::kBytes;
+  static constexpr int kOffDO = kOffV + KTile::kBytes;
+  static constexpr int kOffDS = kOffDO + 2 * QTile::kBytes;
+  static constexpr int kOffDsum = kOffDS + 2 * STile::kBytes;
+  static constexpr int kOffLse = kOffDsum + 2 * BQ * 4;
+  static constexpr int kOffThr = kOffLse + 3 * BQ * 4;
+  static constexpr int kOffMbar = kOffThr + 3 * BQ * 4;  // 2 x u64 mbarrier
+  static constexpr int kOffVote = kOffMbar + 16;           // 2 x u32 flags
+  static constexpr int kOffQ = kOffVote + 112;
+  static_assert(kOffQ % 128 == 0, "Q tiles aligned");
+  static constexpr int smem_bytes(int q_stages) { return kOffQ + q_stages * QTile::kBytes; }
+  static_assert(smem_bytes(3) == bwd_smem_bytes<D>(3), "bwd_smem_bytes (bwd_params.cuh) out of date");
+};
+
+template <typename T, int D>
+__global__ void __launch_bounds__(256, 1) bwd_main_kernel(const BwdParams p) {
+  using KC = BwdKernel<T, D>;
+  constexpr int BQ = KC::BQ, BK = KC::BK;
+  constexpr int NT = KC::NT, KQ = KC::KQ, KD = KC::KD, NDW = KC::NDW, NDQ = KC::NDQ;
+  using KTile = typename KC::KTile;
+  using QTile = typename KC::QTile;
+  using STile = typename KC::STile;
+  constexpr float kLog2e = 1.4426950408889634f;
+
+  extern __shared__ __align__(128) unsigned char smem[];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+
+  // CTA -> (key tile, batch, kv head, head split).  Key tiles with more query tiles come first.
+  const int per_j = p.batch * p.heads_kv * p.head_splits;
+  const int j = blockIdx.x / per_j;
+  int rest = blockIdx.x % per_j;
+  const int hs = rest % p.head_splits;
+  rest /= p.head_splits;
+  const int hk = rest % p.heads_kv;
+  const int b = rest / p.heads_kv;
+
+  const bool varlen = p.cu_q != nullptr;
+  int qlen = p.seqlen_q, klen = p.seqlen_k;
+  int64_t qrow0 = static_cast<int64_t>(b) * p.seqlen_q, krow0 = static_cast<int64_t>(b) * p.seqlen_k;
+  if (varlen) {
+    qrow0 = p.cu_q[b];
+    qlen = p.cu_q[b + 1] - p.cu_q[b];
+    krow0 = p.cu_k[b];
+    klen = p.cu_k[b + 1] - p.cu_k[b];
+  }
+  const int kb = j * BK;
+  if (kb >= klen) return;
+  const int kn = min(BK, klen - kb);
+  int i_start = 0;
+  if (p.causal) i_start = max(kb - (klen - qlen), 0) / BQ;  // first row seeing key kb (< qlen)
+  const int n_iq = max(rule::ceil_div(qlen, BQ) - i_start, 0);
+  const int n_iter = p.heads_per_cta * n_iq;
+  const int h0 = hk * p.group + hs * p.heads_per_cta;
+  const int64_t total_q = varlen ? static_cast<int64_t>(p.cu_q[p.batch]) : 0;
+
+  const T* q_base = static_cast<const T*>(p.q) + (varlen ? qrow0 * p.q_r : b * p.q_b);
+  const T* do_base = static_cast<const T*>(p.dout) + (varlen ? qrow0 * p.do_r : b * p.do_b);
+  const T* k_ptr = static_cast<const T*>(p.k) + (varlen ? krow0 * p.k_r : b * p.k_b) +
+                   static_cast<int64_t>(kb) * p.k_r + hk * p.k_h;
+  const T* v_ptr = static_cast<const T*>(p.v) + (varlen ? krow0 * p.v_r : b * p.v_b) +
+                   static_cast<int64_t>(kb) * p.v_r + hk * p.v_h;
+
+  const uint32_t sbase = smem_addr(smem);
+  const uint32_t sK = sbase + KC::kOffK, sV = sbase + KC::kOffV, sQ = sbase + KC::kOffQ,
+                 sDO = sbase + KC::kOffDO, sDS = sbase + KC::kOffDS;
+  const float* lse_s = reinterpret_cast<const float*>(smem + KC::kOffLse);
+  const float* dsum_s = reinterpret_cast<const float*>(smem + KC::kOffDsum);
+
+  KTile::template load_async<256>(sK, k_ptr, p.k_r, kn, tid);
+  KTile::template load_async<256>(sV, v_ptr, p.v_r, kn, tid);
+  cp_async_commit();
+
+  auto lse_index = [&](int h, int row) -> int64_t {
+    return varlen ? h * total_q + qrow0 + row
+                  : (static_cast<int64_t>(b) * p.heads_q + h) * p.seqlen_q + row;
+  };
+  auto load_q = [&](int t, int stage) {
+    const int h = h0 + t / n_iq, i = i_start + t % n_iq;
+    const int r0 = i * BQ, valid = min(BQ, qlen - r0);
+    QTile::template load_async<256>(sQ + stage * QTile::kBytes, q_base + static_cast<int64_t>(r0) * p.q_r + h * p.q_h,
+                                    p.q_r, valid, tid);
+    if (tid < BQ) {
+      const bool ok = tid < valid;
+      bwd_cp_async_4(sbase + KC::kOffLse + (stage * BQ + tid) * 4, ok ? p.lse + lse_index(h, r0 + tid) : p.lse, ok);
+      // Visible by the next top barrier (the tile is read after it).
+      const int L = ok ? rule::visible_keys(r0 + tid, qlen, klen, p.causal) : 0;
+      reinterpret_cast<float*>(smem + KC::kOffThr)[stage * BQ + tid] =
+          rule::log_threshold(p.log2_tau, __log2f(static_cast<float>(L)));
+    }
+  };
+  auto load_do = [&](int t, int stage) {
+    const int h = h0 + t / n_iq, i = i_start + t % n_iq;
+    const int r0 = i * BQ, valid = min(BQ, qlen - r0);
+    QTile::template load_async<256>(sDO + stage * QTile::kBytes,
+                                    do_base + static_cast<int64_t>(r0) * p.do_r + h * p.do_h, p.do_r, valid, tid);
+    if (tid < BQ) {
+      const bool ok = tid < valid;
+      const float* src = ok ? p.dsum + h * p.rows_q_cap + qrow0 + r0 + tid : p.dsum;
+      bwd_cp_async_4(sbase + KC::kOffDsum + (stage * BQ + tid) * 4, src, ok);
+    }
+  };
+
+  const int kw = warp % KC::kKeyWarps;  // key slab of this warp
+  const int dwi = warp / KC::kKeyWarps;  // head-dim part of dK/dV of this warp
+  const int key0 = kw * 16;
+  const int g = lane >> 2, tq = lane & 3;
+
+  float dk[NDW][4], dv[NDW][4];
+#pragma unroll
+  for (int n = 0; n < NDW; ++n)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dk[n][e] = dv[n][e] = 0.f;
+
+  // dQ_i (+)= dS K for a retained tile whose dS^T sits in buffer `buf`: warp (wq, wdq) owns rows
+  // wq*16.. and columns wdq*DQN..  Deferred to the next iteration (after its top barrier) so that
+  // no extra barrier is needed between writing dS^T and reading it.
+  auto do_dq = [&](int h, int q0, int buf) {
+    const uint32_t sDSb = sDS + buf * STile::kBytes;
+    const int wq = warp % KC::WQ, wdq = warp / KC::WQ;
+    float dq[NDQ][4];
+#pragma unroll
+    for (int n = 0; n < NDQ; ++n) dq[n][0] = dq[n][1] = dq[n][2] = dq[n][3] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < BK / 16; ++kk) {
+      uint32_t r[4], a[4];
+      ldmatrix_x4_trans(r, STile::bt_addr(sDSb, kk * 16, wq * 16, lane));
+      a[0] = r[0];
+      a[1] = r[2];
+      a[2] = r[1];
+      a[3] = r[3];
+#pragma unroll
+      for (int n2 = 0; n2 < NDQ / 2; ++n2) {
+        uint32_t bk[4];
+        ldmatrix_x4_trans(bk, KTile::bt_addr(sK, kk * 16, wdq * KC::DQN + n2 * 16, lane));
+        mma_16816<T>(dq[2 * n2], a, bk);
+        mma_16816<T>(dq[2 * n2 + 1], a, bk + 2);
+      }
+    }
+    float* dqa = p.dq_acc + (h * p.rows_q_cap + qrow0 + q0) * D;
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const int r = wq * 16 + g + hh * 8;
+      if (q0 + r < qlen) {
+#pragma unroll
+        for (int n = 0; n < NDQ; ++n)
+          bwd_red_add2(dqa + r * D + wdq * KC::DQN + n * 8 + 2 * tq, dq[n][2 * hh], dq[n][2 * hh + 1]);
+      }
+    }
+  };
+  bool pend = false;
+  int pend_h = 0, pend_q0 = 0, pend_buf = 0;
+  // Vote state of the split-phase vote (tau > 0, p.split_vote): two mbarriers + two flags.
+  const bool split_vote = p.split_vote && !p.tau_zero;
+  uint32_t* vote_s = reinterpret_cast<uint32_t*>(smem + KC::kOffVote);
+  const uint32_t mbar_s = sbase + KC::kOffMbar;
+  if (split_vote && tid == 0) {
+    bwd_mbar_init(mbar_s, KC::kWarps);
+    bwd_mbar_init(mbar_s + 8, KC::kWarps);
+    vote_s[0] = vote_s[1] = 0u;
+  }
+
+  // Q_{t+LA} is prefetched during tile t.  LA = 1: issued at the top of the iteration.  LA = 2: issued
+  // after the decision (so that the cp.async groups complete in the order they are waited for).
+  const int nqs = p.q_stages, LA = nqs - 1;
+  bool do_ready = false;
+  if (n_iter > 0) {
+    load_q(0, 0);
+    cp_async_commit();
+    load_do(0, 0);  // the first tile of a key tile is usually retained
+    cp_async_commit();
+    do_ready = true;
+    if (LA == 2 && n_iter > 1) {
+      load_q(1, 1);
+      cp_async_commit();
+    }
+  }
+
+  for (int t = 0; t < n_iter; ++t) {
+    const int st = t & 1, qs = t % nqs;
+    const int h = h0 + t / n_iq, i = i_start + t % n_iq;
+    const int q0 = i * BQ;
+    if (LA == 2 && t + 1 < n_iter)
+      cp_async_wait<1>();  // Q_{t+1} may stay in flight
+    else
+      cp_async_wait<0>();
+    __syncthreads();
+    if (LA == 1 && t + 1 < n_iter) {
+      load_q(t + 1, (t + 1) % nqs);
+      cp_async_commit();
+    }
+    const uint32_t sQs = sQ + qs * QTile::kBytes, sDOs = sDO + st * QTile::kBytes;
+    if (split_vote && tid == 0) vote_s[st ^ 1] = 0u;  // last read before this barrier, next written after the next
+    if (pend && !split_vote) {
+      do_dq(pend_h, pend_q0, pend_buf);
+      pend = false;
+    }
+
+    // ---- 1. S^T = K Q^T -------------------------------------------------------------------------
+    float s[NT][4];
+#pragma unroll
+    for (int n = 0; n < NT; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < KD; ++kk) {
+      uint32_t a[4];
+      ldmatrix_x4(a, KTile::a_addr(sK, key0, kk * 16, lane));
+#pragma unroll
+      for (int n2 = 0; n2 < NT / 2; ++n2) {
+        uint32_t bq[4];
+        ldmatrix_x4(bq, QTile::b_addr(sQs, n2 * 16, kk * 16, lane));
+        mma_16816<T>(s[2 * n2], a, bq);
+        mma_16816<T>(s[2 * n2 + 1], a, bq + 2);
+      }
+    }
+
+    // ---- 2. mask + offline test -----------------------------------------------------------------
+    const bool need_mask = (q0 + BQ > qlen) || (kb + BK > klen) || (p.causal && kb + BK - 1 > q0 + klen - qlen);
+    const float* lse_t = lse_s + qs * BQ;
+    const float* thr_t = reinterpret_cast<const float*>(smem + KC::kOffThr) + qs * BQ;
+    bool allow = true;
+#pragma unroll
+    for (int n = 0; n < NT; ++n)
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        const int col = n * 8 + 2 * tq + c;
+        const float l2 = lse_t[col] * kLog2e;
+        int L = BK + kb;  // only compared when masking
+        if (need_mask) {
+          const int qr = q0 + col;
+          L = qr < qlen ? rule::visible_keys(qr, qlen, klen, p.causal) : 0;
+        }
+        const float thr = thr_t[col];
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          const int e = hh * 2 + c;
+          float x = s[n][e] * p.scale_log2;
+          if (need_mask && kb + key0 + g + hh * 8 >= L) x = -INFINITY;
+          s[n][e] = x;
+          if (!p.tau_zero) allow &= rule::row_allows_skip(x, l2, thr);
+        }
+      }
+    bool retain = true;
+    if (split_vote) {
+      // Split-phase vote: each warp ORs its vote into vote_s[st] and arrives on mbarrier st, the
+      // deferred dQ of the previous retained tile runs, then the warp waits for the 8 arrivals.
+      const bool warp_retain = __any_sync(0xffffffffu, !allow);
+      if (lane == 0) {
+        if (warp_retain) atomicOr(&vote_s[st], 1u);
+        bwd_mbar_arrive(mbar_s + st * 8);
+      }
+      if (pend) {
+        do_dq(pend_h, pend_q0, pend_buf);
+        pend = false;
+      }
+      bwd_mbar_wait(mbar_s + st * 8, (t >> 1) & 1);
+      retain = *reinterpret_cast<volatile uint32_t*>(&vote_s[st]) != 0u;
+    } else if (!p.tau_zero) {
+      retain = __syncthreads_or(allow ? 0 : 1) != 0;
+    }
+    if (p.tile_mask != nullptr && tid == 0)
+      p.tile_mask[((static_cast<int64_t>(b) * p.heads_q + h) * p.n_q_tiles + i) * p.n_k_tiles + j] =
+          retain ? 2 : 1;
+    const bool q_late = LA == 2 && t + 2 < n_iter;
+    if (!retain) {
+      if (q_late) {
+        load_q(t + 2, (t + 2) % nqs);
+        cp_async_commit();
+      }
+      do_ready = false;
+      continue;
+    }
+    if (p.bwd_slots != nullptr && tid < BQ) {
+      const int r = q0 + tid;
+      if (r < qlen && rule::visible_keys(r, qlen, klen, p.causal) > 0) atomicAdd(p.bwd_slots + lse_index(h, r), BK);
+    }
+
+    // ---- 3. retained: dO, P, dP, dS, dV, dK, dQ -----------------------------------------------------
+    const bool spec = t + 1 < n_iter;
+    if (!do_ready) {
+      load_do(t, st);
+      cp_async_commit();
+    }
+    if (spec) {
+      load_do(t + 1, st ^ 1);
+      cp_async_commit();
+    }
+    if (q_late) {
+      load_q(t + 2, (t + 2) % nqs);
+      cp_async_commit();
+    }
+    // P = exp2(S - lse) (masked entries are -inf; rows without legal keys may have lse = -inf)
+#pragma unroll
+    for (int n = 0; n < NT; ++n)
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        float l2 = lse_t[n * 8 + 2 * tq + c] * kLog2e;
+        l2 = l2 == -INFINITY ? 0.f : l2;
+        s[n][c] = exp2f(s[n][c] - l2);
+        s[n][c + 2] = exp2f(s[n][c + 2] - l2);
+      }
+    if (!do_ready) {  // a prefetched dO_t arrived before the top barrier
+      const int newer = (spec ? 1 : 0) + (q_late ? 1 : 0);  // groups issued after dO_t
+      if (newer == 2)
+        cp_async_wait<2>();
+      else if (newer == 1)
+        cp_async_wait<1>();
+      else
+        cp_async_wait<0>();
+      __syncthreads();
+    }
+    do_ready = spec;
+
+    float dp[NT][4];
+#pragma unroll
+    for (int n = 0; n < NT; ++n) dp[n][0] = dp[n][1] = dp[n][2] = dp[n][3] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < KD; ++kk) {
+      uint32_t a[4];
+      ldmatrix_x4(a, KTile::a_addr(sV, key0, kk * 16, lane));
+#pragma unroll
+      for (int n2 = 0; n2 < NT / 2; ++n2) {
+        uint32_t bo[4];
+        ldmatrix_x4(bo, QTile::b_addr(sDOs, n2 * 16, kk * 16, lane));
+        mma_16816<T>(dp[2 * n2], a, bo);
+        mma_16816<T>(dp[2 * n2 + 1], a, bo + 2);
+      }
+    }
+    const float* dsum_t = dsum_s + st * BQ;
+    uint32_t pa[KQ][4], da[KQ][4];
+#pragma unroll
+    for (int n = 0; n < NT; ++n)
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        const float dd = dsum_t[n * 8 + 2 * tq + c];
+        dp[n][c] = s[n][c] * (dp[n][c] - dd);
+        dp[n][c + 2] = s[n][c + 2] * (dp[n][c + 2] - dd);
+      }
+#pragma unroll
+    for (int kq = 0; kq < KQ; ++kq) {
+      pa[kq][0] = pack2<T>(s[2 * kq][0], s[2 * kq][1]);
+      pa[kq][1] = pack2<T>(s[2 * kq][2], s[2 * kq][3]);
+      pa[kq][2] = pack2<T>(s[2 * kq + 1][0], s[2 * kq + 1][1]);
+      pa[kq][3] = pack2<T>(s[2 * kq + 1][2], s[2 * kq + 1][3]);
+      da[kq][0] = pack2<T>(dp[2 * kq][0], dp[2 * kq][1]);
+      da[kq][1] = pack2<T>(dp[2 * kq][2], dp[2 * kq][3]);
+      da[kq][2] = pack2<T>(dp[2 * kq + 1][0], dp[2 * kq + 1][1]);
+      da[kq][3] = pack2<T>(dp[2 * kq + 1][2], dp[2 * kq + 1][3]);
+    }
+    if (dwi == 0) {
+#pragma unroll
+      for (int kq = 0; kq < KQ; ++kq) {
+        const int r = key0 + g, c = kq * 16 + 2 * tq;
+        *reinterpret_cast<uint32_t*>(smem + KC::kOffDS + st * STile::kBytes + STile::offset_elem(r, c)) = da[kq][0];
+        *reinterpret_cast<uint32_t*>(smem + KC::kOffDS + st * STile::kBytes + STile::offset_elem(r + 8, c)) = da[kq][1];
+        *reinterpret_cast<uint32_t*>(smem + KC::kOffDS + st * STile::kBytes + STile::offset_elem(r, c + 8)) = da[kq][2];
+        *reinterpret_cast<uint32_t*>(smem + KC::kOffDS + st * STile::kBytes + STile::offset_elem(r + 8, c + 8)) = da[kq][3];
+      }
+    }
+    // dV += P^T dO, dK += dS^T Q  (this warp's keys x its head-dim part)
+#pragma unroll
+    for (int kq = 0; kq < KQ; ++kq) {
+#pragma unroll
+      for (int n2 = 0; n2 < NDW / 2; ++n2) {
+        uint32_t bo[4];
+        ldmatrix_x4_trans(bo, QTile::bt_addr(sDOs, kq * 16, dwi * KC::DW + n2 * 16, lane));
+        mma_16816<T>(dv[2 * n2], pa[kq], bo);
+        mma_16816<T>(dv[2 * n2 + 1], pa[kq], bo + 2);
+      }
+#pragma unroll
+      for (int n2 = 0; n2 < NDW / 2; ++n2) {
+        uint32_t bq[4];
+        ldmatrix_x4_trans(bq, QTile::bt_addr(sQs, kq * 16, dwi * KC::DW + n2 * 16, lane));
+        mma_16816<T>(dk[2 * n2], da[kq], bq);
+        mma_16816<T>(dk[2 * n2 + 1], da[kq], bq + 2);
+      }
+    }
+    pend = true;
+    pend_h = h;
+    pend_q0 = q0;
+    pend_buf = st;
+  }
+  cp_async_wait<0>();
+  __syncthreads();
+  if (pend) do_dq(pend_h, pend_q0, pend_buf);
+
+  // ---- epilogue: dK (scaled), dV ------------------------------------------------------------------
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    const int r = key0 + g + hh * 8;
+    if (r >= kn) continue;
+    if (p.dk_acc != nullptr) {
+      float* dka = p.dk_acc + (hk * p.rows_k_cap + krow0 + kb + r) * D + dwi * KC::DW + 2 * tq;
+      float* dva = p.dv_acc + (hk * p.rows_k_cap + krow0 + kb + r) * D + dwi * KC::DW + 2 * tq;
+#pragma unroll
+      for (int n = 0; n < NDW; ++n) {
+        bwd_red_add2(dka + n * 8, dk[n][2 * hh] * p.scale, dk[n][2 * hh + 1] * p.scale);
+        bwd_red_add2(dva + n * 8, dv[n][2 * hh], dv[n][2 * hh + 1]);
+      }
+    } else {
+      T* dkp = static_cast<T*>(p.dk) + (varlen ? krow0 * p.dk_r : b * p.dk_b) +
+               static_cast<int64_t>(kb + r) * p.dk_r + hk * p.dk_h + dwi * KC::DW + 2 * tq;
+      T* dvp = static_cast<T*>(p.dv) + (varlen ? krow0 * p.dv_r : b * p.dv_b) +
+               static_cast<int64_t>(kb + r) * p.dv_r + hk * p.dv_h + dwi * KC::DW + 2 * tq;
+#pragma unroll
+      for (int n = 0; n < NDW; ++n) {
+        *reinterpret_cast<uint32_t*>(dkp + n * 8) = pack2<T>(dk[n][2 * hh] * p.scale, dk[n][2 * hh + 1] * p.scale);
+        *reinterpret_cast<uint32_t*>(dvp + n * 8) = pack2<T>(dv[n][2 * hh], dv[n][2 * hh + 1]);
+      }
+    }
+  }
+}
+
+template <typename T, int D>
+cudaError_t launch_bwd_main(const BwdParams& p, cudaStream_t stream) {
+  using KC = BwdKernel<T, D>;
+  const int smem = KC::smem_bytes(p.q_stages);
+  cudaError_t err = cudaFuncSetAttribute(bwd_main_kernel<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (err != cudaSuccess) return err;
+  const int64_t grid = static_cast<int64_t>(p.n_k_tiles) * p.batch * p.heads_kv * p.head_splits;
+  if (grid <= 0) return cudaSuccess;
+  bwd_main_kernel<T, D><<<static_cast<unsigned>(grid), KC::kThreads, smem, stream>>>(p);
+  return cudaGetLastError();
+}
+
+}  // namespace cuda
+}  // namespace mala
+
+#define MALA_INSTANTIATE_BWD(T, D) \
+  template cudaError_t mala::cuda::launch_bwd_main<T, D>(const mala::cuda::BwdParams&, cudaStream_t);

@@ -1,0 +1,75 @@
+// Parameters of the fused MALA backward kernels (src/cuda/backward.cu builds them, the kernel
+// templates in bwd_kernel.cuh read them, src/cuda/instantiations/bwd_*.cu instantiate them).
+#pragma once
+
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+namespace mala {
+namespace cuda {
+
+// Tile configuration of the fused backward per head dim (see bwd_kernel.cuh for the warp layout).
+//   BQ: query rows per visited tile, BK: keys per CTA, WARPS_D: warps that share one 16-key slab
+//   and split the head dim of its dK/dV accumulators (d = 256 only).
+template <int D> struct BwdConfig;
+template <> struct BwdConfig<64> { static constexpr int BQ = 64, BK = 128, WARPS_D = 1; };
+template <> struct BwdConfig<128> { static constexpr int BQ = 64, BK = 128, WARPS_D = 1; };
+template <> struct BwdConfig<256> { static constexpr int BQ = 32, BK = 64, WARPS_D = 2; };
+
+struct BwdParams {
+  // Inputs (element strides; head_dim contiguous).  Varlen: row strides index the packed rows and
+  // the batch strides are unused.
+  const void* q;
+  const void* k;
+  const void* v;
+  const void* dout;
+  const float* lse;
+  int64_t q_b, q_r, q_h;
+  int64_t k_b, k_r, k_h;
+  int64_t v_b, v_r, v_h;
+  int64_t do_b, do_r, do_h;
+  // Outputs written directly by the main kernel (dk/dv when heads_per_cta == group).
+  void* dk;
+  void* dv;
+  int64_t dk_b, dk_r, dk_h;
+  int64_t dv_b, dv_r, dv_h;
+  int32_t* bwd_slots;   // optional, zeroed by the preprocess kernel
+  uint8_t* tile_mask;   // optional, zeroed (kTileIllegal) before the main kernel
+
+  const int32_t* cu_q;  // varlen when non-null
+  const int32_t* cu_k;
+
+  int batch, seqlen_q, seqlen_k, heads_q, heads_kv, group;
+  int n_q_tiles, n_k_tiles;
+  int64_t rows_q_cap, rows_k_cap;  // batch * seqlen (>= total rows for varlen)
+  bool causal;
+  bool tau_zero;        // tau == 0: every visited tile is retained, no test
+  float scale;          // softmax scale
+  float scale_log2;     // scale * log2(e)
+  float log2_tau;       // log2(tau)
+
+  // Workspace (fp32).  D: [heads_q, rows_q_cap]; dq_acc: [heads_q, rows_q_cap, d];
+  // dk_acc/dv_acc: [heads_kv, rows_k_cap, d] or null (direct dK/dV stores).
+  float* dsum;
+  float* dq_acc;
+  float* dk_acc;
+  float* dv_acc;
+  int heads_per_cta;    // query heads of one KV group handled by one CTA
+  int head_splits;      // group / heads_per_cta
+  int q_stages;         // 2 or 3 shared-memory stages of Q (3 where the shared memory allows)
+  bool split_vote;      // tau > 0: split-phase (mbarrier) vote overlapped with the deferred dQ
+};
+
+template <typename T, int D>
+cudaError_t launch_bwd_main(const BwdParams& p, cudaStream_t stream);
+
+// Bytes of dynamic shared memory of the main kernel with q_stages Q stages (host-computable).
+template <int D>
+constexpr int bwd_smem_bytes(int q_stages) {
+  // Mirrors BwdKernel<T, D> (bwd_kernel.cuh): K, V, dO x2, dS^T x2, D x2, lse x3, thr x3, vote 128 B, Q x q_stages.
+  return 2 * BwdConfig<D>::BK * D * 2 + 2 * BwdConfig<D>::BQ * D * 2 + 2 * BwdConfig<D>::BK * BwdConfig<D>::BQ * 2 +
+         8 * BwdConfig<D>::BQ * 4 + 128 + q_stages * BwdConfig<D>::BQ * D * 2;
+}
+
+}  // namespace cuda
+}  // namespace mala

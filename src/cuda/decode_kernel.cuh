@@ -1,0 +1,545 @@
+// Split-KV MALA decode kernels (issue 4): the split kernel, the lse-weighted combine, and the
+// k_new/v_new append.  Included by src/cuda/instantiations/decode_*.cu (one dtype x head_dim each).
+//
+// Split kernel: one CTA of 4 warps per (query tile of 16 packed rows, split, query-tile owner, batch).
+// It walks the split's legal key tiles newest first (rule::split_tiles of ceil(Nk/BK) tiles) with its
+// own m, l and tests every tile with rule::row_allows_skip against the FULL L_q (log2 domain).
+//   QK^T : warp w computes the scores of keys [w*BK/4, (w+1)*BK/4) for all 16 rows (mma m16n8k16);
+//          row maxima are exchanged through shared memory (one barrier) so every warp holds the
+//          whole tile's row max and takes the same decision (warp_tile_skip_online).
+//   PV   : P (bf16/fp16, 16 x BK) goes through shared memory; warp w accumulates output dims
+//          [w*D/4, (w+1)*D/4), so m, l and the accumulator never need a cross-warp reduction.
+// Memory (decode is memory-bound): K tiles stream through a ring of cp.async stages issued ahead;
+// V is loaded ONLY for retained tiles, after the test (sparse variant).  With tau = 0 nothing can be
+// skipped, so the dense variant streams (K, V) pairs ahead together.
+// Why not the forward's shared pieces (online_softmax.cuh / smem_tile.cuh): those assume each warp
+// owns its own 16-row block and full key tiles; decode has one 16-row block per CTA and splits the
+// key dimension (QK) and the head dimension (PV) across warps instead.  The test itself is
+// tile_test.cuh's warp_tile_skip_online over rule::row_allows_skip.
+#pragma once
+
+#include <cuda_runtime.h>
+#include <math.h>
+#include <stdint.h>
+
+#include "common/rule.h"
+#include "cuda/decode_params.cuh"
+#include "cuda/ptx.cuh"
+#include "cuda/tile_test.cuh"
+#include "mala/mala.h"
+
+namespace mala {
+namespace cuda {
+
+template <int D>
+struct DecodeConfig {
+  static constexpr int BK = D == 256 ? 64 : 128;  // key tile (keeps one tile at <= 32 KB)
+  static constexpr int TILE_BYTES = BK * D * 2;
+  // Shared-memory tile buffers: sparse = (NBUF-1) K stages + 1 V buffer; dense = NBUF/2 (K,V) stages.
+  static constexpr int NBUF_SPARSE = TILE_BYTES <= 16384 ? 10 : 6;
+  static constexpr int NBUF_DENSE = TILE_BYTES <= 16384 ? 10 : 6;
+  static constexpr int smem_bytes(bool dense) {
+    return (dense ? NBUF_DENSE : NBUF_SPARSE) * TILE_BYTES + kDecodeBlockQ * D * 2 + kDecodeBlockQ * BK * 2 +
+           2 * 4 * kDecodeBlockQ * 4;
+  }
+};
+
+// Element offset of (row, 16-byte chunk) in a swizzled [rows][NCH*8] 16-bit tile: the chunk index is
+// XORed with row % 8 so ldmatrix's 8 row addresses hit distinct banks.
+template <int NCH>
+__device__ __forceinline__ int swz(int row, int chunk) {
+  return row * (NCH * 8) + ((chunk ^ (row & 7)) << 3);
+}
+
+// One key tile (rows j*BK ..) of K or V into a swizzled shared buffer at sdst; rows past Nk are
+// zero-filled.  Thread tid copies the 16-byte chunk tid % (D/8) of rows tid / (D/8) + i*RPI: all
+// but the tile offset is fixed per thread, so a contiguous tile costs one add and one LDGSTS per
+// chunk.  Not inlined: the kernel issues tiles from several places and one copy keeps the code
+// (and the instruction cache footprint) small.
+template <typename T, int D, int BK>
+__device__ __noinline__ void decode_load_tile(uint32_t sdst, const T* base, int64_t sb, int64_t sr, int64_t sh, int j,
+                                              int b, int kvh, int Nk, const int32_t* block_table, int64_t bt_stride,
+                                              int page_size, int page_shift, int page_in_tile) {
+  constexpr int DCH = D / 8;
+  constexpr int RPI = kDecodeThreads / DCH;  // rows per load iteration
+  constexpr int LOAD_ITERS = BK / RPI;
+  const int tid = threadIdx.x, r0 = tid / DCH, ch0 = tid % DCH;
+  const int key0 = j * BK + r0;
+  const T* hbase = base + kvh * sh + ch0 * 8;
+  if (block_table == nullptr || page_in_tile) {
+    // Contiguous, or the whole tile inside one page (page_size a multiple of BK).
+    const T* src0;
+    if (block_table == nullptr) {
+      src0 = hbase + static_cast<int64_t>(b) * sb + static_cast<int64_t>(key0) * sr;
+    } else {
+      const int page = block_table[b * bt_stride + (j * BK) / page_size];
+      src0 = hbase + static_cast<int64_t>(page) * sb + static_cast<int64_t>((j * BK) % page_size + r0) * sr;
+    }
+    const int64_t step = RPI * sr;
+#pragma unroll
+    for (int i = 0; i < LOAD_ITERS; ++i) {
+      const int row = i * RPI + r0;
+      const bool valid = key0 + i * RPI < Nk;
+      cp_async_16(sdst + swz<DCH>(row, ch0) * 2, valid ? src0 + i * step : base, valid);
+    }
+  } else {
+    // Pages smaller than a tile (or not aligned to it): one block_table lookup per row.
+#pragma unroll 4
+    for (int i = 0; i < LOAD_ITERS; ++i) {
+      const int row = i * RPI + r0, key = key0 + i * RPI;
+      const bool valid = key < Nk;
+      const T* src = base;
+      if (valid) {
+        const int pi = page_shift >= 0 ? key >> page_shift : key / page_size;
+        const int pr = page_shift >= 0 ? key & (page_size - 1) : key - pi * page_size;
+        const int page = block_table[b * bt_stride + pi];
+        src = hbase + static_cast<int64_t>(page) * sb + static_cast<int64_t>(pr) * sr;
+      }
+      cp_async_16(sdst + swz<DCH>(row, ch0) * 2, src, valid);
+    }
+  }
+}
+
+template <typename T, int D, bool kDense>
+__global__ void __launch_bounds__(kDecodeThreads, 1) decode_split_kernel(const DecodeParams p) {
+  using Cfg = DecodeConfig<D>;
+  constexpr int BK = Cfg::BK;
+  constexpr int NBUF = kDense ? Cfg::NBUF_DENSE : Cfg::NBUF_SPARSE;
+  constexpr int NST = kDense ? NBUF / 2 : NBUF - 1;  // K stages
+  constexpr int TILE = BK * D;                        // elements per tile buffer
+  constexpr int DCH = D / 8;                          // 16-byte chunks per K/V/Q row
+  constexpr int BKCH = BK / 8;                        // 16-byte chunks per P row
+  constexpr int KW = BK / 4;                          // keys per warp (QK)
+  constexpr int NF = KW / 8;                          // n8 fragments per warp (QK)
+  constexpr int DW = D / 4;                           // output dims per warp (PV)
+  constexpr int NDF = DW / 8;                         // n8 fragments per warp (PV)
+  constexpr int KS_QK = D / 16;
+  constexpr int KS_PV = BK / 16;
+  static_assert(NF % 2 == 0 && NDF % 2 == 0 && (BK * DCH) % kDecodeThreads == 0, "tile shape");
+  static_assert(NST >= 2, "at least two K stages");
+
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  T* bufs = reinterpret_cast<T*>(smem_raw);
+  T* sQ = bufs + NBUF * TILE;
+  T* sP = sQ + kDecodeBlockQ * D;
+  float* red_max = reinterpret_cast<float*>(sP + kDecodeBlockQ * BK);  // [4 warps][16 rows]
+  float* red_sum = red_max + 4 * kDecodeBlockQ;
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  // Programmatic dependent launch: the combine kernel may be scheduled now; it waits on
+  // griddepcontrol.wait for this grid's completion (and memory) before reading the partials.
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gid = lane >> 2, tig = lane & 3;
+  const int qt = blockIdx.x % p.NQT, split = blockIdx.x / p.NQT, hs = blockIdx.y, b = blockIdx.z;
+  const int kvh = p.pack ? hs : hs / p.G;
+  int Nk = p.cache_seqlens[b] + p.seqlen_new;
+  Nk = min(max(Nk, 0), p.capacity);  // invalid lengths cannot make the kernel read out of bounds
+
+  // This lane's two fragment rows (gid, gid + 8): visible keys and thresholds.
+  int L[2];
+  float log_thr[1][2];
+  for (int h = 0; h < 2; ++h) {
+    const int r = qt * kDecodeBlockQ + gid + 8 * h;
+    const int tok = p.pack ? r / p.G : r;
+    L[h] = r < p.R ? rule::visible_keys(tok, p.Nq, Nk, p.causal != 0) : 0;
+    log_thr[0][h] = rule::log_threshold(p.log2_tau, __log2f(static_cast<float>(L[h])));
+  }
+  const int max_L = __reduce_max_sync(0xffffffffu, max(L[0], L[1]));
+
+  const int n_tiles = rule::ceil_div(Nk, BK);
+  int tb, te;
+  rule::split_tiles(n_tiles, p.S, split, &tb, &te);
+  const int te_l = min(te, rule::ceil_div(max_L, BK));  // legal tiles end
+  const int n_it = max(te_l - tb, 0);
+
+  uint8_t* mask = p.tile_mask ? p.tile_mask + (static_cast<int64_t>(b * p.HS + hs) * p.NQT + qt) * p.n_cap : nullptr;
+  if (mask) {
+    for (int j = max(te_l, tb) + tid; j < te; j += kDecodeThreads) mask[j] = kTileIllegal;
+    for (int j = n_tiles + split + p.S * tid; j < p.n_cap; j += p.S * kDecodeThreads) mask[j] = kTileIllegal;
+  }
+
+  const T* gq = static_cast<const T*>(p.q);
+  const T* gk = static_cast<const T*>(p.k_cache);
+  const T* gv = static_cast<const T*>(p.v_cache);
+
+  // Q tile -> shared (zero rows past R).
+  for (int c = tid; c < kDecodeBlockQ * DCH; c += kDecodeThreads) {
+    const int lr = c / DCH, ch = c % DCH, r = qt * kDecodeBlockQ + lr;
+    const bool valid = r < p.R;
+    const T* src = gq;
+    if (valid) {
+      const int tok = p.pack ? r / p.G : r, head = p.pack ? hs * p.G + r % p.G : hs;
+      src = gq + b * p.q_sb + tok * p.q_sr + head * p.q_sh + ch * 8;
+    }
+    cp_async_16(smem_addr(sQ + swz<DCH>(lr, ch)), src, valid);
+  }
+  cp_async_commit();
+
+  auto load_tile = [&](T* dst, const T* base, int64_t sb, int64_t sr, int64_t sh, int j) {
+    decode_load_tile<T, D, BK>(smem_addr(dst), base, sb, sr, sh, j, b, kvh, Nk, p.block_table, p.bt_stride,
+                               p.page_size, p.page_shift, p.page_in_tile);
+  };
+  auto kbuf = [&](int it) { return bufs + (it % NST) * TILE; };
+  auto vbuf = [&](int it) { return kDense ? bufs + (NST + it % NST) * TILE : bufs + NST * TILE; };
+  auto issue = [&](int it) {  // K (and V when dense) of iteration it, as one commit group
+    if (it < n_it) {
+      const int j = te_l - 1 - it;
+#pragma unroll 1
+      for (int w = 0; w < (kDense ? 2 : 1); ++w) {
+        if (w == 0) load_tile(kbuf(it), gk, p.k_sb, p.k_sr, p.k_sh, j);
+        else load_tile(vbuf(it), gv, p.v_sb, p.v_sr, p.v_sh, j);
+      }
+    }
+    cp_async_commit();
+  };
+
+#pragma unroll 1
+  for (int it = 0; it < NST - 1; ++it) issue(it);
+
+  float m[1][2] = {{-INFINITY, -INFINITY}}, l[1][2] = {{0.f, 0.f}};
+  float acc[NDF][4];
+#pragma unroll
+  for (int i = 0; i < NDF; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+  int retained = 0;
+  const int arow = (lane & 7) + ((lane >> 3) & 1) * 8;  // ldmatrix row of an A (Q or P) fragment
+
+  for (int it = 0; it < n_it; ++it) {
+    const int j = te_l - 1 - it;
+    cp_async_wait<NST - 2>();
+    __syncthreads();  // K(it) visible; previous iteration's buffers, P and red_* free
+    if (kDense) issue(it + NST - 1);
+
+    // S = Q K^T for this warp's keys.
+    const T* Ks = kbuf(it);
+    float sc[NF][4];
+#pragma unroll
+    for (int i = 0; i < NF; ++i) sc[i][0] = sc[i][1] = sc[i][2] = sc[i][3] = 0.f;
+#pragma unroll
+    for (int ks = 0; ks < KS_QK; ++ks) {
+      uint32_t qf[4];  // Q fragments are re-read from shared memory (keeps registers low for D = 256)
+      ldmatrix_x4(qf, smem_addr(sQ + swz<DCH>(arow, ks * 2 + (lane >> 4))));
+#pragma unroll
+      for (int n2 = 0; n2 < NF / 2; ++n2) {
+        const int krow = warp * KW + n2 * 16 + (lane & 7) + (lane >> 4) * 8;
+        uint32_t kb[4];
+        ldmatrix_x4(kb, smem_addr(Ks + swz<DCH>(krow, ks * 2 + ((lane >> 3) & 1))));
+        mma_16816<T>(sc[2 * n2], qf, kb);
+        mma_16816<T>(sc[2 * n2 + 1], qf, kb + 2);
+      }
+    }
+    // Scale to log2 units, mask keys a row does not see, row max over this warp's keys.
+    const int key0 = j * BK + warp * KW + tig * 2;
+    float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int nf = 0; nf < NF; ++nf)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int h = e >> 1, key = key0 + nf * 8 + (e & 1);
+        sc[nf][e] = key < L[h] ? sc[nf][e] * p.scale_log2 : -INFINITY;
+        mx[h] = fmaxf(mx[h], sc[nf][e]);
+      }
+    mx[0] = warp_max_quad(mx[0]);
+    mx[1] = warp_max_quad(mx[1]);
+    if (tig == 0) {
+      red_max[warp * kDecodeBlockQ + gid] = mx[0];
+      red_max[warp * kDecodeBlockQ + gid + 8] = mx[1];
+    }
+    __syncthreads();
+    float tmax[1][2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float t = red_max[gid + 8 * h];
+#pragma unroll
+      for (int w = 1; w < 4; ++w) t = fmaxf(t, red_max[w * kDecodeBlockQ + gid + 8 * h]);
+      tmax[0][h] = t;
+    }
+    // The tile test (identical inputs in every warp, so every warp takes the same decision).
+    const bool skip = kDense ? false : warp_tile_skip_online<1>(tmax, m, l, log_thr);
+    if (!kDense) {
+      if (!skip) {
+        load_tile(vbuf(it), gv, p.v_sb, p.v_sr, p.v_sh, j);
+        cp_async_commit();
+      }
+      issue(it + NST - 1);
+    }
+    if (mask && tid == 0) mask[j] = skip ? kTileSkipped : kTileRetained;
+    if (skip) continue;
+    ++retained;
+
+    // Online softmax update; P -> shared.
+    float alpha[2], psum[2] = {0.f, 0.f}, m_use[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float m_new = fmaxf(m[0][h], tmax[0][h]);
+      m_use[h] = m_new == -INFINITY ? 0.f : m_new;
+      alpha[h] = exp2f(m[0][h] - m_use[h]);
+      m[0][h] = m_new;
+    }
+#pragma unroll
+    for (int nf = 0; nf < NF; ++nf) {
+      const float p0 = exp2f(sc[nf][0] - m_use[0]), p1 = exp2f(sc[nf][1] - m_use[0]);
+      const float p2 = exp2f(sc[nf][2] - m_use[1]), p3 = exp2f(sc[nf][3] - m_use[1]);
+      psum[0] += p0 + p1;
+      psum[1] += p2 + p3;
+      const int col = warp * KW + nf * 8 + tig * 2;
+      *reinterpret_cast<uint32_t*>(sP + swz<BKCH>(gid, col >> 3) + (col & 7)) = pack2<T>(p0, p1);
+      *reinterpret_cast<uint32_t*>(sP + swz<BKCH>(gid + 8, col >> 3) + (col & 7)) = pack2<T>(p2, p3);
+    }
+    psum[0] = warp_sum_quad(psum[0]);
+    psum[1] = warp_sum_quad(psum[1]);
+    if (tig == 0) {
+      red_sum[warp * kDecodeBlockQ + gid] = psum[0];
+      red_sum[warp * kDecodeBlockQ + gid + 8] = psum[1];
+    }
+#pragma unroll
+    for (int i = 0; i < NDF; ++i) {
+      acc[i][0] *= alpha[0];
+      acc[i][1] *= alpha[0];
+      acc[i][2] *= alpha[1];
+      acc[i][3] *= alpha[1];
+    }
+    if (!kDense) cp_async_wait<1>();  // V(it); the K prefetch just issued may stay in flight
+    __syncthreads();                  // P, red_sum and V visible
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float s = 0.f;
+#pragma unroll
+      for (int w = 0; w < 4; ++w) s += red_sum[w * kDecodeBlockQ + gid + 8 * h];
+      l[0][h] = l[0][h] * alpha[h] + s;
+    }
+    // O[:, warp dims] += P V
+    const T* Vs = vbuf(it);
+#pragma unroll
+    for (int ks = 0; ks < KS_PV; ++ks) {
+      uint32_t pa[4];
+      ldmatrix_x4(pa, smem_addr(sP + swz<BKCH>(arow, ks * 2 + (lane >> 4))));
+#pragma unroll
+      for (int n2 = 0; n2 < NDF / 2; ++n2) {
+        const int vrow = ks * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+        const int vch = (warp * DW + n2 * 16) / 8 + (lane >> 4);
+        uint32_t vb[4];
+        ldmatrix_x4_trans(vb, smem_addr(Vs + swz<DCH>(vrow, vch)));
+        mma_16816<T>(acc[2 * n2], pa, vb);
+        mma_16816<T>(acc[2 * n2 + 1], pa, vb + 2);
+      }
+    }
+  }
+  cp_async_wait<0>();  // nothing may stay in flight into exited shared memory
+
+  // Epilogue.
+  if (p.S == 1) {
+    T* go = static_cast<T*>(p.o);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = qt * kDecodeBlockQ + gid + 8 * h;
+      if (r >= p.R) continue;
+      const int tok = p.pack ? r / p.G : r, head = p.pack ? hs * p.G + r % p.G : hs;
+      const float inv = l[0][h] > 0.f ? 1.f / l[0][h] : 0.f;
+      T* orow = go + b * p.o_sb + tok * p.o_sr + head * p.o_sh + warp * DW + tig * 2;
+#pragma unroll
+      for (int i = 0; i < NDF; ++i)
+        *reinterpret_cast<uint32_t*>(orow + i * 8) = pack2<T>(acc[i][2 * h] * inv, acc[i][2 * h + 1] * inv);
+      if (warp == 0 && tig == 0) {
+        const int64_t idx = (static_cast<int64_t>(b) * p.Hq + head) * p.Nq + tok;
+        if (p.lse) p.lse[idx] = l[0][h] > 0.f ? (m[0][h] + __log2f(l[0][h])) * 0.69314718055994531f : -INFINITY;
+        if (p.slots) p.slots[idx] = L[h] > 0 ? retained * BK : 0;
+      }
+    }
+  } else {
+    const int64_t idx = ((static_cast<int64_t>(b) * p.HS + hs) * p.NQT + qt) * p.S + split;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int lr = gid + 8 * h;
+      const float inv = l[0][h] > 0.f ? 1.f / l[0][h] : 0.f;
+      float* wrow = p.ws_o + (idx * kDecodeBlockQ + lr) * D + warp * DW + tig * 2;
+#pragma unroll
+      for (int i = 0; i < NDF; ++i)
+        *reinterpret_cast<float2*>(wrow + i * 8) = make_float2(acc[i][2 * h] * inv, acc[i][2 * h + 1] * inv);
+      if (warp == 0 && tig == 0)
+        p.ws_lse[idx * kDecodeBlockQ + lr] = l[0][h] > 0.f ? m[0][h] + __log2f(l[0][h]) : -INFINITY;
+    }
+    if (tid == 0) p.ws_cnt[idx] = retained;
+  }
+}
+
+// lse-weighted merge of the splits: one CTA of 16 warps per (batch, owner, row); warp w merges
+// splits w, w+16, ... over all D dims (float4 per lane), then the partial rows are summed.  The first
+// kCombinePre partial rows of each warp are loaded before the split lse values are reduced, so a
+// combine of up to 16 * kCombinePre splits costs about one round trip after the split kernel.
+constexpr int kCombineWarps = 16;
+constexpr int kCombinePre = 8;
+template <int D>
+constexpr int combine_smem_bytes(int splits) {
+  return kCombineWarps * D * 4 + splits * 4;
+}
+
+template <typename T, int D>
+__global__ void __launch_bounds__(kCombineWarps * 32) decode_combine_kernel(const DecodeParams p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");  // the split kernel's partials are complete
+#endif
+  constexpr int PER_LANE = D >= 128 ? D / 128 : 1;  // float4 per lane
+  extern __shared__ __align__(16) float cmb_smem[];
+  float* red = cmb_smem;                         // [kCombineWarps][D]
+  float* lse_sh = cmb_smem + kCombineWarps * D;  // [S]
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t gr = blockIdx.x;
+  const int r = static_cast<int>(gr % p.R), hs = static_cast<int>((gr / p.R) % p.HS),
+            b = static_cast<int>(gr / (static_cast<int64_t>(p.R) * p.HS));
+  const int qt = r / kDecodeBlockQ, lr = r % kDecodeBlockQ;
+  const int64_t idx0 = ((static_cast<int64_t>(b) * p.HS + hs) * p.NQT + qt) * p.S;
+  const bool active = lane * 4 < D;
+  auto orow = [&](int s) { return p.ws_o + ((idx0 + s) * kDecodeBlockQ + lr) * D + lane * 4; };
+
+  for (int s = threadIdx.x; s < p.S; s += kCombineWarps * 32) lse_sh[s] = __ldcg(p.ws_lse + (idx0 + s) * kDecodeBlockQ + lr);
+  float4 pre[kCombinePre][PER_LANE];
+#pragma unroll
+  for (int k = 0; k < kCombinePre; ++k) {
+    const int s = warp + k * kCombineWarps;
+#pragma unroll
+    for (int i = 0; i < PER_LANE; ++i)
+      pre[k][i] = (s < p.S && active) ? __ldcg(reinterpret_cast<const float4*>(orow(s) + i * 128))
+                                      : make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+  __syncthreads();
+  float mx = -INFINITY;
+  for (int s = lane; s < p.S; s += 32) mx = fmaxf(mx, lse_sh[s]);
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+  float sum = 0.f;
+  if (mx != -INFINITY)
+    for (int s = lane; s < p.S; s += 32) sum += exp2f(lse_sh[s] - mx);
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+  const float lse2 = mx == -INFINITY ? -INFINITY : mx + __log2f(sum);
+
+  float4 acc[PER_LANE];
+#pragma unroll
+  for (int i = 0; i < PER_LANE; ++i) acc[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+  auto add = [&](const float4 (&v)[PER_LANE], float w) {
+#pragma unroll
+    for (int i = 0; i < PER_LANE; ++i) {
+      acc[i].x += w * v[i].x;
+      acc[i].y += w * v[i].y;
+      acc[i].z += w * v[i].z;
+      acc[i].w += w * v[i].w;
+    }
+  };
+  if (mx != -INFINITY) {
+    // w = 0 for splits that saw nothing for this row (their partial O is 0).
+#pragma unroll
+    for (int k = 0; k < kCombinePre; ++k) {
+      const int s = warp + k * kCombineWarps;
+      if (s < p.S) add(pre[k], exp2f(lse_sh[s] - lse2));
+    }
+#pragma unroll 4
+    for (int s = warp + kCombinePre * kCombineWarps; s < p.S; s += kCombineWarps) {
+      float4 v[PER_LANE];
+#pragma unroll
+      for (int i = 0; i < PER_LANE; ++i)
+        v[i] = active ? __ldcg(reinterpret_cast<const float4*>(orow(s) + i * 128)) : make_float4(0.f, 0.f, 0.f, 0.f);
+      add(v, exp2f(lse_sh[s] - lse2));
+    }
+  }
+  if (active)
+#pragma unroll
+    for (int i = 0; i < PER_LANE; ++i) *reinterpret_cast<float4*>(red + warp * D + lane * 4 + i * 128) = acc[i];
+  __syncthreads();
+  const int tok = p.pack ? r / p.G : r, head = p.pack ? hs * p.G + r % p.G : hs;
+  T* out = static_cast<T*>(p.o) + b * p.o_sb + tok * p.o_sr + head * p.o_sh;
+  for (int x = threadIdx.x * 2; x < D; x += kCombineWarps * 64) {
+    float o0 = 0.f, o1 = 0.f;
+#pragma unroll
+    for (int w = 0; w < kCombineWarps; ++w) {
+      o0 += red[w * D + x];
+      o1 += red[w * D + x + 1];
+    }
+    *reinterpret_cast<uint32_t*>(out + x) = pack2<T>(o0, o1);
+  }
+  if (threadIdx.x == 0) {
+    const int64_t idx = (static_cast<int64_t>(b) * p.Hq + head) * p.Nq + tok;
+    if (p.lse) p.lse[idx] = lse2 * 0.69314718055994531f;
+    if (p.slots) {
+      int cnt = 0;
+      for (int s = 0; s < p.S; ++s) cnt += p.ws_cnt[idx0 + s];
+      const int L = rule::visible_keys(tok, p.Nq, min(max(p.cache_seqlens[b] + p.seqlen_new, 0), p.capacity), p.causal != 0);
+      p.slots[idx] = L > 0 ? cnt * DecodeConfig<D>::BK : 0;
+    }
+  }
+}
+
+// k_new / v_new -> cache rows cache_seqlens[b] + t.  Block: 2 * D/8 threads (K then V), 16 B each.
+template <typename T, int D>
+__global__ void decode_append_kernel(const DecodeParams p) {
+  constexpr int DCH = D / 8;
+  const int t = blockIdx.x / p.Hkv, h = blockIdx.x % p.Hkv, b = blockIdx.y;
+  const int which = threadIdx.x / DCH, ch = threadIdx.x % DCH;
+  const int pos = p.cache_seqlens[b] + t;
+  if (pos < 0 || pos >= p.capacity) return;
+  const T* src = static_cast<const T*>(which ? p.v_new : p.k_new) +
+                 b * (which ? p.vn_sb : p.kn_sb) + t * (which ? p.vn_sr : p.kn_sr) + h * (which ? p.vn_sh : p.kn_sh) +
+                 ch * 8;
+  const int64_t sb = which ? p.v_sb : p.k_sb, sr = which ? p.v_sr : p.k_sr, sh = which ? p.v_sh : p.k_sh;
+  int64_t off;
+  if (p.block_table) {
+    const int page = p.block_table[b * p.bt_stride + pos / p.page_size];
+    off = static_cast<int64_t>(page) * sb + static_cast<int64_t>(pos % p.page_size) * sr;
+  } else {
+    off = static_cast<int64_t>(b) * sb + static_cast<int64_t>(pos) * sr;
+  }
+  T* dst = static_cast<T*>(which ? p.v_cache : p.k_cache) + off + h * sh + ch * 8;
+  *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
+}
+
+template <typename T, int D, bool kDense>
+cudaError_t prepare_split_kernel() {
+  static cudaError_t err = cudaFuncSetAttribute(decode_split_kernel<T, D, kDense>,
+                                                cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                DecodeConfig<D>::smem_bytes(kDense));
+  return err;
+}
+
+// Enqueues append (when seqlen_new > 0), split kernel and combine (when S > 1) on the stream.
+template <typename T, int D>
+cudaError_t launch_decode_impl(const DecodeParams& p, bool dense, cudaStream_t stream) {
+  // Programmatic dependent launch of the combine (sm_90+): its launch overlaps the split kernel.
+  static const bool pdl = [] {
+    int dev = 0, major = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) {
+      cudaGetLastError();
+      return false;
+    }
+    return major >= 9;
+  }();
+  if (p.seqlen_new > 0) {
+    decode_append_kernel<T, D><<<dim3(p.seqlen_new * p.Hkv, p.B), 2 * (D / 8), 0, stream>>>(p);
+  }
+  const dim3 grid(p.NQT * p.S, p.HS, p.B);
+  cudaError_t err;
+  if (dense) {
+    if ((err = prepare_split_kernel<T, D, true>()) != cudaSuccess) return err;
+    decode_split_kernel<T, D, true><<<grid, kDecodeThreads, DecodeConfig<D>::smem_bytes(true), stream>>>(p);
+  } else {
+    if ((err = prepare_split_kernel<T, D, false>()) != cudaSuccess) return err;
+    decode_split_kernel<T, D, false><<<grid, kDecodeThreads, DecodeConfig<D>::smem_bytes(false), stream>>>(p);
+  }
+  if (p.S > 1) {
+    const int64_t rows = static_cast<int64_t>(p.B) * p.HS * p.R;
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(static_cast<unsigned>(rows));
+    cfg.blockDim = dim3(kCombineWarps * 32);
+    cfg.dynamicSmemBytes = combine_smem_bytes<D>(p.S);
+    cfg.stream = stream;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = pdl ? 1 : 0;
+    if ((err = cudaLaunchKernelEx(&cfg, decode_combine_kernel<T, D>, p)) != cudaSuccess) return err;
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace cuda
+}  // namespace mala

@@ -1,0 +1,57 @@
+// Parameters of the split-KV decode kernels (src/cuda/decode_kernel.cuh), filled by decode.cu.
+// Plain data, no CUDA types, so decode.cu's host code and the instantiation files share it.
+#pragma once
+
+#include <stdint.h>
+
+namespace mala {
+namespace cuda {
+
+// Decode query tile height: one m16 mma fragment of packed rows (token * G + g) or tokens.
+constexpr int kDecodeBlockQ = 16;
+constexpr int kDecodeThreads = 128;  // 4 warps
+
+struct DecodeParams {
+  const void* q;
+  void* k_cache;
+  void* v_cache;
+  const int32_t* cache_seqlens;
+  const int32_t* block_table;  // paged when non-null
+  int64_t bt_stride;
+  int page_size;
+  int page_shift;    // log2(page_size) when it is a power of two, else -1
+  int page_in_tile;  // paged and page_size % block_k == 0: a key tile never crosses a page
+  int capacity;  // keys one sequence can hold (contiguous: cache_capacity; paged: page_size*max_pages)
+  const void* k_new;
+  const void* v_new;
+  void* o;
+  float* lse;         // optional [B, Hq, Nq] natural log
+  int32_t* slots;     // optional [B, Hq, Nq]
+  uint8_t* tile_mask; // optional [B, HS, NQT, n_cap]
+
+  // Split partials (num_splits > 1): index ((b*HS + hs)*NQT + qt)*S + s
+  float* ws_o;    // [.., 16, D] fp32, normalized by the split's l
+  float* ws_lse;  // [.., 16] log2 domain, -inf when the split saw nothing for the row
+  int* ws_cnt;    // [..] retained tiles of the split
+
+  int B, Nq, seqlen_new, Hq, Hkv, G;
+  int HS;    // query-tile owners per sequence: Hkv (packed) or Hq
+  int R;     // rows per owner: Nq*G (packed) or Nq
+  int NQT;   // query tiles per owner
+  int S;     // splits
+  int n_cap; // key tiles of the capacity (tile_mask width)
+  int causal, pack;
+  float scale_log2;  // softmax_scale * log2(e)
+  float log2_tau;    // log2(tau), -inf for tau = 0
+
+  // Element strides (resolved).  Cache: contiguous [B, cap, Hkv, D] or paged [pages, page_size, Hkv, D].
+  int64_t q_sb, q_sr, q_sh;
+  int64_t o_sb, o_sr, o_sh;
+  int64_t k_sb, k_sr, k_sh;
+  int64_t v_sb, v_sr, v_sh;
+  int64_t kn_sb, kn_sr, kn_sh;
+  int64_t vn_sb, vn_sr, vn_sh;
+};
+
+}  // namespace cuda
+}  // namespace mala

@@ -1,0 +1,360 @@
+// The fused MALA forward kernel (FlashAttention-2 class, mma.sync m16n8k16, sm80+).
+//
+// Grid (query tiles, heads_q, batch); a CTA of kWarps warps owns BQ = kWarps*16*kMT consecutive
+// query rows, each warp a contiguous aligned block of 16*kMT rows whose P stays in registers as the
+// A operand of P V.  Key tiles of kBk rows are visited from the one holding the CTA's largest legal
+// key down to tile 0; K and V are double-buffered in swizzled shared memory with cp.async (the next
+// tile's K and V are in flight while the current one is computed).  Per warp and tile:
+//   S = Q K^T (every legal tile) -> causal/bounds mask where needed -> row max (needed anyway) ->
+//   MALA tile test (tau > 0 only; rule::row_allows_skip via tile_test.cuh, voted over the warp) ->
+//   retained: online-softmax update and O += P V;  skipped: nothing (m, l, acc untouched).
+// V is always prefetched together with K (prefill is compute bound and the loads are overlapped);
+// skipping saves the exp, the P conversion and the P V mma.
+// Decision tile = (16*kMT rows of one warp) x kBk keys; tile_mask/fwd_slots use exactly those.
+#pragma once
+
+#include <cuda_runtime.h>
+#include <math.h>
+#include <stdint.h>
+
+#include "common/rule.h"
+#include "mala/mala.h"
+#include "cuda/fwd_params.h"
+#include "cuda/mask.cuh"
+#include "cuda/online_softmax.cuh"
+#include "cuda/ptx.cuh"
+#include "cuda/smem_tile.cuh"
+#include "cuda/tile_test.cuh"
+
+#ifndef MALA_FWD_KS_UNROLL
+#define MALA_FWD_KS_UNROLL 1
+#endif
+
+namespace mala {
+namespace cuda {
+
+// Cfg::kLazyV (optional, default true): load V on demand for tiles some warp retains.
+template <typename Cfg, typename = void> struct FwdLazyV { static constexpr bool value = true; };
+template <typename Cfg> struct FwdLazyV<Cfg, decltype(void(Cfg::kLazyV))> { static constexpr bool value = Cfg::kLazyV; };
+
+template <typename T, int D, typename Cfg = FwdConfig<D>>
+struct FwdKernelTraits {
+  static constexpr int kMT = Cfg::kMT;
+  static constexpr int kWarps = Cfg::kWarps;
+  static constexpr int kBk = Cfg::kBk;
+  static constexpr bool kLazyV = FwdLazyV<Cfg>::value;  // V loaded only for retained tiles (see loop)
+  static constexpr int kThreads = kWarps * 32;
+  static constexpr int kRowsPerWarp = 16 * kMT;
+  static constexpr int kBq = kWarps * kRowsPerWarp;
+  static constexpr int kNT = kBk / 8;  // n8 tiles of S
+  static constexpr int kDT = D / 8;    // n8 tiles of O
+  static constexpr int kKS = D / 16;   // k16 steps of Q K^T
+  static constexpr bool kQInRegs = kMT * D <= 128;
+  // k16 steps of Q K^T unrolled: all of them when Q lives in registers (compile-time indices).
+  static constexpr int kKsUnroll = kQInRegs ? kKS : MALA_FWD_KS_UNROLL;
+  using QTile = SmemTile<kBq, D>;
+  using KVTile = SmemTile<kBk, D>;
+  static constexpr int kSmemBytes = QTile::kBytes + 4 * KVTile::kBytes + 2 * kBq * 4;  // Q, 2x(K, V), test state
+  // Two CTAs per SM when shared memory allows and 255 registers per thread still fit (128 threads).
+  static constexpr int kMinBlocks = (kSmemBytes <= 110 * 1024 && kThreads <= 128) ? 2 : 1;
+};
+
+template <typename T, int D, typename Cfg>
+__global__ void __launch_bounds__(FwdKernelTraits<T, D, Cfg>::kThreads, FwdKernelTraits<T, D, Cfg>::kMinBlocks)
+    mala_fwd_kernel(const FwdParams p) {
+  using Tr = FwdKernelTraits<T, D, Cfg>;
+  constexpr int MT = Tr::kMT, NT = Tr::kNT, DT = Tr::kDT, KS = Tr::kKS, BK = Tr::kBk;
+  constexpr int RW = Tr::kRowsPerWarp, BQ = Tr::kBq, NTH = Tr::kThreads;
+  using QTile = typename Tr::QTile;
+  using KVTile = typename Tr::KVTile;
+
+  extern __shared__ __align__(128) unsigned char smem[];
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int b = blockIdx.z, h = blockIdx.y;
+  // Causal: the last query tiles see the most keys; launch them first.
+  const int qtile = p.causal ? (int)gridDim.x - 1 - (int)blockIdx.x : (int)blockIdx.x;
+
+  int Nq = p.seqlen_q, Nk = p.seqlen_k;
+  int64_t q_base, k_base, v_base, o_base;
+  int q_off = 0;
+  const int hk = h / p.group;
+  if (p.cu_q) {
+    q_off = p.cu_q[b];
+    Nq = p.cu_q[b + 1] - q_off;
+    q_base = q_off * p.q_sr;
+    o_base = q_off * p.o_sr;
+  } else {
+    q_base = b * p.q_sb;
+    o_base = b * p.o_sb;
+  }
+  if (p.cu_k) {
+    int k_off = p.cu_k[b];
+    Nk = p.cu_k[b + 1] - k_off;
+    k_base = k_off * p.k_sr;
+    v_base = k_off * p.v_sr;
+  } else {
+    k_base = b * p.k_sb;
+    v_base = b * p.v_sb;
+  }
+  const T* qp = static_cast<const T*>(p.q) + q_base + h * p.q_sh;
+  const T* kp = static_cast<const T*>(p.k) + k_base + hk * p.k_sh;
+  const T* vp = static_cast<const T*>(p.v) + v_base + hk * p.v_sh;
+  T* op = static_cast<T*>(p.o) + o_base + h * p.o_sh;
+
+  const int row_cta = qtile * BQ;
+  const int row_w = row_cta + warp * RW;
+  // L is non-decreasing in the row, so a block's largest L is its last valid row's.
+  auto max_L = [&](int r0, int rows) {
+    int last = min(r0 + rows, Nq) - 1;
+    return last >= r0 ? rule::visible_keys(last, Nq, Nk, p.causal) : 0;
+  };
+  const int n_tiles = rule::ceil_div(max_L(row_cta, BQ), BK);
+  const int warp_hi = rule::ceil_div(max_L(row_w, RW), BK) - 1;
+  // Smallest L over the warp's rows (0 when some row is past the end): tiles reaching it need masking.
+  const int min_L_w = row_w + RW <= Nq ? rule::visible_keys(row_w, Nq, Nk, p.causal) : 0;
+
+  const bool test_on = p.log2_tau > -INFINITY;
+  // Test inputs per query row, kept in shared memory (registers are the limit at d = 128):
+  // s_thr = log2(tau) - log2(L_q) (fixed), s_norm = m + log2(l) (rewritten by the quad leader after
+  // each retained tile, so skipped tiles cost no MUFU).  Each warp touches only its own rows.
+  float* s_thr = reinterpret_cast<float*>(smem + QTile::kBytes + 4 * KVTile::kBytes);
+  float* s_norm = s_thr + BQ;
+  if ((lane & 3) == 0) {
+    int lim[MT][2];
+    row_limits<MT>(lim, row_w, lane, Nq, Nk, p.causal);
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const int rr = warp * RW + mt * 16 + (lane >> 2) + hh * 8;
+        s_thr[rr] = rule::log_threshold(p.log2_tau, __log2f((float)lim[mt][hh]));
+        s_norm[rr] = -INFINITY;  // nothing retained yet
+      }
+  }
+  __syncwarp();
+
+  // tile_mask row of this warp's decision tile (null when not requested or past the mask).
+  uint8_t* mask_row = nullptr;
+  if (p.tile_mask) {
+    const int qt = row_w / RW;
+    if (qt < p.n_q_tiles_mask) {
+      mask_row = p.tile_mask + (((int64_t)b * p.heads_q + h) * p.n_q_tiles_mask + qt) * p.n_k_tiles_mask;
+      for (int kt = warp_hi + 1 + lane; kt < p.n_k_tiles_mask; kt += 32) mask_row[kt] = kTileIllegal;
+    }
+  }
+
+  float m[MT][2], l[MT][2], acc[MT][DT][4];
+  softmax_init<MT, DT>(m, l, acc);
+  int retained = 0;
+
+  const uint32_t sQ = smem_addr(smem);
+  const uint32_t sK0 = sQ + QTile::kBytes;
+  const uint32_t sV0 = sK0 + 2 * KVTile::kBytes;
+  const uint32_t q_lane = QTile::lane_off_a(lane), k_lane = KVTile::lane_off_b(lane), v_lane = KVTile::lane_off_a(lane);
+
+  if (n_tiles > 0) {
+    QTile::template load_async<NTH>(sQ, qp + (int64_t)row_cta * p.q_sr, p.q_sr, Nq - row_cta, tid);
+    {
+      const int j = n_tiles - 1;
+      KVTile::template load_async<NTH>(sK0, kp + (int64_t)j * BK * p.k_sr, p.k_sr, Nk - j * BK, tid);
+      KVTile::template load_async<NTH>(sV0, vp + (int64_t)j * BK * p.v_sr, p.v_sr, Nk - j * BK, tid);
+    }
+    cp_async_commit();
+  }
+
+  uint32_t qreg[Tr::kQInRegs ? KS : 1][MT][4];
+  // V of tile j is either prefetched with K (v_ready) or loaded on demand after the tile test when
+  // some warp retains the tile.  Prefetch policy: always when the test is off (tau = 0: dense
+  // pipeline), otherwise when the previous tile was retained by some warp (retention is bursty:
+  // random inputs keep the dense pipeline, sparse inputs skip most V loads).
+  bool v_ready = true;  // the prologue loads V of the first tile
+  bool last_any = true;
+  int buf = 0;
+  for (int j = n_tiles - 1; j >= 0; --j) {
+    const bool pref_v = !Tr::kLazyV || !test_on || last_any;
+    if (j > 0) {
+      const int jn = j - 1;
+      const uint32_t off = (buf ^ 1) * KVTile::kBytes;
+      KVTile::template load_async<NTH>(sK0 + off, kp + (int64_t)jn * BK * p.k_sr, p.k_sr, Nk - jn * BK, tid);
+      if (pref_v)
+        KVTile::template load_async<NTH>(sV0 + off, vp + (int64_t)jn * BK * p.v_sr, p.v_sr, Nk - jn * BK, tid);
+    }
+    cp_async_commit();
+    cp_async_wait<1>();
+    __syncthreads();
+
+    if constexpr (Tr::kQInRegs) {
+      if (j == n_tiles - 1) {
+#pragma unroll
+        for (int ks = 0; ks < KS; ++ks)
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt)
+            ldmatrix_x4(qreg[ks][mt], QTile::frag_addr(sQ, q_lane, warp * RW + mt * 16, ks * 16));
+      }
+    }
+
+    const uint32_t sK = sK0 + buf * KVTile::kBytes;
+    const uint32_t sV = sV0 + buf * KVTile::kBytes;
+    float s[MT][NT][4];
+    float mx[MT][2];
+    bool retain = false;
+    if (j <= warp_hi) {
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) s[mt][nt][0] = s[mt][nt][1] = s[mt][nt][2] = s[mt][nt][3] = 0.f;
+
+      // ---- score discovery: S = Q K^T ----
+#pragma unroll Tr::kKsUnroll
+      for (int ks = 0; ks < KS; ++ks) {
+        uint32_t a[MT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          if constexpr (Tr::kQInRegs) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) a[mt][e] = qreg[ks][mt][e];
+          } else {
+            ldmatrix_x4(a[mt], QTile::frag_addr(sQ, q_lane, warp * RW + mt * 16, ks * 16));
+          }
+        }
+#pragma unroll
+        for (int np = 0; np < NT / 2; ++np) {
+          uint32_t bk[4];
+          ldmatrix_x4(bk, KVTile::frag_addr(sK, k_lane, np * 16, ks * 16));
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt) {
+            mma_16816<T>(s[mt][2 * np], a[mt], bk);
+            mma_16816<T>(s[mt][2 * np + 1], a[mt], bk + 2);
+          }
+        }
+      }
+      if (j * BK + BK > min_L_w) {
+        int lim[MT][2];
+        row_limits<MT>(lim, row_w, lane, Nq, Nk, p.causal);
+        apply_mask<MT, NT>(s, lim, j * BK, lane);
+      }
+
+      tile_row_max<MT, NT>(s, mx);
+      bool skip = false;
+      if (test_on) {
+        float tmax[MT][2];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+          for (int hh = 0; hh < 2; ++hh) tmax[mt][hh] = mx[mt][hh] * p.scale_log2;
+        float log_norm[MT][2], log_thr[MT][2];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+          for (int hh = 0; hh < 2; ++hh) {
+            const int rr = warp * RW + mt * 16 + (lane >> 2) + hh * 8;
+            log_norm[mt][hh] = s_norm[rr];
+            log_thr[mt][hh] = s_thr[rr];
+          }
+        skip = warp_vote_skip(lane_rows_allow_skip<MT>(tmax, log_norm, log_thr));
+      }
+      retain = !skip;
+      if (mask_row && lane == 0) mask_row[j] = skip ? kTileSkipped : kTileRetained;
+    }
+
+    // V on demand: only when some warp of the CTA retains this tile.
+    bool load_v = false;
+    if constexpr (Tr::kLazyV) {
+      if (test_on) {
+        const bool any = __syncthreads_or(retain) != 0;
+        load_v = any && !v_ready;
+        last_any = any;
+        if (load_v) {
+          KVTile::template load_async<NTH>(sV, vp + (int64_t)j * BK * p.v_sr, p.v_sr, Nk - j * BK, tid);
+          cp_async_commit();
+        }
+      }
+    }
+
+    if (retain) softmax_update<MT, NT, DT>(s, mx, p.scale_log2, m, l, acc);
+    if (load_v) {
+      cp_async_wait<0>();
+      __syncthreads();
+    }
+    if (retain) {
+      if (test_on && (lane & 3) == 0) {
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+          for (int hh = 0; hh < 2; ++hh)
+            s_norm[warp * RW + mt * 16 + (lane >> 2) + hh * 8] = m[mt][hh] + __log2f(l[mt][hh]);
+      }
+      __syncwarp();
+      // ---- O += P V ----
+      uint32_t pa[BK / 16][MT][4];  // P packed to 16-bit at once: half the registers of fp32 S
+#pragma unroll
+      for (int kk = 0; kk < BK / 16; ++kk)
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) p_to_a<T, MT, NT>(s, mt, kk, pa[kk][mt]);
+#pragma unroll
+      for (int kk = 0; kk < BK / 16; ++kk) {
+#pragma unroll
+        for (int dp = 0; dp < DT / 2; ++dp) {
+          uint32_t bv[4];
+          ldmatrix_x4_trans(bv, KVTile::frag_addr(sV, v_lane, kk * 16, dp * 16));
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt) {
+            mma_16816<T>(acc[mt][2 * dp], pa[kk][mt], bv);
+            mma_16816<T>(acc[mt][2 * dp + 1], pa[kk][mt], bv + 2);
+          }
+        }
+      }
+      ++retained;
+    }
+    __syncthreads();  // everyone is done with `buf` before the next iteration refills it
+    buf ^= 1;
+    v_ready = pref_v;
+  }
+
+  // ---- epilogue: O = acc / l, lse = m + log l, slots ----
+  float lse[MT][2];
+  softmax_finalize<MT, DT>(m, l, acc, lse);
+  const int g = lane >> 2, t = lane & 3;
+  int lim[MT][2];
+  row_limits<MT>(lim, row_w, lane, Nq, Nk, p.causal);
+  int64_t lse_base = 0;
+  if (p.lse || p.slots) {
+    lse_base = p.cu_q ? (int64_t)h * p.cu_q[p.batch] + q_off : ((int64_t)b * p.heads_q + h) * p.seqlen_q;
+  }
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const int r = row_w + mt * 16 + g + hh * 8;
+      if (r >= Nq) continue;
+      T* orow = op + (int64_t)r * p.o_sr;
+#pragma unroll
+      for (int dt = 0; dt < DT; ++dt)
+        *reinterpret_cast<uint32_t*>(orow + dt * 8 + 2 * t) = pack2<T>(acc[mt][dt][2 * hh], acc[mt][dt][2 * hh + 1]);
+      if (t == 0) {
+        if (p.lse) p.lse[lse_base + r] = lse[mt][hh];
+        if (p.slots) p.slots[lse_base + r] = lim[mt][hh] > 0 ? retained * BK : 0;  // as the CPU: L = 0 rows do no work
+      }
+    }
+}
+
+// Host-side launch of one instantiation (defined in the instantiation files).
+// Cfg: FwdConfig<D> in the library; benchmarks may try other configurations (kMT, kWarps, kBk).
+template <typename T, int D, typename Cfg = FwdConfig<D>>
+cudaError_t launch_fwd_cfg(const FwdParams& p, cudaStream_t stream) {
+  using Tr = FwdKernelTraits<T, D, Cfg>;
+  auto kernel = mala_fwd_kernel<T, D, Cfg>;
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes);
+  if (err != cudaSuccess) return err;
+  dim3 grid(rule::ceil_div(p.seqlen_q, Tr::kBq), p.heads_q, p.batch);
+  kernel<<<grid, Tr::kThreads, Tr::kSmemBytes, stream>>>(p);
+  return cudaGetLastError();
+}
+
+template <typename T, int D>
+cudaError_t launch_fwd(const FwdParams& p, cudaStream_t stream) {
+  return launch_fwd_cfg<T, D, FwdConfig<D>>(p, stream);
+}
+
+}  // namespace cuda
+}  // namespace mala

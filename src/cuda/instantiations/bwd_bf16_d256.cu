@@ -1,0 +1,3 @@
+// Fused MALA backward, bf16, head dim 256 (see src/cuda/bwd_kernel.cuh).
+#include "cuda/bwd_kernel.cuh"
+MALA_INSTANTIATE_BWD(__nv_bfloat16, 256)

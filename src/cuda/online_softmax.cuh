@@ -1,0 +1,102 @@
+// Online softmax on mma fragments (FlashAttention-2 style), base 2 with the softmax scale folded
+// into one FMA: p = exp2(s * scale_log2 - m), scale_log2 = softmax_scale * log2(e).
+//
+// State per fragment row ([mt][h], see tile_test.cuh): m = running max in scaled log2 units
+// (-inf before anything is retained), l = running sum of exp2(s*scale_log2 - m) over retained keys,
+// kept fully reduced over the quad (the tile test needs the whole row sum), and the output
+// accumulator acc[MT][DT][4] (C fragments of the m16 x (8*DT) output block).
+// Scores s[MT][NT][4] arrive raw (q.k) with masked entries at -inf; after softmax_update they hold
+// the unnormalised probabilities P, ready to be packed into A fragments (p_to_a) for P V.
+#pragma once
+
+#include <math.h>
+
+#include "cuda/ptx.cuh"
+
+namespace mala {
+namespace cuda {
+
+template <int MT, int DT>
+__device__ __forceinline__ void softmax_init(float (&m)[MT][2], float (&l)[MT][2], float (&acc)[MT][DT][4]) {
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+    m[mt][0] = m[mt][1] = -INFINITY;
+    l[mt][0] = l[mt][1] = 0.f;
+#pragma unroll
+    for (int dt = 0; dt < DT; ++dt) acc[mt][dt][0] = acc[mt][dt][1] = acc[mt][dt][2] = acc[mt][dt][3] = 0.f;
+  }
+}
+
+// One retained tile: tile_max_raw[mt][h] is the quad-reduced raw row max of s (tile_row_max).
+// Updates m, l, rescales acc, and turns s into P = exp2(s*scale_log2 - m_new).
+template <int MT, int NT, int DT>
+__device__ __forceinline__ void softmax_update(float (&s)[MT][NT][4], const float (&tile_max_raw)[MT][2],
+                                               float scale_log2, float (&m)[MT][2], float (&l)[MT][2],
+                                               float (&acc)[MT][DT][4]) {
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+    float alpha[2], base[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float m_new = fmaxf(m[mt][h], tile_max_raw[mt][h] * scale_log2);
+      base[h] = m_new == -INFINITY ? 0.f : m_new;  // a row with no legal key so far: P = 0, no NaN
+      alpha[h] = exp2f(m[mt][h] - base[h]);
+      m[mt][h] = m_new;
+    }
+    float sum[2] = {0.f, 0.f};
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float p = exp2f(fmaf(s[mt][nt][e], scale_log2, -base[e >> 1]));
+        s[mt][nt][e] = p;
+        sum[e >> 1] += p;
+      }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) l[mt][h] = fmaf(l[mt][h], alpha[h], warp_sum_quad(sum[h]));
+#pragma unroll
+    for (int dt = 0; dt < DT; ++dt) {
+      acc[mt][dt][0] *= alpha[0];
+      acc[mt][dt][1] *= alpha[0];
+      acc[mt][dt][2] *= alpha[1];
+      acc[mt][dt][3] *= alpha[1];
+    }
+  }
+}
+
+// A fragment (16 rows x keys 16*kk..16*kk+15) of P for m16 tile mt, from the C fragments of n8
+// tiles 2kk and 2kk+1.
+template <typename T, int MT, int NT>
+__device__ __forceinline__ void p_to_a(const float (&p)[MT][NT][4], int mt, int kk, uint32_t (&a)[4]) {
+  a[0] = pack2<T>(p[mt][2 * kk][0], p[mt][2 * kk][1]);
+  a[1] = pack2<T>(p[mt][2 * kk][2], p[mt][2 * kk][3]);
+  a[2] = pack2<T>(p[mt][2 * kk + 1][0], p[mt][2 * kk + 1][1]);
+  a[3] = pack2<T>(p[mt][2 * kk + 1][2], p[mt][2 * kk + 1][3]);
+}
+
+// Final normalisation: acc /= l (0 where l = 0) and the natural-log lse = (m + log2 l) * ln 2
+// (-inf where l = 0).
+template <int MT, int DT>
+__device__ __forceinline__ void softmax_finalize(const float (&m)[MT][2], const float (&l)[MT][2],
+                                                 float (&acc)[MT][DT][4], float (&lse)[MT][2]) {
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+    float inv[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      bool empty = !(l[mt][h] > 0.f);
+      inv[h] = empty ? 0.f : 1.f / l[mt][h];
+      lse[mt][h] = empty ? -INFINITY : (m[mt][h] + __log2f(l[mt][h])) * 0.69314718055994531f;
+    }
+#pragma unroll
+    for (int dt = 0; dt < DT; ++dt) {
+      acc[mt][dt][0] *= inv[0];
+      acc[mt][dt][1] *= inv[0];
+      acc[mt][dt][2] *= inv[1];
+      acc[mt][dt][3] *= inv[1];
+    }
+  }
+}
+
+}  // namespace cuda
+}  // namespace mala

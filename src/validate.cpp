@@ -1,0 +1,375 @@
+// mala::check(): every argument of every entry point is checked here before anything is read or
+// written; each message starts with the name of the offending argument.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "cpu/cpu.h"
+#include "cpu/layout.h"
+#include "cuda/backend.h"
+#include "mala/mala.h"
+
+namespace mala {
+namespace {
+
+#define MALA_TRY(expr)            \
+  do {                            \
+    Status s_ = (expr);           \
+    if (!s_) return s_;           \
+  } while (0)
+
+template <class T>
+std::string str(T v) {
+  std::ostringstream os;
+  os << v;
+  return os.str();
+}
+
+Status fail(const std::string& name, const std::string& what) { return Status::error(name + ": " + what); }
+
+constexpr int64_t kMaxSeqlen = 0x7fffffff;  // the rule works with int row/key indices
+constexpr int64_t kMaxCpuHeadDim = 512;
+
+Status check_device(Device d) {
+  if (d != Device::cpu && d != Device::cuda) return fail("device", "unknown device " + str(static_cast<int>(d)));
+  return Status::success();
+}
+
+Status check_dtype(Device d, DType t) {
+  if (t != DType::f32 && t != DType::f16 && t != DType::bf16)
+    return fail("dtype", "must be float32, float16 or bfloat16 (got " + str(static_cast<int>(t)) + ")");
+  if (d == Device::cuda && t == DType::f32)
+    return fail("dtype", "float32 is not supported on cuda (use float16 or bfloat16)");
+  return Status::success();
+}
+
+Status require(const void* p, const char* name) {
+  if (!p) return fail(name, "must not be null");
+  return Status::success();
+}
+
+Status positive(int64_t v, const char* name) {
+  if (v <= 0) return fail(name, "must be > 0 (got " + str(v) + ")");
+  return Status::success();
+}
+
+Status check_seqlen(int64_t v, const char* name) {
+  MALA_TRY(positive(v, name));
+  if (v > kMaxSeqlen) return fail(name, "must be < 2^31 (got " + str(v) + ")");
+  return Status::success();
+}
+
+Status check_heads(int64_t heads_q, int64_t heads_kv) {
+  MALA_TRY(positive(heads_q, "heads_q"));
+  MALA_TRY(positive(heads_kv, "heads_kv"));
+  if (heads_q % heads_kv != 0)
+    return fail("heads_q", "must be a multiple of heads_kv (got heads_q=" + str(heads_q) +
+                               ", heads_kv=" + str(heads_kv) + ")");
+  return Status::success();
+}
+
+Status check_head_dim(Device d, int64_t head_dim) {
+  MALA_TRY(positive(head_dim, "head_dim"));
+  if (d == Device::cuda) {
+    if (head_dim != 64 && head_dim != 128 && head_dim != 256)
+      return fail("head_dim", "must be 64, 128 or 256 on cuda (got " + str(head_dim) + ")");
+  } else if (head_dim > kMaxCpuHeadDim) {
+    return fail("head_dim", "must be <= " + str(kMaxCpuHeadDim) + " on cpu (got " + str(head_dim) + ")");
+  }
+  return Status::success();
+}
+
+Status check_scalars(float softmax_scale, float tau) {
+  if (!(tau >= 0.f) || std::isinf(tau)) return fail("tau", "must be finite and >= 0 (got " + str(tau) + ")");
+  if (!(softmax_scale >= 0.f) || std::isinf(softmax_scale))
+    return fail("softmax_scale", "must be finite and >= 0, 0 meaning 1/sqrt(head_dim) (got " +
+                                     str(softmax_scale) + ")");
+  return Status::success();
+}
+
+// CPU: any positive block (0 = default).  CUDA: 0 or exactly the kernel's tile.
+Status check_block(Device d, int v, int cuda_value, const char* name) {
+  if (v < 0) return fail(name, "must be >= 0, 0 meaning the implementation's tile (got " + str(v) + ")");
+  if (d == Device::cuda && v != 0 && v != cuda_value)
+    return fail(name, "the cuda kernel uses " + str(cuda_value) + " (got " + str(v) + "); pass 0 or " +
+                          str(cuda_value));
+  return Status::success();
+}
+
+// Element strides of a [count_batch, rows, heads, head_dim] tensor: no negative stride, and no two
+// (batch, row, head) positions may share an element.  Sufficient test: sorted by stride, every
+// dimension must step past the whole extent of the dimensions inside it.
+Status check_strides(const char* name, const Strides& s, int64_t batch, int64_t seqlen, int64_t heads,
+                     int64_t head_dim) {
+  if (s.batch < 0 || s.row < 0 || s.head < 0)
+    return fail(name, "strides must be >= 0 (got batch=" + str(s.batch) + ", row=" + str(s.row) +
+                          ", head=" + str(s.head) + ")");
+  layout::Resolved r = layout::resolve(s, seqlen, heads, head_dim);
+  struct Dim {
+    const char* what;
+    int64_t count, stride;
+  };
+  std::vector<Dim> dims;
+  if (batch > 1) dims.push_back({"batch", batch, r.batch});
+  if (seqlen > 1) dims.push_back({"row", seqlen, r.row});
+  if (heads > 1) dims.push_back({"head", heads, r.head});
+  std::stable_sort(dims.begin(), dims.end(), [](const Dim& a, const Dim& b) { return a.stride < b.stride; });
+  int64_t span = head_dim;  // elements covered by the dimensions inside the current one
+  for (const Dim& dm : dims) {
+    if (dm.stride > (INT64_MAX - span) / std::max<int64_t>(dm.count - 1, 1))
+      return fail(name, std::string(dm.what) + " stride " + str(dm.stride) + " is too large");
+    if (dm.stride < span)
+      return fail(name, std::string(dm.what) + " stride " + str(dm.stride) +
+                            " makes elements overlap (needs >= " + str(span) + " with head_dim=" +
+                            str(head_dim) + ")");
+    span += (dm.count - 1) * dm.stride;
+  }
+  return Status::success();
+}
+
+Status check_cuda_pointer(Device d, const void* p, const char* name) {
+  if (d != Device::cuda || p == nullptr) return Status::success();
+  return cuda_backend::check_device_pointer(p, name);
+}
+
+// Varlen offsets (CPU memory only): start at 0, non-decreasing, no sequence longer than max_len.
+Status check_cu_seqlens(const int32_t* cu, int64_t batch, int64_t max_len, const char* name,
+                        const char* max_name) {
+  if (cu[0] != 0) return fail(name, "must start at 0 (got " + str(cu[0]) + ")");
+  for (int64_t b = 0; b < batch; ++b) {
+    int64_t len = static_cast<int64_t>(cu[b + 1]) - cu[b];
+    if (len < 0)
+      return fail(name, "must be non-decreasing (entry " + str(b + 1) + " = " + str(cu[b + 1]) +
+                            " < entry " + str(b) + " = " + str(cu[b]) + ")");
+    if (len > max_len)
+      return fail(name, "sequence " + str(b) + " has length " + str(len) + " > " + max_name + " = " +
+                            str(max_len));
+  }
+  return Status::success();
+}
+
+// Shared by forward and backward.
+struct Shape {
+  Device device;
+  DType dtype;
+  int64_t batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim;
+  float softmax_scale, tau;
+  int block_q, block_k;
+  const int32_t* cu_q;
+  const int32_t* cu_k;
+};
+
+// Everything but the tile sizes (whose CUDA check needs sane arguments to ask the kernel).
+Status check_shape(const Shape& s) {
+  MALA_TRY(check_device(s.device));
+  MALA_TRY(check_dtype(s.device, s.dtype));
+  MALA_TRY(positive(s.batch, "batch"));
+  MALA_TRY(check_seqlen(s.seqlen_q, "seqlen_q"));
+  MALA_TRY(check_seqlen(s.seqlen_k, "seqlen_k"));
+  MALA_TRY(check_heads(s.heads_q, s.heads_kv));
+  MALA_TRY(check_head_dim(s.device, s.head_dim));
+  MALA_TRY(check_scalars(s.softmax_scale, s.tau));
+  if ((s.cu_q == nullptr) != (s.cu_k == nullptr))
+    return fail(s.cu_q ? "cu_seqlens_k" : "cu_seqlens_q", "varlen needs both cu_seqlens_q and cu_seqlens_k");
+  return Status::success();
+}
+
+// kernel_tiles is only consulted for Device::cuda.
+Status check_blocks(const Shape& s, Tiles kernel_tiles) {
+  MALA_TRY(check_block(s.device, s.block_q, kernel_tiles.block_q, "block_q"));
+  MALA_TRY(check_block(s.device, s.block_k, kernel_tiles.block_k, "block_k"));
+  return Status::success();
+}
+
+// Rows of the packed (varlen) or per-batch (dense) row space, used for the overlap test.
+struct RowSpace {
+  int64_t batch_count;  // 1 for varlen: the batch stride is not used
+  int64_t rows_q, rows_k;
+};
+
+Status check_varlen_and_rows(const Shape& s, RowSpace* rs) {
+  if (!s.cu_q) {
+    *rs = {s.batch, s.seqlen_q, s.seqlen_k};
+    return Status::success();
+  }
+  if (s.device == Device::cpu) {
+    MALA_TRY(check_cu_seqlens(s.cu_q, s.batch, s.seqlen_q, "cu_seqlens_q", "seqlen_q"));
+    MALA_TRY(check_cu_seqlens(s.cu_k, s.batch, s.seqlen_k, "cu_seqlens_k", "seqlen_k"));
+    *rs = {1, std::max<int64_t>(s.cu_q[s.batch], 1), std::max<int64_t>(s.cu_k[s.batch], 1)};
+  } else {
+    // The offsets live on the device; the overlap test uses the longest sequence.
+    *rs = {1, s.seqlen_q, s.seqlen_k};
+  }
+  return Status::success();
+}
+
+}  // namespace
+
+Status check(const ForwardArgs& a) {
+  MALA_TRY(check_device(a.device));
+  Shape s{a.device, a.dtype, a.batch, a.seqlen_q, a.seqlen_k, a.heads_q, a.heads_kv, a.head_dim,
+          a.softmax_scale, a.tau, a.block_q, a.block_k, a.cu_seqlens_q, a.cu_seqlens_k};
+  MALA_TRY(require(a.q, "q"));
+  MALA_TRY(require(a.k, "k"));
+  MALA_TRY(require(a.v, "v"));
+  MALA_TRY(require(a.o, "o"));
+  MALA_TRY(check_shape(s));
+  if (a.device == Device::cuda) {
+    const std::pair<const void*, const char*> ptrs[] = {
+        {a.q, "q"}, {a.k, "k"}, {a.v, "v"}, {a.o, "o"}, {a.lse, "lse"}, {a.fwd_slots, "fwd_slots"},
+        {a.tile_mask, "tile_mask"}, {a.cu_seqlens_q, "cu_seqlens_q"}, {a.cu_seqlens_k, "cu_seqlens_k"}};
+    for (const auto& p : ptrs) MALA_TRY(check_cuda_pointer(a.device, p.first, p.second));
+    MALA_TRY(check_blocks(s, cuda_backend::forward_tiles(a)));
+  } else {
+    MALA_TRY(check_blocks(s, Tiles{}));
+  }
+  RowSpace rs;
+  MALA_TRY(check_varlen_and_rows(s, &rs));
+  MALA_TRY(check_strides("q_strides", a.q_strides, rs.batch_count, rs.rows_q, a.heads_q, a.head_dim));
+  MALA_TRY(check_strides("k_strides", a.k_strides, rs.batch_count, rs.rows_k, a.heads_kv, a.head_dim));
+  MALA_TRY(check_strides("v_strides", a.v_strides, rs.batch_count, rs.rows_k, a.heads_kv, a.head_dim));
+  MALA_TRY(check_strides("o_strides", a.o_strides, rs.batch_count, rs.rows_q, a.heads_q, a.head_dim));
+  return Status::success();
+}
+
+Status check(const BackwardArgs& a) {
+  MALA_TRY(check_device(a.device));
+  Shape s{a.device, a.dtype, a.batch, a.seqlen_q, a.seqlen_k, a.heads_q, a.heads_kv, a.head_dim,
+          a.softmax_scale, a.tau, a.block_q, a.block_k, a.cu_seqlens_q, a.cu_seqlens_k};
+  MALA_TRY(require(a.q, "q"));
+  MALA_TRY(require(a.k, "k"));
+  MALA_TRY(require(a.v, "v"));
+  MALA_TRY(require(a.o, "o"));
+  MALA_TRY(require(a.dout, "dout"));
+  MALA_TRY(require(a.lse, "lse"));
+  MALA_TRY(require(a.dq, "dq"));
+  MALA_TRY(require(a.dk, "dk"));
+  MALA_TRY(require(a.dv, "dv"));
+  MALA_TRY(check_shape(s));
+  if (a.device == Device::cuda) {
+    const std::pair<const void*, const char*> ptrs[] = {
+        {a.q, "q"}, {a.k, "k"}, {a.v, "v"}, {a.o, "o"}, {a.dout, "dout"}, {a.lse, "lse"},
+        {a.dq, "dq"}, {a.dk, "dk"}, {a.dv, "dv"}, {a.bwd_slots, "bwd_slots"}, {a.tile_mask, "tile_mask"},
+        {a.cu_seqlens_q, "cu_seqlens_q"}, {a.cu_seqlens_k, "cu_seqlens_k"}, {a.workspace, "workspace"}};
+    for (const auto& p : ptrs) MALA_TRY(check_cuda_pointer(a.device, p.first, p.second));
+    MALA_TRY(check_blocks(s, cuda_backend::backward_tiles(a)));
+    if (a.workspace && a.workspace_bytes < cuda_backend::backward_workspace_size(a))
+      return fail("workspace_bytes", "must be >= backward_workspace_size() = " +
+                                         str(cuda_backend::backward_workspace_size(a)) + " (got " +
+                                         str(a.workspace_bytes) + ")");
+  } else {
+    MALA_TRY(check_blocks(s, Tiles{}));
+  }
+  RowSpace rs;
+  MALA_TRY(check_varlen_and_rows(s, &rs));
+  const struct {
+    const char* name;
+    const Strides* st;
+    bool is_q;
+  } tensors[] = {{"q_strides", &a.q_strides, true},       {"k_strides", &a.k_strides, false},
+                 {"v_strides", &a.v_strides, false},      {"o_strides", &a.o_strides, true},
+                 {"dout_strides", &a.dout_strides, true}, {"dq_strides", &a.dq_strides, true},
+                 {"dk_strides", &a.dk_strides, false},    {"dv_strides", &a.dv_strides, false}};
+  for (const auto& t : tensors)
+    MALA_TRY(check_strides(t.name, *t.st, rs.batch_count, t.is_q ? rs.rows_q : rs.rows_k,
+                           t.is_q ? a.heads_q : a.heads_kv, a.head_dim));
+  return Status::success();
+}
+
+Status check(const DecodeArgs& a) {
+  MALA_TRY(check_device(a.device));
+  MALA_TRY(check_dtype(a.device, a.dtype));
+  MALA_TRY(require(a.q, "q"));
+  MALA_TRY(require(a.k_cache, "k_cache"));
+  MALA_TRY(require(a.v_cache, "v_cache"));
+  MALA_TRY(require(a.cache_seqlens, "cache_seqlens"));
+  MALA_TRY(require(a.o, "o"));
+  MALA_TRY(positive(a.batch, "batch"));
+  MALA_TRY(check_seqlen(a.seqlen_q, "seqlen_q"));
+  if (a.seqlen_new < 0) return fail("seqlen_new", "must be >= 0 (got " + str(a.seqlen_new) + ")");
+  if (a.seqlen_new > kMaxSeqlen) return fail("seqlen_new", "must be < 2^31 (got " + str(a.seqlen_new) + ")");
+  if ((a.k_new == nullptr) != (a.v_new == nullptr))
+    return fail(a.k_new ? "v_new" : "k_new", "k_new and v_new must be given together");
+  if (a.seqlen_new > 0 && a.k_new == nullptr)
+    return fail("k_new", "must not be null when seqlen_new > 0 (got seqlen_new=" + str(a.seqlen_new) + ")");
+  MALA_TRY(check_heads(a.heads_q, a.heads_kv));
+  MALA_TRY(check_head_dim(a.device, a.head_dim));
+  MALA_TRY(check_scalars(a.softmax_scale, a.tau));
+  if (a.num_splits < 0) return fail("num_splits", "must be >= 0, 0 meaning automatic (got " + str(a.num_splits) + ")");
+
+  const bool paged = a.block_table != nullptr;
+  int64_t capacity;  // keys one sequence can hold
+  if (paged) {
+    MALA_TRY(positive(a.page_size, "page_size"));
+    MALA_TRY(positive(a.max_pages, "max_pages"));
+    MALA_TRY(positive(a.num_pages, "num_pages"));
+    if (a.block_table_stride < 0)
+      return fail("block_table_stride", "must be >= 0 (got " + str(a.block_table_stride) + ")");
+    if (a.block_table_stride != 0 && a.block_table_stride < a.max_pages)
+      return fail("block_table_stride", "must be 0 or >= max_pages = " + str(a.max_pages) + " (got " +
+                                            str(a.block_table_stride) + ")");
+    capacity = a.page_size * a.max_pages;
+  } else {
+    if (a.page_size != 0 || a.max_pages != 0 || a.num_pages != 0 || a.block_table_stride != 0)
+      return fail("block_table", "must not be null when page_size/max_pages/num_pages/block_table_stride are set");
+    MALA_TRY(positive(a.cache_capacity, "cache_capacity"));
+    capacity = a.cache_capacity;
+  }
+  if (capacity > kMaxSeqlen) return fail(paged ? "max_pages" : "cache_capacity", "cache holds >= 2^31 keys");
+
+  if (a.device == Device::cuda) {
+    const std::pair<const void*, const char*> ptrs[] = {
+        {a.q, "q"}, {a.k_cache, "k_cache"}, {a.v_cache, "v_cache"}, {a.cache_seqlens, "cache_seqlens"},
+        {a.block_table, "block_table"}, {a.k_new, "k_new"}, {a.v_new, "v_new"}, {a.o, "o"},
+        {a.lse, "lse"}, {a.fwd_slots, "fwd_slots"}, {a.tile_mask, "tile_mask"}, {a.workspace, "workspace"}};
+    for (const auto& p : ptrs) MALA_TRY(check_cuda_pointer(a.device, p.first, p.second));
+    Tiles t = cuda_backend::decode_tiles(a);
+    MALA_TRY(check_block(a.device, a.block_q, t.block_q, "block_q"));
+    MALA_TRY(check_block(a.device, a.block_k, t.block_k, "block_k"));
+    if (a.workspace && a.workspace_bytes < cuda_backend::decode_workspace_size(a))
+      return fail("workspace_bytes", "must be >= decode_workspace_size() = " +
+                                         str(cuda_backend::decode_workspace_size(a)) + " (got " +
+                                         str(a.workspace_bytes) + ")");
+  } else {
+    MALA_TRY(check_block(a.device, a.block_q, 0, "block_q"));
+    MALA_TRY(check_block(a.device, a.block_k, 0, "block_k"));
+  }
+
+  MALA_TRY(check_strides("q_strides", a.q_strides, a.batch, a.seqlen_q, a.heads_q, a.head_dim));
+  MALA_TRY(check_strides("o_strides", a.o_strides, a.batch, a.seqlen_q, a.heads_q, a.head_dim));
+  const int64_t cache_batch = paged ? a.num_pages : a.batch;
+  const int64_t cache_rows = paged ? a.page_size : a.cache_capacity;
+  MALA_TRY(check_strides("k_cache_strides", a.k_cache_strides, cache_batch, cache_rows, a.heads_kv, a.head_dim));
+  MALA_TRY(check_strides("v_cache_strides", a.v_cache_strides, cache_batch, cache_rows, a.heads_kv, a.head_dim));
+  if (a.k_new) {
+    int64_t n = std::max<int64_t>(a.seqlen_new, 1);
+    MALA_TRY(check_strides("k_new_strides", a.k_new_strides, a.batch, n, a.heads_kv, a.head_dim));
+    MALA_TRY(check_strides("v_new_strides", a.v_new_strides, a.batch, n, a.heads_kv, a.head_dim));
+  }
+
+  if (a.device == Device::cpu) {
+    const int64_t bt_stride = a.block_table_stride ? a.block_table_stride : a.max_pages;
+    for (int64_t b = 0; b < a.batch; ++b) {
+      int64_t len = a.cache_seqlens[b];
+      if (len < 0) return fail("cache_seqlens", "entry " + str(b) + " is negative (" + str(len) + ")");
+      if (len + a.seqlen_new > capacity)
+        return fail("cache_seqlens", "entry " + str(b) + " = " + str(len) + " plus seqlen_new = " +
+                                         str(a.seqlen_new) + " exceeds the cache capacity " + str(capacity));
+      if (paged) {
+        int64_t pages = (len + a.seqlen_new + a.page_size - 1) / a.page_size;
+        for (int64_t p = 0; p < pages; ++p) {
+          int32_t page = a.block_table[b * bt_stride + p];
+          if (page < 0 || page >= a.num_pages)
+            return fail("block_table", "entry [" + str(b) + ", " + str(p) + "] = " + str(page) +
+                                           " is outside [0, num_pages = " + str(a.num_pages) + ")");
+        }
+      }
+    }
+  }
+  return Status::success();
+}
+
+}  // namespace mala

@@ -1,0 +1,276 @@
+// Bad input: every class of argument error returns !ok, names the argument first in the message,
+// and leaves every output buffer (pre-filled with a sentinel) untouched.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <functional>
+#include <string>
+
+#include "test_util.h"
+
+using namespace mala_test;
+
+namespace {
+
+constexpr float kSentinel = 12345.f;
+
+struct Bad {
+  const char* what;      // description
+  const char* argument;  // the message must start with "<argument>:"
+  std::function<void(mala::ForwardArgs&)> mutate;
+};
+
+// `argument` may list alternatives separated by '|'.
+bool names(const mala::Status& s, const std::string& argument) {
+  if (s.ok) return false;
+  size_t start = 0;
+  while (true) {
+    const size_t bar = argument.find('|', start);
+    const std::string one = argument.substr(start, bar == std::string::npos ? std::string::npos : bar - start);
+    if (s.message.rfind(one + ":", 0) == 0) return true;
+    if (bar == std::string::npos) return false;
+    start = bar + 1;
+  }
+}
+
+Problem small() {
+  Problem p;
+  p.nq = p.nk = 16;
+  p.hq = 2;
+  p.hkv = 1;
+  p.d = 8;
+  p.randomize(1);
+  return p;
+}
+
+const int32_t kCuGood[] = {0, 8, 16};
+const int32_t kCuNotZero[] = {1, 8, 16};
+const int32_t kCuDecreasing[] = {0, 9, 8};
+const int32_t kCuTooLong[] = {0, 2, 16};  // second sequence has 14 > seqlen 8
+
+TEST(Validate, ForwardRejectsEachBadArgumentAndWritesNothing) {
+  const Problem p = small();
+  std::vector<Bad> cases = {
+      {"null q", "q", [](mala::ForwardArgs& a) { a.q = nullptr; }},
+      {"null k", "k", [](mala::ForwardArgs& a) { a.k = nullptr; }},
+      {"null v", "v", [](mala::ForwardArgs& a) { a.v = nullptr; }},
+      {"null o", "o", [](mala::ForwardArgs& a) { a.o = nullptr; }},
+      {"batch 0", "batch", [](mala::ForwardArgs& a) { a.batch = 0; }},
+      {"seqlen_q 0", "seqlen_q", [](mala::ForwardArgs& a) { a.seqlen_q = 0; }},
+      {"seqlen_k negative", "seqlen_k", [](mala::ForwardArgs& a) { a.seqlen_k = -3; }},
+      {"heads_q 0", "heads_q", [](mala::ForwardArgs& a) { a.heads_q = 0; }},
+      {"heads_kv 0", "heads_kv", [](mala::ForwardArgs& a) { a.heads_kv = 0; }},
+      {"heads not divisible", "heads_q", [](mala::ForwardArgs& a) { a.heads_q = 3; a.heads_kv = 2; }},
+      {"head_dim 0", "head_dim", [](mala::ForwardArgs& a) { a.head_dim = 0; }},
+      {"head_dim too large for cpu", "head_dim", [](mala::ForwardArgs& a) { a.head_dim = 513; }},
+      {"head_dim not a cuda size", "head_dim", [](mala::ForwardArgs& a) { a.device = mala::Device::cuda; a.dtype = mala::DType::bf16; a.head_dim = 96; }},
+      {"f32 on cuda", "dtype", [](mala::ForwardArgs& a) { a.device = mala::Device::cuda; }},
+      // A CPU-only build says "device: built without CUDA"; a CUDA build names the host pointer q.
+      {"cuda pointers on a cpu build or host memory", "device|q", [](mala::ForwardArgs& a) { a.device = mala::Device::cuda; a.dtype = mala::DType::bf16; a.head_dim = 64; }},
+      {"unknown dtype", "dtype", [](mala::ForwardArgs& a) { a.dtype = static_cast<mala::DType>(7); }},
+      {"unknown device", "device", [](mala::ForwardArgs& a) { a.device = static_cast<mala::Device>(5); }},
+      {"tau negative", "tau", [](mala::ForwardArgs& a) { a.tau = -1.f; }},
+      {"tau NaN", "tau", [](mala::ForwardArgs& a) { a.tau = NAN; }},
+      {"tau inf", "tau", [](mala::ForwardArgs& a) { a.tau = INFINITY; }},
+      {"scale negative", "softmax_scale", [](mala::ForwardArgs& a) { a.softmax_scale = -0.5f; }},
+      {"scale NaN", "softmax_scale", [](mala::ForwardArgs& a) { a.softmax_scale = NAN; }},
+      {"block_q negative", "block_q", [](mala::ForwardArgs& a) { a.block_q = -1; }},
+      {"block_k negative", "block_k", [](mala::ForwardArgs& a) { a.block_k = -64; }},
+      {"negative stride", "k_strides", [](mala::ForwardArgs& a) { a.k_strides.row = -8; }},
+      {"head stride < head_dim", "q_strides", [](mala::ForwardArgs& a) { a.q_strides.head = 4; }},
+      {"rows overlap heads", "o_strides", [](mala::ForwardArgs& a) { a.o_strides = {0, 8, 8}; }},
+      {"batches overlap", "v_strides", [](mala::ForwardArgs& a) { a.batch = 2; a.v_strides = {64, 8, 8}; }},
+      {"only cu_seqlens_q", "cu_seqlens_k", [](mala::ForwardArgs& a) { a.cu_seqlens_q = kCuGood; }},
+      {"only cu_seqlens_k", "cu_seqlens_q", [](mala::ForwardArgs& a) { a.cu_seqlens_k = kCuGood; }},
+      {"cu_seqlens not from 0", "cu_seqlens_q", [](mala::ForwardArgs& a) { a.batch = 2; a.seqlen_q = a.seqlen_k = 8; a.cu_seqlens_q = kCuNotZero; a.cu_seqlens_k = kCuGood; }},
+      {"cu_seqlens decreasing", "cu_seqlens_k", [](mala::ForwardArgs& a) { a.batch = 2; a.seqlen_q = a.seqlen_k = 8; a.cu_seqlens_q = kCuGood; a.cu_seqlens_k = kCuDecreasing; }},
+      {"varlen sequence longer than seqlen", "cu_seqlens_q", [](mala::ForwardArgs& a) { a.batch = 2; a.seqlen_q = a.seqlen_k = 8; a.cu_seqlens_q = kCuTooLong; a.cu_seqlens_k = kCuGood; }},
+  };
+  for (const Bad& c : cases) {
+    std::vector<float> o(p.q.size(), kSentinel), lse(p.hq * p.nq, kSentinel);
+    std::vector<int32_t> slots(lse.size(), 7);
+    std::vector<uint8_t> mask(64, 9);
+    mala::ForwardArgs a = p.forward_args();
+    a.o = o.data();
+    a.lse = lse.data();
+    a.fwd_slots = slots.data();
+    a.tile_mask = mask.data();
+    c.mutate(a);
+    const mala::Status s = mala::forward(a);
+    EXPECT_TRUE(names(s, c.argument)) << c.what << ": got ok=" << s.ok << " \"" << s.message << "\"";
+    EXPECT_TRUE(names(mala::check(a), c.argument)) << c.what;
+    if (a.dtype == mala::DType::f32 && a.device == mala::Device::cpu && a.head_dim > 0 && a.head_dim <= 512) {
+      mala::Status r = mala::reference::dense_forward(a);
+      EXPECT_FALSE(r.ok) << c.what;
+    }
+    for (float x : o) ASSERT_EQ(x, kSentinel) << c.what;
+    for (float x : lse) ASSERT_EQ(x, kSentinel) << c.what;
+    for (int32_t x : slots) ASSERT_EQ(x, 7) << c.what;
+    for (uint8_t x : mask) ASSERT_EQ(x, 9) << c.what;
+  }
+  // The valid arguments themselves pass, and empty varlen sequences are allowed.
+  std::vector<float> o(p.q.size()), lse(p.hq * p.nq);
+  mala::ForwardArgs a = p.forward_args();
+  a.o = o.data();
+  a.lse = lse.data();
+  EXPECT_TRUE(mala::forward(a).ok);
+  static const int32_t cu_empty[] = {0, 0, 16};
+  a.batch = 2;
+  a.cu_seqlens_q = cu_empty;
+  a.cu_seqlens_k = kCuGood;
+  a.seqlen_k = 8;
+  const mala::Status s = mala::forward(a);
+  EXPECT_TRUE(s.ok) << s.message;
+}
+
+TEST(Validate, BackwardRejectsBadArgumentsAndWritesNothing) {
+  const Problem p = small();
+  const ForwardOut f = run_forward(p);
+  struct BadB {
+    const char* what;
+    const char* argument;
+    std::function<void(mala::BackwardArgs&)> mutate;
+  };
+  std::vector<BadB> cases = {
+      {"null dout", "dout", [](mala::BackwardArgs& a) { a.dout = nullptr; }},
+      {"null lse", "lse", [](mala::BackwardArgs& a) { a.lse = nullptr; }},
+      {"null o", "o", [](mala::BackwardArgs& a) { a.o = nullptr; }},
+      {"null dq", "dq", [](mala::BackwardArgs& a) { a.dq = nullptr; }},
+      {"null dk", "dk", [](mala::BackwardArgs& a) { a.dk = nullptr; }},
+      {"null dv", "dv", [](mala::BackwardArgs& a) { a.dv = nullptr; }},
+      {"tau negative", "tau", [](mala::BackwardArgs& a) { a.tau = -0.1f; }},
+      {"heads not divisible", "heads_q", [](mala::BackwardArgs& a) { a.heads_kv = 3; }},
+      {"dq strides overlap", "dq_strides", [](mala::BackwardArgs& a) { a.dq_strides = {0, 4, 0}; }},
+      {"dout strides negative", "dout_strides", [](mala::BackwardArgs& a) { a.dout_strides.batch = -1; }},
+      {"block_k negative", "block_k", [](mala::BackwardArgs& a) { a.block_k = -2; }},
+  };
+  for (const auto& c : cases) {
+    std::vector<float> dq(p.q.size(), kSentinel), dk(p.k.size(), kSentinel), dv(p.v.size(), kSentinel);
+    std::vector<int32_t> slots(p.hq * p.nq, 7);
+    std::vector<uint8_t> mask(64, 9);
+    mala::BackwardArgs a = p.backward_args();
+    a.o = f.o.data();
+    a.lse = f.lse.data();
+    a.dq = dq.data();
+    a.dk = dk.data();
+    a.dv = dv.data();
+    a.bwd_slots = slots.data();
+    a.tile_mask = mask.data();
+    c.mutate(a);
+    const mala::Status s = mala::backward(a);
+    EXPECT_TRUE(names(s, c.argument)) << c.what << ": \"" << s.message << "\"";
+    for (float x : dq) ASSERT_EQ(x, kSentinel) << c.what;
+    for (float x : dk) ASSERT_EQ(x, kSentinel) << c.what;
+    for (float x : dv) ASSERT_EQ(x, kSentinel) << c.what;
+    for (int32_t x : slots) ASSERT_EQ(x, 7) << c.what;
+    for (uint8_t x : mask) ASSERT_EQ(x, 9) << c.what;
+  }
+}
+
+TEST(Validate, DecodeRejectsBadArgumentsAndWritesNothing) {
+  const int64_t d = 8, cap = 32, hkv = 1, hq = 2;
+  std::vector<float> q = randn(hq * d, 1), kc = randn(cap * hkv * d, 2), vc = randn(cap * hkv * d, 3);
+  std::vector<float> kn = randn(2 * hkv * d, 4), vn = randn(2 * hkv * d, 5);
+  static const int32_t seqlens[] = {20};
+  static const int32_t seqlens_full[] = {31};
+  static const int32_t seqlens_negative[] = {-1};
+  static const int32_t table[] = {0, 1, 5, 3};
+  static const int32_t table_bad[] = {0, 1, 9, 3};
+  struct BadD {
+    const char* what;
+    const char* argument;
+    std::function<void(mala::DecodeArgs&)> mutate;
+  };
+  auto paged = [](mala::DecodeArgs& a) {
+    a.cache_capacity = 0;
+    a.block_table = table;
+    a.max_pages = 4;
+    a.page_size = 8;
+    a.num_pages = 4;
+  };
+  std::vector<BadD> cases = {
+      {"null cache_seqlens", "cache_seqlens", [](mala::DecodeArgs& a) { a.cache_seqlens = nullptr; }},
+      {"null q", "q", [](mala::DecodeArgs& a) { a.q = nullptr; }},
+      {"null k_cache", "k_cache", [](mala::DecodeArgs& a) { a.k_cache = nullptr; }},
+      {"seqlen_q 0", "seqlen_q", [](mala::DecodeArgs& a) { a.seqlen_q = 0; }},
+      {"k_new without v_new", "v_new", [](mala::DecodeArgs& a) { a.v_new = nullptr; }},
+      {"v_new without k_new", "k_new", [](mala::DecodeArgs& a) { a.k_new = nullptr; }},
+      {"seqlen_new without k_new/v_new", "k_new", [](mala::DecodeArgs& a) { a.k_new = a.v_new = nullptr; }},
+      {"seqlen_new negative", "seqlen_new", [](mala::DecodeArgs& a) { a.seqlen_new = -1; }},
+      {"num_splits negative", "num_splits", [](mala::DecodeArgs& a) { a.num_splits = -1; }},
+      {"cache_capacity 0", "cache_capacity", [](mala::DecodeArgs& a) { a.cache_capacity = 0; }},
+      {"cache overflows", "cache_seqlens", [](mala::DecodeArgs& a) { a.cache_seqlens = seqlens_full; }},
+      {"cache_seqlens negative", "cache_seqlens", [](mala::DecodeArgs& a) { a.cache_seqlens = seqlens_negative; }},
+      {"page_size 0", "page_size", [&](mala::DecodeArgs& a) { paged(a); a.page_size = 0; }},
+      {"block_table without max_pages", "max_pages", [&](mala::DecodeArgs& a) { paged(a); a.max_pages = 0; }},
+      {"num_pages missing", "num_pages", [&](mala::DecodeArgs& a) { paged(a); a.num_pages = 0; }},
+      {"page args without block_table", "block_table", [](mala::DecodeArgs& a) { a.page_size = 8; }},
+      {"block_table_stride < max_pages", "block_table_stride", [&](mala::DecodeArgs& a) { paged(a); a.block_table_stride = 2; }},
+      {"block_table entry out of range", "block_table", [&](mala::DecodeArgs& a) { paged(a); a.num_pages = 4; a.block_table = table_bad; }},
+      {"tau NaN", "tau", [](mala::DecodeArgs& a) { a.tau = NAN; }},
+      {"heads not divisible", "heads_q", [](mala::DecodeArgs& a) { a.heads_kv = 4; }},
+      {"cache strides overlap", "k_cache_strides", [](mala::DecodeArgs& a) { a.k_cache_strides.row = 3; }},
+      {"block_q negative", "block_q", [](mala::DecodeArgs& a) { a.block_q = -1; }},
+  };
+  for (const auto& c : cases) {
+    std::vector<float> kc2 = kc, vc2 = vc;
+    kc2.resize(4 * 8 * d, 0.f);  // room for the paged variants
+    vc2.resize(4 * 8 * d, 0.f);
+    const std::vector<float> kc_before = kc2, vc_before = vc2;
+    std::vector<float> o(hq * d, kSentinel), lse(hq, kSentinel);
+    std::vector<int32_t> slots(hq, 7);
+    std::vector<uint8_t> mask(64, 9);
+    mala::DecodeArgs a;
+    a.q = q.data();
+    a.k_cache = kc2.data();
+    a.v_cache = vc2.data();
+    a.cache_seqlens = seqlens;
+    a.cache_capacity = cap;
+    a.k_new = kn.data();
+    a.v_new = vn.data();
+    a.seqlen_new = 2;
+    a.heads_q = hq;
+    a.heads_kv = hkv;
+    a.head_dim = d;
+    a.o = o.data();
+    a.lse = lse.data();
+    a.fwd_slots = slots.data();
+    a.tile_mask = mask.data();
+    {  // the unmutated arguments are valid
+      mala::DecodeArgs ok = a;
+      std::vector<float> kc3 = kc2, vc3 = vc2, o3(o.size());
+      ok.k_cache = kc3.data();
+      ok.v_cache = vc3.data();
+      ok.o = o3.data();
+      ok.lse = nullptr;
+      ok.fwd_slots = nullptr;
+      ok.tile_mask = nullptr;
+      const mala::Status s = mala::decode(ok);
+      ASSERT_TRUE(s.ok) << s.message;
+    }
+    c.mutate(a);
+    const mala::Status s = mala::decode(a);
+    EXPECT_TRUE(names(s, c.argument)) << c.what << ": \"" << s.message << "\"";
+    EXPECT_EQ(kc2, kc_before) << c.what << ": the cache must not be written";
+    EXPECT_EQ(vc2, vc_before) << c.what;
+    for (float x : o) ASSERT_EQ(x, kSentinel) << c.what;
+    for (float x : lse) ASSERT_EQ(x, kSentinel) << c.what;
+    for (int32_t x : slots) ASSERT_EQ(x, 7) << c.what;
+    for (uint8_t x : mask) ASSERT_EQ(x, 9) << c.what;
+  }
+}
+
+TEST(Validate, ReferenceTakesFloat32CpuOnly) {
+  const Problem p = small();
+  std::vector<uint16_t> q(p.q.size()), k(p.k.size()), v(p.v.size()), o(p.q.size(), 0x1234);
+  mala::ForwardArgs a = p.forward_args();
+  a.dtype = mala::DType::bf16;
+  a.q = q.data();
+  a.k = k.data();
+  a.v = v.data();
+  a.o = o.data();
+  EXPECT_TRUE(names(mala::reference::dense_forward(a), "dtype"));
+  for (uint16_t x : o) ASSERT_EQ(x, 0x1234);
+}
+
+}  // namespace

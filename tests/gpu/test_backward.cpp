@@ -1,0 +1,436 @@
+// The fused CUDA backward against the CPU implementation (Device::cpu backward with the kernel's
+// tiles, fp32 inputs equal to the rounded bf16/fp16 values, O and lse from the CPU forward, the same
+// rounded O/lse passed to both so that the decisions are comparable).
+//   - tile_mask equal except near-margin flips (|margin| < 2e-3 natural-log units, counted),
+//   - dQ/dK/dV rel L2 < 1e-2 vs the CPU fp32 result, no poison left, no NaN,
+//   - bwd_slots equal to the CPU's (exact when there is no flip).
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "common/rule.h"
+#include "gpu_util.h"
+
+namespace {
+
+using mala::DType;
+using namespace mala_test;
+
+struct Case {
+  DType dtype = DType::bf16;
+  int64_t batch = 1, nq = 256, nk = 256, hq = 4, hkv = 2, d = 128;
+  bool causal = true;
+  float tau = 1.f;
+  // Input regime: "random" (N(0,1)), "sharp" (q, k ~ N(0, sigma^2): sharp attention, Nq != Nk
+  // allowed) or "synthetic" (mala::make_workload, needs nq == nk and batch 1).
+  std::string regime = "random";
+  float sigma = 2.5f;
+  double sharpness = 2.0;
+  bool strided = false;
+  std::vector<int> varlen_q, varlen_k;  // per-sequence lengths (varlen when non-empty)
+  int head_splits = 0;                  // MALA_BWD_HEAD_SPLITS (0 = heuristic)
+  bool outputs = true;                  // request tile_mask and bwd_slots
+  bool user_workspace = false;
+  uint64_t seed = 1;
+};
+
+struct Layout {
+  mala::Strides s;
+  int64_t span = 0;  // elements to allocate
+};
+
+Layout make_layout(const Case& c, int64_t rows_per_batch, int64_t heads, bool varlen, int64_t total_rows) {
+  Layout l;
+  const int64_t pad = c.strided ? 8 : 0;
+  l.s.head = c.d + pad;
+  l.s.row = heads * l.s.head + pad;
+  if (varlen) {
+    l.s.batch = 0;
+    l.span = total_rows * l.s.row;
+  } else {
+    l.s.batch = rows_per_batch * l.s.row + (c.strided ? 16 : 0);
+    l.span = c.batch * l.s.batch;
+  }
+  if (!c.strided) l.s = mala::Strides{};
+  return l;
+}
+
+// Element offsets of the logical [rows, heads, d] elements (varlen packed or dense batches).
+std::vector<int64_t> logical_offsets(const Case& c, const Layout& l, const std::vector<int>& cu, int64_t seqlen,
+                                     int64_t heads) {
+  const int64_t hs = l.s.head ? l.s.head : c.d;
+  const int64_t rs = l.s.row ? l.s.row : heads * hs;
+  const int64_t bs = l.s.batch ? l.s.batch : seqlen * rs;
+  std::vector<int64_t> off;
+  if (!cu.empty()) {
+    for (int64_t g = 0; g < cu.back(); ++g)
+      for (int64_t h = 0; h < heads; ++h)
+        for (int64_t x = 0; x < c.d; ++x) off.push_back(g * rs + h * hs + x);
+  } else {
+    for (int64_t b = 0; b < c.batch; ++b)
+      for (int64_t r = 0; r < seqlen; ++r)
+        for (int64_t h = 0; h < heads; ++h)
+          for (int64_t x = 0; x < c.d; ++x) off.push_back(b * bs + r * rs + h * hs + x);
+  }
+  return off;
+}
+
+template <typename V>
+std::vector<float> pick(const std::vector<V>& src, const std::vector<int64_t>& off) {
+  std::vector<float> out(off.size());
+  for (size_t i = 0; i < off.size(); ++i) out[i] = static_cast<float>(src[off[i]]);
+  return out;
+}
+
+void run_case(const Case& c) {
+  SCOPED_TRACE(::testing::Message() << "dtype=" << mala::dtype_name(c.dtype) << " B=" << c.batch << " nq=" << c.nq
+                                    << " nk=" << c.nk << " hq=" << c.hq << " hkv=" << c.hkv << " d=" << c.d
+                                    << " causal=" << c.causal << " tau=" << c.tau << " regime=" << c.regime
+                                    << " strided=" << c.strided << " varlen=" << !c.varlen_q.empty()
+                                    << " splits=" << c.head_splits);
+  if (c.head_splits > 0)
+    setenv("MALA_BWD_HEAD_SPLITS", std::to_string(c.head_splits).c_str(), 1);
+  else
+    unsetenv("MALA_BWD_HEAD_SPLITS");
+  const bool varlen = !c.varlen_q.empty();
+  std::vector<int> cu_q{0}, cu_k{0};
+  int64_t nq = c.nq, nk = c.nk, batch = c.batch;
+  if (varlen) {
+    batch = static_cast<int64_t>(c.varlen_q.size());
+    nq = nk = 0;
+    for (size_t b = 0; b < c.varlen_q.size(); ++b) {
+      cu_q.push_back(cu_q.back() + c.varlen_q[b]);
+      cu_k.push_back(cu_k.back() + c.varlen_k[b]);
+      nq = std::max<int64_t>(nq, c.varlen_q[b]);
+      nk = std::max<int64_t>(nk, c.varlen_k[b]);
+    }
+  }
+  Case cc = c;
+  cc.batch = batch;
+  const Layout lq = make_layout(cc, nq, c.hq, varlen, cu_q.back());
+  const Layout lk = make_layout(cc, nk, c.hkv, varlen, cu_k.back());
+  const std::vector<int> no_cu;
+  const auto offq = logical_offsets(cc, lq, varlen ? cu_q : no_cu, nq, c.hq);
+  const auto offk = logical_offsets(cc, lk, varlen ? cu_k : no_cu, nk, c.hkv);
+
+  // Inputs (fp32, then rounded to the storage type).
+  std::vector<float> q = randn(lq.span, c.seed * 11 + 1), k = randn(lk.span, c.seed * 11 + 2),
+                     v = randn(lk.span, c.seed * 11 + 3), dout = randn(lq.span, c.seed * 11 + 4);
+  if (c.regime == "sharp") {
+    for (auto& x : q) x *= c.sigma;
+    for (auto& x : k) x *= c.sigma;
+  } else if (c.regime == "synthetic") {
+    ASSERT_EQ(nq, nk);
+    ASSERT_FALSE(c.strided || varlen || batch != 1);
+    mala::WorkloadSpec w;
+    w.regime = "synthetic";
+    w.batch = 1;
+    w.seqlen = nq;
+    w.heads_q = c.hq;
+    w.heads_kv = c.hkv;
+    w.head_dim = c.d;
+    w.sharpness = c.sharpness;
+    w.seed = c.seed;
+    ASSERT_TRUE(mala::make_workload(w, q.data(), k.data(), v.data(), dout.data()).ok);
+  }
+  const auto qb = round_to(q, c.dtype), kb = round_to(k, c.dtype), vb = round_to(v, c.dtype),
+             dob = round_to(dout, c.dtype);
+
+  // CPU forward for O and lse (fp32 on the rounded inputs), O rounded to the storage type.
+  std::vector<float> o(lq.span, 0.f);
+  const int64_t lse_n = varlen ? c.hq * cu_q.back() : batch * c.hq * nq;
+  std::vector<float> lse(lse_n, 0.f);
+  {
+    mala::ForwardArgs f;
+    f.device = mala::Device::cpu;
+    f.dtype = DType::f32;
+    f.q = q.data();
+    f.k = k.data();
+    f.v = v.data();
+    f.o = o.data();
+    f.lse = lse.data();
+    f.batch = batch;
+    f.seqlen_q = nq;
+    f.seqlen_k = nk;
+    f.heads_q = c.hq;
+    f.heads_kv = c.hkv;
+    f.head_dim = c.d;
+    f.q_strides = f.o_strides = lq.s;
+    f.k_strides = f.v_strides = lk.s;
+    f.cu_seqlens_q = varlen ? cu_q.data() : nullptr;
+    f.cu_seqlens_k = varlen ? cu_k.data() : nullptr;
+    f.causal = c.causal;
+    f.tau = c.tau;
+    mala::Status s = mala::forward(f);
+    ASSERT_TRUE(s.ok) << s.message;
+  }
+  const auto ob = round_to(o, c.dtype);
+
+  // Backward arguments shared by both devices.
+  mala::BackwardArgs a;
+  a.batch = batch;
+  a.seqlen_q = nq;
+  a.seqlen_k = nk;
+  a.heads_q = c.hq;
+  a.heads_kv = c.hkv;
+  a.head_dim = c.d;
+  a.q_strides = a.o_strides = a.dout_strides = a.dq_strides = lq.s;
+  a.k_strides = a.v_strides = a.dk_strides = a.dv_strides = lk.s;
+  a.causal = c.causal;
+  a.tau = c.tau;
+
+  mala::BackwardArgs ga = a;
+  ga.device = mala::Device::cuda;
+  ga.dtype = c.dtype;
+  const mala::Tiles tiles = mala::backward_tiles(ga);
+  const int64_t nqt = (nq + tiles.block_q - 1) / tiles.block_q, nkt = (nk + tiles.block_k - 1) / tiles.block_k;
+  const int64_t mask_n = batch * c.hq * nqt * nkt;
+
+  // CPU backward with the kernel's tiles.
+  std::vector<float> dq_c(lq.span, 0.f), dk_c(lk.span, 0.f), dv_c(lk.span, 0.f);
+  std::vector<int32_t> slots_c(lse_n, -7);
+  std::vector<uint8_t> mask_c(mask_n, 9);
+  {
+    mala::BackwardArgs ca = a;
+    ca.device = mala::Device::cpu;
+    ca.dtype = DType::f32;
+    ca.q = q.data();
+    ca.k = k.data();
+    ca.v = v.data();
+    ca.o = o.data();
+    ca.dout = dout.data();
+    ca.lse = lse.data();
+    ca.dq = dq_c.data();
+    ca.dk = dk_c.data();
+    ca.dv = dv_c.data();
+    ca.bwd_slots = slots_c.data();
+    ca.tile_mask = mask_c.data();
+    ca.cu_seqlens_q = varlen ? cu_q.data() : nullptr;
+    ca.cu_seqlens_k = varlen ? cu_k.data() : nullptr;
+    ca.block_q = tiles.block_q;
+    ca.block_k = tiles.block_k;
+    mala::Status s = mala::backward(ca);
+    ASSERT_TRUE(s.ok) << s.message;
+  }
+
+  // GPU backward.
+  DeviceBuffer<uint16_t> gq(lq.span), gk(lk.span), gv(lk.span), go(lq.span), gdo(lq.span), gdq(lq.span),
+      gdk(lk.span), gdv(lk.span);
+  DeviceBuffer<float> glse(lse_n);
+  DeviceBuffer<int32_t> gslots(c.outputs ? lse_n : 0), gcu_q(varlen ? cu_q.size() : 0),
+      gcu_k(varlen ? cu_k.size() : 0);
+  DeviceBuffer<uint8_t> gmask(c.outputs ? mask_n : 0);
+  gq.upload(qb);
+  gk.upload(kb);
+  gv.upload(vb);
+  go.upload(ob);
+  gdo.upload(dob);
+  glse.upload(lse);
+  if (varlen) {
+    gcu_q.upload(cu_q);
+    gcu_k.upload(cu_k);
+  }
+  ga.q = gq.ptr;
+  ga.k = gk.ptr;
+  ga.v = gv.ptr;
+  ga.o = go.ptr;
+  ga.dout = gdo.ptr;
+  ga.lse = glse.ptr;
+  ga.dq = gdq.ptr;
+  ga.dk = gdk.ptr;
+  ga.dv = gdv.ptr;
+  ga.bwd_slots = c.outputs ? gslots.ptr : nullptr;
+  ga.tile_mask = c.outputs ? gmask.ptr : nullptr;
+  ga.cu_seqlens_q = varlen ? gcu_q.ptr : nullptr;
+  ga.cu_seqlens_k = varlen ? gcu_k.ptr : nullptr;
+  DeviceBuffer<uint8_t> gws(c.user_workspace ? mala::backward_workspace_size(ga) : 0);
+  if (c.user_workspace) {
+    ga.workspace = gws.ptr;
+    ga.workspace_bytes = gws.count;
+  }
+  mala::Status s = mala::backward(ga);
+  ASSERT_TRUE(s.ok) << s.message;
+  MALA_CUDA_CHECK(cudaDeviceSynchronize());
+  MALA_CUDA_CHECK(cudaGetLastError());
+  unsetenv("MALA_BWD_HEAD_SPLITS");
+
+  // Decisions.
+  int64_t flips = 0, legal = 0, retained = 0;
+  bool exact_decisions = true;
+  if (c.outputs) {
+    const auto mask_g = gmask.download();
+    const float log_tau = std::log(c.tau);
+    const float scale = 1.0f / std::sqrt(static_cast<float>(c.d));
+    const int64_t hs_q = lq.s.head ? lq.s.head : c.d, rs_q = lq.s.row ? lq.s.row : c.hq * hs_q,
+                  bs_q = lq.s.batch ? lq.s.batch : nq * rs_q;
+    const int64_t hs_k = lk.s.head ? lk.s.head : c.d, rs_k = lk.s.row ? lk.s.row : c.hkv * hs_k,
+                  bs_k = lk.s.batch ? lk.s.batch : nk * rs_k;
+    for (int64_t x = 0; x < mask_n; ++x) {
+      ASSERT_LE(mask_g[x], 2) << "tile_mask entry " << x << " not written";
+      legal += mask_c[x] != mala::kTileIllegal;
+      retained += mask_c[x] == mala::kTileRetained;
+      if (mask_g[x] == mask_c[x]) continue;
+      ASSERT_NE(mask_c[x], mala::kTileIllegal) << "tile " << x << ": GPU visited an illegal tile";
+      ASSERT_NE(mask_g[x], mala::kTileIllegal) << "tile " << x << ": GPU missed a legal tile";
+      // A flip: its margin must be within rounding.
+      const int64_t j = x % nkt, i = (x / nkt) % nqt, h = (x / (nkt * nqt)) % c.hq, b = x / (nkt * nqt * c.hq);
+      const int64_t lq_b = varlen ? cu_q[b + 1] - cu_q[b] : nq, lk_b = varlen ? cu_k[b + 1] - cu_k[b] : nk;
+      float margin = -INFINITY;
+      for (int64_t r = i * tiles.block_q; r < std::min<int64_t>(lq_b, (i + 1) * tiles.block_q); ++r) {
+        const int L = mala::rule::visible_keys(static_cast<int>(r), static_cast<int>(lq_b), static_cast<int>(lk_b), c.causal);
+        const int64_t qoff = varlen ? (cu_q[b] + r) * rs_q + h * hs_q : b * bs_q + r * rs_q + h * hs_q;
+        const int64_t lidx = varlen ? h * cu_q.back() + cu_q[b] + r : (b * c.hq + h) * nq + r;
+        float mx = -INFINITY;
+        for (int64_t kk = j * tiles.block_k; kk < std::min<int64_t>(L, (j + 1) * tiles.block_k); ++kk) {
+          const int64_t koff = varlen ? (cu_k[b] + kk) * rs_k + (h / (c.hq / c.hkv)) * hs_k
+                                      : b * bs_k + kk * rs_k + (h / (c.hq / c.hkv)) * hs_k;
+          float dot = 0.f;
+          for (int64_t e = 0; e < c.d; ++e) dot += q[qoff + e] * k[koff + e];
+          mx = std::max(mx, dot * scale);
+        }
+        if (mx == -INFINITY) continue;
+        margin = std::max(margin, mala::rule::row_margin(mx, lse[lidx], log_tau - std::log(static_cast<float>(L))));
+      }
+      EXPECT_LT(std::fabs(margin), 2e-3f) << "tile " << x << " flipped with margin " << margin;
+      ++flips;
+    }
+    exact_decisions = flips == 0;
+    EXPECT_LE(flips, 1 + legal / 1000) << "too many rounding flips";
+    const auto slots_g = gslots.download();
+    int64_t slot_mismatch = 0;
+    for (int64_t x = 0; x < lse_n; ++x) {
+      ASSERT_GE(slots_g[x], 0) << "bwd_slots[" << x << "] not written";
+      slot_mismatch += slots_g[x] != slots_c[x];
+    }
+    if (exact_decisions) EXPECT_EQ(slot_mismatch, 0);
+    std::printf("  [bwd] %s d=%lld nq=%lld nk=%lld tau=%g %s: legal tiles %lld, retained %lld (%.1f%%), flips %lld\n",
+                mala::dtype_name(c.dtype), (long long)c.d, (long long)nq, (long long)nk, c.tau, c.regime.c_str(),
+                (long long)legal, (long long)retained, legal ? 100.0 * retained / legal : 0.0, (long long)flips);
+  }
+
+  // Gradients.
+  struct G {
+    const char* name;
+    DeviceBuffer<uint16_t>* dev;
+    const std::vector<float>* ref;
+    const std::vector<int64_t>* off;
+  } grads[] = {{"dq", &gdq, &dq_c, &offq}, {"dk", &gdk, &dk_c, &offk}, {"dv", &gdv, &dv_c, &offk}};
+  for (const G& gr : grads) {
+    const auto bits = gr.dev->download();
+    std::vector<uint16_t> lb(gr.off->size());
+    for (size_t x = 0; x < lb.size(); ++x) lb[x] = bits[(*gr.off)[x]];
+    EXPECT_EQ(count_poison(lb), 0u) << gr.name << ": unwritten elements";
+    const std::vector<float> got = widen(lb, c.dtype);
+    EXPECT_EQ(count_nan(got), 0u) << gr.name << ": NaN";
+    const std::vector<float> ref = pick(*gr.ref, *gr.off);
+    const double err = rel_l2(got, ref);
+    EXPECT_LT(err, 1e-2) << gr.name << " rel L2 " << err << (exact_decisions ? "" : " (with flips)");
+  }
+}
+
+// ---- small shapes (also run under compute-sanitizer: names contain "Small") -------------------
+
+TEST(BackwardGpuSmall, Basic) {
+  Case c;
+  c.nq = c.nk = 200;
+  run_case(c);
+}
+
+TEST(BackwardGpuSmall, AllDimsDtypesMasks) {
+  for (DType t : {DType::bf16, DType::f16})
+    for (int64_t d : {64, 128, 256})
+      for (bool causal : {true, false})
+        for (float tau : {0.f, 1.f}) {
+          Case c;
+          c.dtype = t;
+          c.d = d;
+          c.causal = causal;
+          c.tau = tau;
+          c.nq = c.nk = 173;
+          c.seed = d + 7 * causal + 13 * (tau > 0);
+          run_case(c);
+        }
+}
+
+TEST(BackwardGpuSmall, SharpSkipping) {
+  for (int64_t d : {64, 128, 256}) {
+    Case c;
+    c.regime = "sharp";
+    c.d = d;
+    c.nq = c.nk = 300;
+    c.hq = 4;
+    c.hkv = 1;
+    run_case(c);
+  }
+}
+
+TEST(BackwardGpuSmall, VarlenStrided) {
+  Case c;
+  c.varlen_q = {70, 0, 130, 257};
+  c.varlen_k = {70, 33, 200, 100};
+  c.strided = true;
+  c.regime = "sharp";
+  run_case(c);
+  c.causal = false;
+  c.dtype = DType::f16;
+  run_case(c);
+}
+
+// ---- larger shapes -----------------------------------------------------------------------------
+
+TEST(BackwardGpu, UnequalLengths) {
+  for (auto nn : {std::pair<int, int>{200, 517}, {517, 200}, {1, 300}, {300, 1}})
+    for (bool causal : {true, false})
+      for (float tau : {0.f, 1.f}) {
+        Case c;
+        c.nq = nn.first;
+        c.nk = nn.second;
+        c.causal = causal;
+        // With one visible key (Nk = 1) tau = 1 is an exact tie (p = 1 = tau / L): rounding decides
+        // it either way and the row's whole gradient goes with it.  Test tau = 0.5 there.
+        c.tau = (nn.second == 1 && tau > 0) ? 0.5f : tau;
+        c.regime = tau > 0 ? "sharp" : "random";
+        run_case(c);
+      }
+}
+
+TEST(BackwardGpu, BatchStridedGqa) {
+  for (int splits : {0, 1, 2, 4}) {
+    Case c;
+    c.batch = 2;
+    c.nq = c.nk = 391;
+    c.hq = 8;
+    c.hkv = 2;
+    c.strided = true;
+    c.regime = "sharp";
+    c.head_splits = splits;
+    c.user_workspace = splits == 2;
+    run_case(c);
+  }
+}
+
+TEST(BackwardGpu, MhaNoOutputs) {
+  Case c;
+  c.hq = c.hkv = 3;
+  c.nq = c.nk = 333;
+  c.outputs = false;
+  c.dtype = DType::f16;
+  run_case(c);
+}
+
+TEST(BackwardGpu, SyntheticWorkload) {
+  for (int64_t d : {64, 128}) {
+    for (double sharp : {1.0, 4.0}) {
+      Case c;
+      c.regime = "synthetic";
+      c.sharpness = sharp;
+      c.d = d;
+      c.nq = c.nk = 1024;
+      c.hq = 8;
+      c.hkv = 1;
+      run_case(c);
+    }
+  }
+}
+
+}  // namespace
