@@ -48,9 +48,10 @@ float* flush_buffer(size_t* bytes) {
 }
 
 #ifdef MALA_BENCH_TUNE
-template <int MT, int W, int BK, bool LAZY = true> struct TuneCfg {
+template <int MT, int W, int BK, bool LAZY = true, bool NORM_SMEM = true> struct TuneCfg {
   static constexpr int kMT = MT, kWarps = W, kBk = BK;
   static constexpr bool kLazyV = LAZY;
+  static constexpr bool kNormInSmem = NORM_SMEM;
 };
 
 bool variant_tiles(const std::string& name, int* bq, int* bk) {
@@ -81,15 +82,18 @@ bool launch_variant(const std::string& name, const mala::ForwardArgs& a, int* bq
     *bq = 16 * C::kMT, *bk = C::kBk;
     p.n_q_tiles_mask = (int)((a.seqlen_q + *bq - 1) / *bq);
     p.n_k_tiles_mask = (int)((a.seqlen_k + *bk - 1) / *bk);
+    static bool printed = false;
+    if (!printed) {
+      printed = true;
+      std::printf("   variant %s: %d CTAs/SM\n", name.c_str(), mala::cuda::fwd_blocks_per_sm<T, 128, C>());
+    }
     BENCH_CUDA((mala::cuda::launch_fwd_cfg<T, 128, C>(p, (cudaStream_t)a.stream)));
     return true;
   };
   if (d != 128 || a.dtype != mala::DType::bf16) return false;
   if (name == "m2w4k64") return go(TuneCfg<2, 4, 64>{});
   if (name == "m2w4k64e") return go(TuneCfg<2, 4, 64, false>{});  // V always prefetched
-  if (name == "m1w4k64") return go(TuneCfg<1, 4, 64>{});
-  if (name == "m1w8k64") return go(TuneCfg<1, 8, 64>{});
-  if (name == "m2w4k32") return go(TuneCfg<2, 4, 32>{});
+  if (name == "m2w4k64r") return go(TuneCfg<2, 4, 64, true, false>{});  // m + log2 l from registers
   return false;
 }
 #endif

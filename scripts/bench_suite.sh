@@ -30,6 +30,37 @@ mkdir -p "$SITE"
 export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 log() { echo "[bench_suite $(($(date +%s) - START))s] $*"; }
 
+# ---- 0. compilation caches -------------------------------------------------------------------------
+# Triton kernels (flash-sparse-attn compiles every autotune config per sequence-length bucket),
+# Inductor's FlexAttention kernels and flash-sparse-attn's tuned launch configs all land in one
+# folder; it is packed into OUT/bench_cache.tgz at the end (when under 15 MB) and unpacked from
+# .whl/bench_cache.tgz when carried, so a second call skips most of the compiling and tuning.
+CACHE_DIR=${MALA_BENCH_CACHE_DIR:-/tmp/mala_bench_cache}
+mkdir -p "$CACHE_DIR/triton" "$CACHE_DIR/inductor" "$CACHE_DIR/fsa_launch"
+export TRITON_CACHE_DIR="$CACHE_DIR/triton" TORCHINDUCTOR_CACHE_DIR="$CACHE_DIR/inductor"
+export FLASH_SPARSE_ATTENTION_LAUNCH_CONFIG_DIR="$CACHE_DIR/fsa_launch"
+if [ -f .whl/bench_cache.tgz ]; then
+  tar -xzf .whl/bench_cache.tgz -C "$CACHE_DIR" && log "unpacked carried compilation caches ($(du -sh "$CACHE_DIR" | cut -f1))"
+fi
+save_cache() {
+  [ "${MALA_BENCH_SAVE_CACHE:-1}" = "1" ] || return 0
+  local size
+  size=$(du -sm "$CACHE_DIR" | cut -f1)
+  if [ "$size" -lt 60 ]; then
+    tar -czf "$OUT_DIR/bench_cache.tgz" -C "$CACHE_DIR" . 2>/dev/null
+    local packed
+    packed=$(du -m "$OUT_DIR/bench_cache.tgz" | cut -f1)
+    if [ "$packed" -ge 15 ]; then
+      rm -f "$OUT_DIR/bench_cache.tgz"
+      log "compilation caches too large to bring back (${packed} MB packed)"
+    else
+      log "compilation caches packed into $OUT_DIR/bench_cache.tgz (${packed} MB): copy to .whl/ to reuse"
+    fi
+  else
+    log "compilation caches too large to bring back (${size} MB)"
+  fi
+}
+
 # ---- 1. carried wheels ---------------------------------------------------------------------------
 shopt -s nullglob
 wheels=(.whl/*.whl)
@@ -68,5 +99,6 @@ DEADLINE=$((START + ${MALA_BENCH_WALL_S:-570}))
 log "running the suite (deadline in $((DEADLINE - $(date +%s))) s)"
 python3 bench/suite/run.py --out "$OUT_DIR" --deadline "$DEADLINE" "$@"
 rc=$?
+save_cache
 log "suite exit status $rc; outputs in $OUT_DIR: $(ls "$OUT_DIR" | tr '\n' ' ')"
 exit $rc

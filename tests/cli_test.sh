@@ -39,6 +39,7 @@ expect_exit 2 "report --tau -1" -- "$MALA" report --n 256 --tau -1 && expect_in 
 expect_exit 2 "report --n abc" -- "$MALA" report --n abc && expect_in "$TMP/err" "--n: expected an integer" "names --n"
 expect_exit 2 "report --kv-heads 3" -- "$MALA" report --n 256 --heads 8 --kv-heads 3 && expect_in "$TMP/err" "--kv-heads" "names --kv-heads"
 expect_exit 2 "report --frobnicate" -- "$MALA" report --frobnicate && expect_in "$TMP/err" "unknown flag --frobnicate" "names the flag"
+expect_exit 2 "report --repeat -1" -- "$MALA" report --repeat -1 && expect_in "$TMP/err" "--repeat: must be >= 0" "names --repeat"
 expect_exit 2 "report --regime real" -- "$MALA" report --regime real && expect_in "$TMP/err" "--regime" "names --regime"
 
 # ---- report ------------------------------------------------------------------------------------
@@ -59,7 +60,7 @@ assert r["reference"] == "dense"
 assert 0 < r["retained_fraction_fwd"] <= 1 and 0 < r["retained_fraction_bwd"] <= r["retained_fraction_fwd"] + 1e-9
 s = r["slots_per_query"]
 assert 0 < s["fwd"]["mean"] <= s["fwd_tau0"]["mean"] and s["bwd"]["mean"] <= s["fwd"]["mean"], s
-assert s["fwd_tau0"]["mean"] == (512 + 128) / 2 * 1.0 or s["fwd_tau0"]["mean"] > 0
+assert s["fwd_tau0"]["mean"] == (512 + 128) / 2, s  # every legal 128-key tile: 128 * (4 + 1) / 2
 assert abs(r["omitted_mass_bound"] - 0.5) < 1e-12
 assert r["omitted_mass"]["max"] <= 0.5 + 1e-6, r["omitted_mass"]
 for key in ("o", "dq", "dk", "dv"):
@@ -69,18 +70,28 @@ assert r["time"]["fwd_ms"] > 0 and r["time"]["bwd_tau0_ms"] > 0
 EOF
 fi
 # tau = 0 is dense attention: everything retained, errors at rounding level.
-if expect_exit 0 "report --tau 0 --json" -- "$MALA" report --n 384 --heads 2 --d 64 --tau 0 --regime random --json --quiet --bq 64 --bk 32; then
+if expect_exit 0 "report --tau 0 --json" -- "$MALA" report --n 384 --heads 2 --d 64 --tau 0 --regime random --json --quiet --bq 64 --bk 32 --repeat 2; then
   python3 - "$TMP/out" <<'EOF' && pass "tau 0 retains all" || fail "tau 0 retains all"
 import json, sys
 r = json.load(open(sys.argv[1]))
 assert r["retained_fraction_fwd"] == 1 and r["retained_fraction_bwd"] == 1, r
 assert r["fwd_block_q"] == 64 and r["fwd_block_k"] == 32, r
+assert r["time"]["timed_calls"] == 2, r["time"]
 assert max(r["rel_l2_error"].values()) < 1e-5, r["rel_l2_error"]
 assert r["omitted_mass"]["max"] < 1e-5
 EOF
 fi
 expect_exit 0 "report --device auto" -- "$MALA" report --n 256 --heads 1 --d 32 --device auto --json --quiet
-grep -q '"device": "cuda"' "$TMP/out" || grep -q 'running on the CPU' "$TMP/out" && pass "auto says where it ran" || fail "auto: $(cat "$TMP/out")"
+if grep -q '"device": "cuda"' "$TMP/out"; then
+  pass "auto ran on the GPU"
+elif grep -q 'running on the CPU' "$TMP/out"; then
+  pass "auto fell back to the CPU and says so"
+  # No usable GPU here: an explicit --device cuda is a failure that says why.
+  expect_exit 1 "report --device cuda without a GPU" -- "$MALA" report --n 256 --device cuda --quiet &&
+    expect_in "$TMP/err" "--device cuda:" "names --device"
+else
+  fail "auto: $(cat "$TMP/out")"
+fi
 
 # ---- run: inputs written with the standard library -----------------------------------------
 python3 - "$TMP" <<'EOF'

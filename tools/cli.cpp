@@ -42,7 +42,8 @@ std::string Flags::get(const std::string& name, const std::string& fallback) con
   return it == values_.end() ? fallback : it->second;
 }
 
-int64_t Flags::get_int(const std::string& name, int64_t fallback, int64_t min_value) const {
+int64_t Flags::get_int(const std::string& name, int64_t fallback, int64_t min_value,
+                       int64_t max_value) const {
   auto it = values_.find(name);
   if (it == values_.end()) return fallback;
   const std::string& s = it->second;
@@ -53,6 +54,8 @@ int64_t Flags::get_int(const std::string& name, int64_t fallback, int64_t min_va
     throw UsageError("--" + name + ": expected an integer (got '" + s + "')");
   if (v < min_value)
     throw UsageError("--" + name + ": must be >= " + std::to_string(min_value) + " (got " + s + ")");
+  if (v > max_value)
+    throw UsageError("--" + name + ": must be <= " + std::to_string(max_value) + " (got " + s + ")");
   return v;
 }
 
@@ -77,6 +80,14 @@ double Flags::get_double(const std::string& name, double fallback) const {
   if (s.empty() || *end != '\0' || !std::isfinite(v))
     throw UsageError("--" + name + ": expected a finite number (got '" + s + "')");
   return v;
+}
+
+std::string name_flag(const std::string& message, const std::map<std::string, std::string>& flags) {
+  const size_t colon = message.find(':');
+  if (colon == std::string::npos) return message;
+  auto it = flags.find(message.substr(0, colon));
+  if (it == flags.end()) return message;
+  return it->second + ": " + it->first + message.substr(colon + 1);
 }
 
 std::string json_escape(const std::string& s) {

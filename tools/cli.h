@@ -31,7 +31,8 @@ class Flags {
   bool has(const std::string& name) const { return values_.count(name) > 0; }
   bool is_set(const std::string& name) const { return switches_.count(name) > 0; }
   std::string get(const std::string& name, const std::string& fallback) const;
-  int64_t get_int(const std::string& name, int64_t fallback, int64_t min_value) const;
+  int64_t get_int(const std::string& name, int64_t fallback, int64_t min_value,
+                  int64_t max_value = INT64_MAX) const;
   double get_double(const std::string& name, double fallback) const;
   uint64_t get_u64(const std::string& name, uint64_t fallback) const;
 
@@ -53,6 +54,10 @@ class Json {
  private:
   std::vector<std::pair<std::string, std::string>> items_;
 };
+
+// Rewrites a library message "head_dim: must be ..." as "--d: head_dim must be ..." when the
+// argument comes from a flag (flags maps library argument names to flag names).
+std::string name_flag(const std::string& message, const std::map<std::string, std::string>& flags);
 
 std::string json_escape(const std::string& s);
 std::string format(const char* fmt, ...) __attribute__((format(printf, 1, 2)));

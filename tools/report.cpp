@@ -2,6 +2,7 @@
 // mala at tau next to its own tau = 0 (dense) path.
 #include <chrono>
 #include <cmath>
+#include <algorithm>
 #include <cstdio>
 
 #include "cli.h"
@@ -45,6 +46,8 @@ const char* kReportHelp =
     "  --ref R           auto | dense | tau0: reference for the errors and omitted mass;\n"
     "                    dense = exact double-accumulated reference (slow), tau0 = mala at\n"
     "                    tau = 0; auto = dense up to B*H*N^2 = 2^26 score entries (default auto)\n"
+    "  --repeat R        timed calls per measurement, median reported; 0 = 1 on the\n"
+    "                    CPU, 5 on CUDA (each after a warm-up call)    (default 0)\n"
     "  --json            print one JSON object instead of the table\n"
     "  --quiet           no progress lines on stderr\n"
     "  --help            this text\n";
@@ -67,10 +70,11 @@ int report_main(int argc, char** argv) {
   float tau;
   std::string device_flag, ref_flag;
   bool json;
+  int repeat;
   try {
     Flags f(argc, argv,
             {"n", "heads", "kv-heads", "d", "tau", "bq", "bk", "seed", "regime", "sharpness",
-             "batch", "device", "ref"},
+             "batch", "device", "ref", "repeat"},
             {"json", "quiet", "help", "causal", "no-causal"});
     if (f.is_set("help")) {
       std::fputs(kReportHelp, stdout);
@@ -83,19 +87,20 @@ int report_main(int argc, char** argv) {
     if (spec.sharpness < 0)
       throw UsageError("--sharpness: must be >= 0 (got " + f.get("sharpness", "") + ")");
     spec.seed = f.get_u64("seed", 0);
-    spec.batch = f.get_int("batch", 1, 1);
-    spec.seqlen = f.get_int("n", 4096, 1);
-    spec.heads_q = f.get_int("heads", 8, 1);
-    spec.heads_kv = f.get_int("kv-heads", 1, 1);
-    spec.head_dim = f.get_int("d", 128, 1);
+    // Upper bounds keep element counts far from int64 overflow (the library indexes rows as int).
+    spec.batch = f.get_int("batch", 1, 1, 1 << 16);
+    spec.seqlen = f.get_int("n", 4096, 1, INT32_MAX);
+    spec.heads_q = f.get_int("heads", 8, 1, 1 << 16);
+    spec.heads_kv = f.get_int("kv-heads", 1, 1, 1 << 16);
+    spec.head_dim = f.get_int("d", 128, 1, 1 << 16);
     if (spec.heads_q % spec.heads_kv != 0)
       throw UsageError("--kv-heads: must divide --heads (got --heads " +
                        std::to_string(spec.heads_q) + ", --kv-heads " +
                        std::to_string(spec.heads_kv) + ")");
     tau = static_cast<float>(f.get_double("tau", 1.0));
     if (tau < 0) throw UsageError("--tau: must be >= 0 (got " + f.get("tau", "") + ")");
-    p.block_q = static_cast<int>(f.get_int("bq", 0, 0));
-    p.block_k = static_cast<int>(f.get_int("bk", 0, 0));
+    p.block_q = static_cast<int>(f.get_int("bq", 0, 0, 1 << 20));
+    p.block_k = static_cast<int>(f.get_int("bk", 0, 0, 1 << 20));
     if (f.is_set("causal") && f.is_set("no-causal"))
       throw UsageError("--causal and --no-causal: give one of them");
     p.causal = !f.is_set("no-causal");
@@ -105,6 +110,7 @@ int report_main(int argc, char** argv) {
     ref_flag = f.get("ref", "auto");
     if (ref_flag != "auto" && ref_flag != "dense" && ref_flag != "tau0")
       throw UsageError("--ref: must be auto, dense or tau0 (got '" + ref_flag + "')");
+    repeat = static_cast<int>(f.get_int("repeat", 0, 0, 1000));
     json = f.is_set("json");
     set_quiet(f.is_set("quiet"));
   } catch (const UsageError& e) {
@@ -130,6 +136,7 @@ int report_main(int argc, char** argv) {
       runner = make_cpu_runner();
     }
   }
+  runner->set_repeats(repeat);
   const std::string device_name = runner->device_name();
 
   // Workload.
@@ -138,6 +145,22 @@ int report_main(int argc, char** argv) {
   p.heads_q = spec.heads_q;
   p.heads_kv = spec.heads_kv;
   p.head_dim = spec.head_dim;
+  if (runner->device() == "cpu") {
+    // The library's argument checks (e.g. the CPU's largest head_dim) before any allocation;
+    // they read no memory, so placeholders stand in for the tensors.
+    float placeholder = 0;
+    ForwardArgs fa = forward_args(p, tau);
+    fa.q = fa.k = fa.v = fa.o = &placeholder;
+    Status st = check(fa);
+    if (!st) {
+      std::fprintf(stderr, "mala report: %s\n",
+                   name_flag(st.message, {{"head_dim", "--d"}, {"block_q", "--bq"}, {"block_k", "--bk"},
+                                          {"seqlen_q", "--n"}, {"seqlen_k", "--n"}, {"heads_q", "--heads"},
+                                          {"heads_kv", "--kv-heads"}, {"batch", "--batch"}, {"tau", "--tau"}})
+                       .c_str());
+      return kExitUsage;
+    }
+  }
   const int64_t nq = spec.batch * spec.seqlen * spec.heads_q * spec.head_dim;
   const int64_t nk = spec.batch * spec.seqlen * spec.heads_kv * spec.head_dim;
   auto t_gen = std::chrono::steady_clock::now();
@@ -252,7 +275,7 @@ int report_main(int argc, char** argv) {
     Json time;
     time.num("fwd_ms", fwd.ms).num("fwd_tau0_ms", fwd0.ms).num("fwd_ratio", fwd.ms / fwd0.ms)
         .num("bwd_ms", bwd.ms).num("bwd_tau0_ms", bwd0.ms).num("bwd_ratio", bwd.ms / bwd0.ms)
-        .num("workload_s", gen_s);
+        .num("workload_s", gen_s).integer("timed_calls", repeat > 0 ? repeat : (runner->device() == "cuda" ? 5 : 1));
     Json j;
     j.str("device", runner->device()).str("device_name", device_name).str("dtype", runner->dtype());
     if (!device_note.empty()) j.str("device_note", device_note);
@@ -302,9 +325,12 @@ int report_main(int argc, char** argv) {
   if (dense_ref)
     std::printf("    mala at tau = 0          %10.3e %10.3e %10.3e %10.3e\n", e_o0, e_dq0, e_dk0,
                 e_dv0);
-  std::printf("\n  %-34s %12s %12s %8s\n",
-              runner->device() == "cuda" ? "wall time (CUDA events, median of 5)" : "wall time (one call each)",
-              "tau", "tau = 0", "ratio");
+  const int timed = repeat > 0 ? repeat : (runner->device() == "cuda" ? 5 : 1);
+  const std::string time_title =
+      (runner->device() == "cuda" ? "time (CUDA events" : "wall time (") +
+      (timed == 1 ? std::string(runner->device() == "cuda" ? ", one call)" : "one call each)")
+                  : format("%smedian of %d)", runner->device() == "cuda" ? ", " : "", timed));
+  std::printf("\n  %-34s %12s %12s %8s\n", time_title.c_str(), "tau", "tau = 0", "ratio");
   std::printf("    %-32s %9.1f ms %9.1f ms %8.3f\n", "forward", fwd.ms, fwd0.ms, fwd.ms / fwd0.ms);
   std::printf("    %-32s %9.1f ms %9.1f ms %8.3f\n", "backward", bwd.ms, bwd0.ms, bwd.ms / bwd0.ms);
   std::printf("    %-32s %9.1f ms %9.1f ms %8.3f\n", "forward + backward", fwd.ms + bwd.ms,

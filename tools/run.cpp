@@ -1,6 +1,7 @@
 // `mala run`: MALA forward (and backward with --do) on arrays from .npy files; writes the outputs
 // as .npy.  Every input is read and checked, and the computation finished, before the output
 // directory is created: a failing run writes nothing.
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -89,8 +90,8 @@ int run_main(int argc, char** argv) {
     scale = static_cast<float>(f.get_double("scale", 0.0));
     if (f.has("scale") && !(scale > 0))
       throw UsageError("--scale: must be > 0 (got " + f.get("scale", "") + ")");
-    bq = static_cast<int>(f.get_int("bq", 0, 0));
-    bk = static_cast<int>(f.get_int("bk", 0, 0));
+    bq = static_cast<int>(f.get_int("bq", 0, 0, 1 << 20));
+    bk = static_cast<int>(f.get_int("bk", 0, 0, 1 << 20));
     if (f.is_set("causal") && f.is_set("no-causal"))
       throw UsageError("--causal and --no-causal: give one of them");
     causal = !f.is_set("no-causal");
@@ -180,7 +181,9 @@ int run_main(int argc, char** argv) {
     std::vector<float> dummy(1);
     fa.o = dummy.data();
     Status s = check(fa);
-    if (!s) return fail(s.message);
+    if (!s)
+      return fail(name_flag(s.message, {{"head_dim", "--q"}, {"block_q", "--bq"}, {"block_k", "--bk"},
+                                        {"tau", "--tau"}, {"softmax_scale", "--scale"}}));
   }
 
   ForwardResult fwd, fwd0;

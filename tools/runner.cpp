@@ -2,6 +2,7 @@
 
 #include <omp.h>
 
+#include <algorithm>
 #include <chrono>
 
 namespace mala {
@@ -45,6 +46,11 @@ int64_t tile_mask_size(const Problem& p, Tiles t) {
   return p.batch * p.heads_q * nqt * nkt;
 }
 
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
 namespace {
 
 double now_ms() {
@@ -78,10 +84,7 @@ class CpuRunner : public Runner {
     a.lse = out->lse.data();
     a.fwd_slots = out->slots.data();
     a.tile_mask = out->tile_mask.data();
-    const double t0 = now_ms();
-    Status s = mala::forward(a);
-    out->ms = now_ms() - t0;
-    return s;
+    return timed([&] { return mala::forward(a); }, &out->ms);
   }
 
   Status backward(const Problem& p, float tau, const ForwardResult& fwd,
@@ -106,13 +109,24 @@ class CpuRunner : public Runner {
     a.dv = out->dv.data();
     a.bwd_slots = out->slots.data();
     a.tile_mask = out->tile_mask.data();
-    const double t0 = now_ms();
-    Status s = mala::backward(a);
-    out->ms = now_ms() - t0;
-    return s;
+    return timed([&] { return mala::backward(a); }, &out->ms);
   }
 
  private:
+  // Runs `call` repeats_ (at least 1) times; *ms = the median wall time.
+  template <class Call>
+  Status timed(Call call, double* ms) {
+    std::vector<double> times;
+    for (int i = 0; i < std::max(1, repeats_); ++i) {
+      const double t0 = now_ms();
+      Status s = call();
+      times.push_back(now_ms() - t0);
+      if (!s) return s;
+    }
+    *ms = median(times);
+    return Status::success();
+  }
+
   // One small call before the first timed one, so OpenMP's thread start-up is not billed to
   // whichever of tau / tau = 0 runs first.
   void warm_up() {

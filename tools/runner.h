@@ -28,7 +28,7 @@ struct ForwardResult {
   std::vector<int32_t> slots;
   std::vector<uint8_t> tile_mask;
   Tiles tiles;
-  double ms = 0;  // wall time of one call (CPU) or the median of the timed calls (CUDA)
+  double ms = 0;  // median time of the timed calls (Runner::set_repeats)
 };
 
 struct BackwardResult {
@@ -48,11 +48,20 @@ class Runner {
   // The inputs as the device sees them, widened to fp32 (bf16-rounded on CUDA): what a reference
   // should be computed from.
   virtual Problem as_seen(const Problem& p) const = 0;
+  // Timed calls per forward/backward (the median is reported); 0 = the device's default:
+  // 1 on the CPU (after a small warm-up call), 5 after one warm-up call on CUDA.
+  void set_repeats(int n) { repeats_ = n; }
   virtual Status forward(const Problem& p, float tau, ForwardResult* out) = 0;
   // Uses fwd.o and fwd.lse (the forward at the same tau) as the saved forward state.
   virtual Status backward(const Problem& p, float tau, const ForwardResult& fwd,
                           BackwardResult* out) = 0;
+
+ protected:
+  int repeats_ = 0;
 };
+
+// Median of a non-empty list of times.
+double median(std::vector<double> v);
 
 std::unique_ptr<Runner> make_cpu_runner();
 // Null with *why set when the library was built without CUDA or no GPU is present.

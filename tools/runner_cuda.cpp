@@ -14,7 +14,7 @@ namespace mala {
 namespace cli {
 namespace {
 
-constexpr int kTimedCalls = 5;
+constexpr int kDefaultTimedCalls = 5;
 
 uint16_t to_bf16(float f) {
   uint32_t x;
@@ -89,16 +89,16 @@ struct DeviceBuffer {
   }
 };
 
-// Times `call` with CUDA events: one warm-up, then the median of kTimedCalls.
+// Times `call` with CUDA events: one warm-up, then the median of `repeats` calls.
 template <class Call>
-Status time_calls(Call call, double* ms) {
+Status time_calls(Call call, int repeats, double* ms) {
   Status s = call();
   if (!s) return s;
   cudaEvent_t start, stop;
   cudaEventCreate(&start);
   cudaEventCreate(&stop);
   std::vector<double> times;
-  for (int i = 0; i < kTimedCalls && s; ++i) {
+  for (int i = 0; i < repeats && s; ++i) {
     cudaEventRecord(start);
     s = call();
     cudaEventRecord(stop);
@@ -112,8 +112,7 @@ Status time_calls(Call call, double* ms) {
   if (!s) return s;
   cudaError_t e = cudaDeviceSynchronize();
   if (e != cudaSuccess) return cuda_error(e, "kernel");
-  std::sort(times.begin(), times.end());
-  *ms = times[times.size() / 2];
+  *ms = median(times);
   return Status::success();
 }
 
@@ -151,7 +150,7 @@ class CudaRunner : public Runner {
     a.lse = static_cast<float*>(lse.ptr);
     a.fwd_slots = static_cast<int32_t*>(slots.ptr);
     a.tile_mask = static_cast<uint8_t*>(mask.ptr);
-    s = time_calls([&] { return mala::forward(a); }, &out->ms);
+    s = time_calls([&] { return mala::forward(a); }, timed_calls(), &out->ms);
     if (!s) return s;
     out->lse.resize(p.rows());
     out->slots.resize(p.rows());
@@ -198,7 +197,7 @@ class CudaRunner : public Runner {
       a.workspace = work.ptr;
       a.workspace_bytes = ws;
     }
-    s = time_calls([&] { return mala::backward(a); }, &out->ms);
+    s = time_calls([&] { return mala::backward(a); }, timed_calls(), &out->ms);
     if (!s) return s;
     out->slots.resize(p.rows());
     out->tile_mask.resize(mask_n);
@@ -212,6 +211,8 @@ class CudaRunner : public Runner {
   }
 
  private:
+  int timed_calls() const { return repeats_ > 0 ? repeats_ : kDefaultTimedCalls; }
+
   // Inputs are uploaded once per problem (the report calls forward/backward several times).
   Status upload_inputs(const Problem& p) {
     if (uploaded_ == &p) return Status::success();

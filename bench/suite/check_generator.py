@@ -84,7 +84,12 @@ def main():
             bad |= n_over > 0
             print(f"{spec} {name}: max|diff| {diff.max().item():.3g}, differing {n_diff}/{r.numel()}, "
                   f"beyond 1 ulp {n_over}")
+    import hashlib
+    with open(os.path.join(ROOT, "src", "workload.cpp"), "rb") as f:
+        digest = hashlib.sha256(f.read()).hexdigest()
     print("FAIL" if bad else "OK: matches the C++ generator (at most 1 ulp on rare elements)")
+    print(f"src/workload.cpp sha256 {digest} (workloads.VALIDATED_CPP_SHA256 "
+          f"{'matches' if digest == workloads.VALIDATED_CPP_SHA256 else 'differs: update it after an OK check'})")
     sys.exit(1 if bad else 0)
 
 

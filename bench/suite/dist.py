@@ -163,7 +163,8 @@ def _worker(rank, W, port, a):
                 rec = {"section": "dist", "op": op, "system": sysm.name, "label": sysm.label, "tau": sysm.tau,
                        "regime": regime, "sharpness": sharp, "B": 1, "N": N, "Hq": Hq, "Hkv": Hkv, "d": d,
                        "world_size": W, "heads_q_total": 64, "heads_kv_total": 8}
-                rec.update({kk: vv for kk, vv in info.items() if not (op == "fwd" and kk.startswith("bwd"))})
+                if op != "decode":
+                    rec.update(info)
                 if why:
                     rec.update(status="unavailable", reason=why)
                     if rank == 0:
@@ -180,10 +181,22 @@ def _worker(rank, W, port, a):
                     continue
                 err = None
                 fn, setup = None, None
+                dinfo = None
                 try:
                     if op == "decode":
-                        pd = sysm.prepare_decode(q[:, -1:].contiguous(), k, v)
+                        q1 = q[:, -1:].contiguous()
+                        pd = sysm.prepare_decode(q1, k, v)
                         fn = pd.decode
+                        if sysm.sparse and sysm.tau:
+                            dinfo = {}
+                            try:
+                                if hasattr(pd, "stats"):
+                                    dinfo.update(pd.stats())
+                                _, lse1 = pd.out_lse()
+                                dinfo["omitted_mass_mean"], dinfo["omitted_mass_max"] = common.omitted_mass(
+                                    lse1, common.dense_lse(q1, k, v, causal=False))
+                            except Exception as e:  # noqa: BLE001
+                                dinfo["stats_error"] = str(e)[:300]
                     else:
                         if prep is None:
                             prep = sysm.prepare(q, k, v, dout)
@@ -210,6 +223,10 @@ def _worker(rank, W, port, a):
                     gc.collect()
                     timing.empty_cache()
                     continue
+                if op == "decode":
+                    dinfos = [None] * W
+                    dist.all_gather_object(dinfos, dinfo or {})
+                    rec.update(_merge_infos(dinfos))
                 # one probe to size the repetitions, then the timed calls
                 host, ev = _sync_time(fn, flush, 1, setup)
                 reps = int(min(100, max(min_reps, (0.3 if quick else 0.6) * 1e3 / max(host[0], 1e-3))))

@@ -186,6 +186,8 @@ def plot_sweep(data, out):
                     **_style(name))
         ax.axhline(1.0, color="k", linewidth=0.8, linestyle="--")
         ax.set_xscale("log")
+        ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda x, _p: f"{100 * x:g}%"))
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.invert_xaxis()
         ax.set_xlabel("MALA retained fraction of legal tiles (" + ("bwd" if op == "bwd" else "fwd") + ")")
         ax.set_ylabel("speedup over fastest dense")

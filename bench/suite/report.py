@@ -119,7 +119,7 @@ def training_tables(data, section, shapes):
                 if not any_:
                     continue
                 for name in mala_names:
-                    row.append(_work(_find(rs, N=n, op=op, system=name), with_bwd=op != "fwd"))
+                    row.append(_work(_find(rs, N=n, op=op, system=name)))
                 lines.append("| " + " | ".join(row) + " |")
         fsa = [n for n, _ in systems if n.startswith("fsa_tau") and n != "fsa_tau0"]
         for name in fsa:
@@ -201,10 +201,10 @@ def sweep_tables(data):
                              if r.get("rule_retained_fraction") is not None), None)
                 if m:
                     ret = f"{100 * m['fwd_retained_fraction']:.1f}%"
-                    if m.get("bwd_retained_fraction") is not None and op != "fwd":
+                    if m.get("bwd_retained_fraction") is not None:
                         ret += f" / {100 * m['bwd_retained_fraction']:.1f}%"
                     slots = f"{m['fwd_slots_mean']:.0f}"
-                    if m.get("bwd_slots_mean") is not None and op != "fwd":
+                    if m.get("bwd_slots_mean") is not None:
                         slots += f" / {m['bwd_slots_mean']:.0f}"
                     om = f"{m['omitted_mass_max']:.1e}" if m.get("omitted_mass_max") is not None else ""
                 else:
@@ -280,7 +280,9 @@ def header(data):
             f"torch {m.get('torch')}, CUDA {m.get('cuda_runtime')}, cuDNN {m.get('cudnn')}, "
             f"triton {m.get('triton')}; flash-sparse-attn {((m.get('flash_sparse_attn') or {}).get('version'))}; "
             f"mala {((m.get('mala') or {}).get('version') or (m.get('mala') or {}).get('error'))}; "
-            f"git commit {m.get('git_commit')}; run {m.get('time_utc')} ({m.get('mode')}, "
+            f"git commit {m.get('git_commit')}"
+            f"{' + uncommitted changes' if str(m.get('git_dirty')) in ('1', 'true', 'yes') else ''}; "
+            f"run {m.get('time_utc')} ({m.get('mode')}, "
             f"{m.get('wall_s', 0):.0f} s).")
 
 
@@ -308,7 +310,7 @@ def summary_text(data):
     return "\n==== summary ====\n" + summary_markdown([data])
 
 
-def update_doc(doc, datas, plots):
+def update_doc(doc, datas, plots, title=None):
     with open(doc) as f:
         text = f.read()
     if BEGIN not in text or END not in text:
@@ -316,6 +318,8 @@ def update_doc(doc, datas, plots):
     body = summary_markdown(datas)
     if plots:
         body = "\n".join(f"![{os.path.splitext(os.path.basename(p))[0]}]({p})" for p in plots) + "\n\n" + body
+    if title:
+        body = f"**{title}**\n\n" + body
     pre, rest = text.split(BEGIN, 1)
     _, post = rest.split(END, 1)
     with open(doc, "w") as f:
@@ -326,23 +330,27 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("results", nargs="+")
     ap.add_argument("--doc")
-    ap.add_argument("--plots-from")
+    ap.add_argument("--plots-from", action="append", default=[],
+                    help="a run's output folder (repeatable, one per results.json)")
     ap.add_argument("--plots-to", default="bench/suite/results")
+    ap.add_argument("--title", help="a line above the tables (what run this is)")
     args = ap.parse_args()
     datas = []
     for p in args.results:
         with open(p) as f:
             datas.append(json.load(f))
     plots = []
-    if args.plots_from:
+    for src in args.plots_from:
         os.makedirs(args.plots_to, exist_ok=True)
-        for name in sorted(os.listdir(args.plots_from)):
+        for name in sorted(os.listdir(src)):
             if name.endswith(".png"):
-                shutil.copy(os.path.join(args.plots_from, name), os.path.join(args.plots_to, name))
-                plots.append(os.path.relpath(os.path.join(args.plots_to, name),
-                                             os.path.dirname(os.path.abspath(args.doc)) if args.doc else "."))
+                shutil.copy(os.path.join(src, name), os.path.join(args.plots_to, name))
+                rel = os.path.relpath(os.path.join(args.plots_to, name),
+                                      os.path.dirname(os.path.abspath(args.doc)) if args.doc else ".")
+                if rel not in plots:
+                    plots.append(rel)
     if args.doc:
-        update_doc(args.doc, datas, plots)
+        update_doc(args.doc, datas, plots, args.title)
         print(f"updated {args.doc}")
     else:
         sys.stdout.write(summary_markdown(datas))

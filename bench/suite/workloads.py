@@ -20,14 +20,18 @@ import math
 
 import torch
 
+# sha256 of the src/workload.cpp this port was compared with, element for element, by
+# check_generator.py (which prints the current one).  The suite notes a mismatch in its results.
+VALIDATED_CPP_SHA256 = "be058fa2b8a8c94cbe6c3080060bfc39ee4a6ee67adbd4d2b2dd359381d331ed"
+
 MASK64 = (1 << 64) - 1
 TWO_PI = 6.283185307179586476925286766559
 
 STREAM_Q, STREAM_K, STREAM_V, STREAM_DOUT, STREAM_PHASE, STREAM_NEEDLE = 1, 2, 3, 4, 5, 6
 
-# Synthetic-regime constants (must match src/workload.cpp).
-LOCALITY = 1.5
-SINK = 1.5
+# Synthetic-regime constants (must match src/workload.cpp).  The structured score peak is
+# c(s) = PEAK * sqrt(s): a query scores its own position, its needle and the sink at about c(s).
+PEAK = 12.0
 SINK_QUERY_MAX = 4.0
 ROPE_BASE = 10000.0
 POSITIONS_PER_NEEDLE = 512
@@ -108,10 +112,10 @@ class _Synthetic:
         self.sink_dim = d - 1 if d >= 3 else -1
         self.pairs = (d - 1 if self.sink_dim >= 0 else d) // 2
         sqrt_d = math.sqrt(d)
-        self.rope_amp = (math.sqrt(LOCALITY * sharpness * sqrt_d / self.pairs)
-                         if self.pairs > 0 else 0.0)
+        peak = PEAK * math.sqrt(sharpness)
+        self.rope_amp = math.sqrt(peak * sqrt_d / self.pairs) if self.pairs > 0 else 0.0
         sink_q = SINK_QUERY_MAX * math.sqrt(sharpness / (1.0 + sharpness))
-        sink_k = SINK * sharpness * sqrt_d / sink_q if sink_q > 0 else 0.0
+        sink_k = peak * sqrt_d / sink_q if sink_q > 0 else 0.0
         if self.sink_dim < 0:
             sink_q = sink_k = 0.0
         self.sink_q, self.sink_k = sink_q, sink_k
@@ -219,3 +223,20 @@ def mala_make_workload():
         if callable(fn):
             return fn
     return None
+
+
+def cpp_source_status():
+    """'validated' when src/workload.cpp is the version this port was checked against, else a
+    warning (the port may be stale: run bench/suite/check_generator.py)."""
+    import hashlib
+    import os
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "src", "workload.cpp")
+    try:
+        with open(path, "rb") as f:
+            digest = hashlib.sha256(f.read()).hexdigest()
+    except OSError:
+        return "src/workload.cpp not found next to the suite: port not re-checked"
+    if digest == VALIDATED_CPP_SHA256:
+        return "validated"
+    return (f"WARNING: src/workload.cpp changed (sha256 {digest[:12]}) since bench/suite/workloads.py was "
+            "checked against it; run bench/suite/check_generator.py")

@@ -15,7 +15,7 @@ import torch
 from .stats import AttentionStats, visible_keys_decode, visible_keys_dense, visible_keys_varlen
 
 
-def _scale_arg(softmax_scale, head_dim):
+def _scale_arg(softmax_scale):
     if softmax_scale is None:
         return 0.0  # the library's 1/sqrt(head_dim)
     scale = float(softmax_scale)
@@ -120,7 +120,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tau: float = 1.
     Returns out, then lse [B, Hq, Nq] float32 if return_lse, then an AttentionStats if return_stats.
     """
     tau = _tau_arg(tau)
-    scale = _scale_arg(softmax_scale, q.shape[-1])
+    scale = _scale_arg(softmax_scale)
     if not return_stats:
         out, lse, _, _ = torch.ops.mala.fwd(q, k, v, tau, causal, scale, False)
         return _results(out, lse, None, return_lse, False)
@@ -143,7 +143,7 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     host (one synchronization; skipped under torch.compile and CUDA-graph capture).
     """
     tau = _tau_arg(tau)
-    scale = _scale_arg(softmax_scale, q.shape[-1])
+    scale = _scale_arg(softmax_scale)
     max_seqlen_q, max_seqlen_k = int(max_seqlen_q), int(max_seqlen_k)
     if check_inputs and _host_checks_allowed(q):
         _check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", q.shape[0], max_seqlen_q, "max_seqlen_q")
@@ -178,7 +178,7 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     itself is not advanced.  num_splits 0 = automatic split-KV.  Capturable in a CUDA graph.
     """
     tau = _tau_arg(tau)
-    scale = _scale_arg(softmax_scale, q.shape[-1])
+    scale = _scale_arg(softmax_scale)
     if int(num_splits) < 0:
         raise ValueError(f"num_splits: must be >= 0, 0 meaning automatic (got {num_splits})")
     if isinstance(cache_seqlens, int):

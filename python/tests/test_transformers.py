@@ -1,5 +1,6 @@
 """attn_implementation="mala" in a small Llama (random weights): same logits as SDPA at tau = 0,
-training steps at tau = 1, generate() with a DynamicCache, padding falls back to SDPA."""
+training steps at tau = 1, generate() with a DynamicCache, padding through varlen, general masks
+falling back to SDPA."""
 
 import pytest
 import torch
@@ -13,15 +14,21 @@ from conftest import device_params, rel_l2  # noqa: E402
 
 @pytest.fixture
 def mala_calls(monkeypatch):
-    """Records (seqlen_q, seqlen_k) of every mala.attention call, so tests can tell mala from the fallback."""
+    """Records every mala call made by the integration, so tests can tell mala from the fallback:
+    ("dense", Nq, Nk) for mala.attention, ("varlen", total_q, total_k) for mala.attention_varlen."""
     calls = []
-    real = mala.attention
+    attention, attention_varlen = mala.attention, mala.attention_varlen
 
     def spy(q, k, v, **kwargs):
-        calls.append((q.shape[1], k.shape[1]))
-        return real(q, k, v, **kwargs)
+        calls.append(("dense", q.shape[1], k.shape[1]))
+        return attention(q, k, v, **kwargs)
+
+    def spy_varlen(q, k, v, *args, **kwargs):
+        calls.append(("varlen", q.shape[0], k.shape[0]))
+        return attention_varlen(q, k, v, *args, **kwargs)
 
     monkeypatch.setattr(mala, "attention", spy)
+    monkeypatch.setattr(mala, "attention_varlen", spy_varlen)
     return calls
 
 
@@ -60,7 +67,7 @@ def test_logits_match_sdpa_at_tau0(device, mala_calls):
     with torch.no_grad():
         logits = model(ids).logits
         ref_logits = ref(ids).logits
-    assert mala_calls == [(200, 200)] * 2, "both layers must run mala"
+    assert mala_calls == [("dense", 200, 200)] * 2, "both layers must run mala"
     assert rel_l2(logits, ref_logits) < _tolerance(device)
 
 
@@ -79,7 +86,7 @@ def test_decode_step_with_cache_matches_sdpa(device, mala_calls):
         ref_two = ref(ids[:, -2:], past_key_values=ref(ids[:, :-2], use_cache=True).past_key_values).logits
     assert rel_l2(step, ref_step) < _tolerance(device)
     assert rel_l2(two, ref_two) < _tolerance(device)
-    assert mala_calls == [(149, 149)] * 2 + [(1, 150)] * 2 + [(148, 148)] * 2 + [(2, 150)] * 2
+    assert [c[1:] for c in mala_calls] == [(149, 149)] * 2 + [(1, 150)] * 2 + [(148, 148)] * 2 + [(2, 150)] * 2
 
 
 @pytest.mark.parametrize("device", device_params())
@@ -110,7 +117,7 @@ def test_generate_runs_and_matches_sdpa_greedy(device, mala_calls):
         out = model.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=0)
         ref_out = ref.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=0)
     assert out.shape == (2, 52)
-    assert mala_calls[:4] == [(40, 40), (40, 40), (1, 41), (1, 41)], mala_calls[:4]
+    assert [c[1:] for c in mala_calls[:4]] == [(40, 40), (40, 40), (1, 41), (1, 41)], mala_calls[:4]
     if device == "cpu":  # float32: no near-ties, greedy decoding is identical
         assert torch.equal(out, ref_out)
     else:  # bfloat16: the first new token at least
@@ -122,16 +129,50 @@ def test_generate_runs_and_matches_sdpa_greedy(device, mala_calls):
 
 
 @pytest.mark.parametrize("device", device_params())
-def test_padding_falls_back_to_sdpa_or_raises(device, mala_calls):
+def test_padding_runs_varlen(device, mala_calls):
+    """Left padding (and right padding in a full forward) drop the padded tokens and run varlen."""
     model, ref = _models(device, tau=0.0)
-    ids = _tokens(device, batch=2, n=64, seed=3)
+    ids = _tokens(device, batch=3, n=64, seed=3)
     mask = torch.ones_like(ids)
-    mask[0, :10] = 0  # left padding in the first sequence
+    mask[0, :10] = 0  # left padding
+    mask[2, 50:] = 0  # right padding
     with torch.no_grad():
         logits = model(ids, attention_mask=mask).logits
         ref_logits = ref(ids, attention_mask=mask).logits
-    assert rel_l2(logits[:, 10:], ref_logits[:, 10:]) < _tolerance(device)
-    assert mala_calls == [], "a padding mask must not reach mala"
+    real = mask.bool()
+    assert rel_l2(logits[real], ref_logits[real]) < _tolerance(device)
+    assert mala_calls == [("varlen", 64 * 3 - 24, 64 * 3 - 24)] * 2, mala_calls
+
+
+@pytest.mark.parametrize("device", device_params())
+def test_batched_generate_with_left_padding(device, mala_calls):
+    model, ref = _models(device, tau=0.0)
+    ids = _tokens(device, batch=2, n=30, seed=4)
+    mask = torch.ones_like(ids)
+    mask[1, :7] = 0
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
+        ref_out = ref.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert out.shape == (2, 38)
+    assert mala_calls[0] == ("varlen", 60 - 7, 60 - 7) and mala_calls[2] == ("varlen", 2, 62 - 7), mala_calls[:3]
+    if device == "cpu":
+        assert torch.equal(out, ref_out)
+    else:
+        assert torch.equal(out[:, 30], ref_out[:, 30])
+
+
+@pytest.mark.parametrize("device", device_params())
+def test_general_mask_falls_back_to_sdpa_or_raises(device, mala_calls):
+    """A padding mask with a hole is not one run of real tokens: dense SDPA (or an error)."""
+    model, ref = _models(device, tau=0.0)
+    ids = _tokens(device, batch=2, n=64, seed=5)
+    mask = torch.ones_like(ids)
+    mask[0, 20:25] = 0
+    with torch.no_grad():
+        logits = model(ids, attention_mask=mask).logits
+        ref_logits = ref(ids, attention_mask=mask).logits
+    assert rel_l2(logits[mask.bool()], ref_logits[mask.bool()]) < _tolerance(device)
+    assert mala_calls == [], "a general mask must not reach mala"
     mala_hf.register(tau=0.0, on_mask="error")
     try:
         with pytest.raises(ValueError, match="attention_mask"):
@@ -139,6 +180,6 @@ def test_padding_falls_back_to_sdpa_or_raises(device, mala_calls):
                 model(ids, attention_mask=mask)
         with torch.no_grad():  # an all-ones mask needs no mask: mala runs
             model(ids, attention_mask=torch.ones_like(ids))
-        assert len(mala_calls) == 2
+        assert mala_calls == [("dense", 64, 64)] * 2
     finally:
         mala_hf.register(tau=0.0)

@@ -18,8 +18,13 @@
 // cp.async while tile t is processed.  dO/D of tile t are loaded only once tile t is retained, except
 // for a speculative prefetch of dO_{t+1} issued when tile t was retained (always right with tau = 0
 // and on dense inputs; on sparse inputs it is rarely issued because a skipped tile issues none).
-// Barriers per tile: 1 (tau = 0, dO prefetched), 2 (tau > 0: + the vote), +1 when dO_t was not
-// prefetched.  The scale is applied once at the end (dK in the epilogue, dQ in the convert kernel).
+// The first tile of every CTA has its dO prefetched too (it is usually retained).  So dO is loaded
+// for a skipped tile only when it directly follows a retained one (or is a CTA's first tile).
+// Barriers per tile: 1 (tau = 0: template TAU0, no test code), tau > 0: + the vote, split-phase by
+// default (each warp arrives on an mbarrier, the deferred dQ of the previous tile runs, then it
+// waits; MALA_BWD_SPLIT_VOTE=0 uses __syncthreads_or), +1 when dO_t was not prefetched.
+// Q stages: 3 where the opt-in shared memory allows (H100), else 2 (A100 at d = 128).
+// The scale is applied once at the end (dK in the epilogue, dQ in the convert kernel).
 #pragma once
 
 #include <math.h>
@@ -105,8 +110,9 @@ struct BwdKernel {
   static_assert(smem_bytes(3) == bwd_smem_bytes<D>(3), "bwd_smem_bytes (bwd_params.cuh) out of date");
 };
 
-template <typename T, int D>
+template <typename T, int D, bool TAU0>
 __global__ void __launch_bounds__(256, 1) bwd_main_kernel(const BwdParams p) {
+  // TAU0 (tau = 0): every visited tile is retained; the test, the vote and their code are compiled out.
   using KC = BwdKernel<T, D>;
   constexpr int BQ = KC::BQ, BK = KC::BK;
   constexpr int NT = KC::NT, KQ = KC::KQ, KD = KC::KD, NDW = KC::NDW, NDQ = KC::NDQ;
@@ -243,7 +249,7 @@ __global__ void __launch_bounds__(256, 1) bwd_main_kernel(const BwdParams p) {
   bool pend = false;
   int pend_h = 0, pend_q0 = 0, pend_buf = 0;
   // Vote state of the split-phase vote (tau > 0, p.split_vote): two mbarriers + two flags.
-  const bool split_vote = p.split_vote && !p.tau_zero;
+  const bool split_vote = !TAU0 && p.split_vote;
   uint32_t* vote_s = reinterpret_cast<uint32_t*>(smem + KC::kOffVote);
   const uint32_t mbar_s = sbase + KC::kOffMbar;
   if (split_vote && tid == 0) {
@@ -328,7 +334,7 @@ __global__ void __launch_bounds__(256, 1) bwd_main_kernel(const BwdParams p) {
           float x = s[n][e] * p.scale_log2;
           if (need_mask && kb + key0 + g + hh * 8 >= L) x = -INFINITY;
           s[n][e] = x;
-          if (!p.tau_zero) allow &= rule::row_allows_skip(x, l2, thr);
+          if (!TAU0) allow &= rule::row_allows_skip(x, l2, thr);
         }
       }
     bool retain = true;
@@ -346,7 +352,7 @@ __global__ void __launch_bounds__(256, 1) bwd_main_kernel(const BwdParams p) {
       }
       bwd_mbar_wait(mbar_s + st * 8, (t >> 1) & 1);
       retain = *reinterpret_cast<volatile uint32_t*>(&vote_s[st]) != 0u;
-    } else if (!p.tau_zero) {
+    } else if (!TAU0) {
       retain = __syncthreads_or(allow ? 0 : 1) != 0;
     }
     if (p.tile_mask != nullptr && tid == 0)
@@ -506,11 +512,12 @@ template <typename T, int D>
 cudaError_t launch_bwd_main(const BwdParams& p, cudaStream_t stream) {
   using KC = BwdKernel<T, D>;
   const int smem = KC::smem_bytes(p.q_stages);
-  cudaError_t err = cudaFuncSetAttribute(bwd_main_kernel<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  auto kernel = p.tau_zero ? bwd_main_kernel<T, D, true> : bwd_main_kernel<T, D, false>;
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return err;
   const int64_t grid = static_cast<int64_t>(p.n_k_tiles) * p.batch * p.heads_kv * p.head_splits;
   if (grid <= 0) return cudaSuccess;
-  bwd_main_kernel<T, D><<<static_cast<unsigned>(grid), KC::kThreads, smem, stream>>>(p);
+  kernel<<<static_cast<unsigned>(grid), KC::kThreads, smem, stream>>>(p);
   return cudaGetLastError();
 }
 

@@ -23,9 +23,11 @@ namespace {
 using cuda::kDecodeBlockQ;
 
 constexpr int kMaxSplits = 256;
-// tau > 0: every split retains its first legal tile, so splits are kept at >= this many key tiles
-// (of the capacity) each; more splits buy parallelism at the price of forced retentions.
-constexpr int kMinTilesPerSplitSparse = 4;
+// tau > 0 uses the same one-wave split count as tau = 0.  Fewer splits would retain less (each split
+// retains its first legal tile and tests against its own partial normalizer) but measured on H100
+// (bench --sweep: 8K..128K, batch 1 and 8, random, make_workload synthetic and recency-ramp
+// inputs) the lost parallelism cost more than the skipped V saved.  Callers who know their
+// attention is sharp can pass num_splits.
 
 struct Geometry {
   int64_t block_k, capacity, n_cap, HS, R, NQT;
@@ -106,7 +108,6 @@ int decode_num_splits(const DecodeArgs& a) {
   const int64_t sms = sm_count();
   // At most one wave of CTAs (one CTA per SM; a second partial wave would double the time).
   int64_t want = std::max<int64_t>(1, sms / base);
-  if (a.tau > 0.f) want = std::min<int64_t>(want, std::max<int64_t>(1, g.n_cap / kMinTilesPerSplitSparse));
   want = std::min<int64_t>(want, g.n_cap);
   want = std::min<int64_t>(want, kMaxSplits);
   return static_cast<int>(std::max<int64_t>(want, 1));

@@ -185,8 +185,10 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) decode_split_kernel(const D
   auto issue = [&](int it) {  // K (and V when dense) of iteration it, as one commit group
     if (it < n_it) {
       const int j = te_l - 1 - it;
+      // The split's first legal tile is always retained (nothing is retained yet, so its test
+      // cannot pass), so its V travels with K even in the sparse variant.
 #pragma unroll 1
-      for (int w = 0; w < (kDense ? 2 : 1); ++w) {
+      for (int w = 0; w < (kDense || it == 0 ? 2 : 1); ++w) {
         if (w == 0) load_tile(kbuf(it), gk, p.k_sb, p.k_sr, p.k_sh, j);
         else load_tile(vbuf(it), gv, p.v_sb, p.v_sr, p.v_sh, j);
       }
@@ -257,7 +259,7 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) decode_split_kernel(const D
     // The tile test (identical inputs in every warp, so every warp takes the same decision).
     const bool skip = kDense ? false : warp_tile_skip_online<1>(tmax, m, l, log_thr);
     if (!kDense) {
-      if (!skip) {
+      if (!skip && it > 0) {  // V only after the test (V(0) came with K(0))
         load_tile(vbuf(it), gv, p.v_sb, p.v_sr, p.v_sh, j);
         cp_async_commit();
       }
@@ -299,7 +301,7 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) decode_split_kernel(const D
       acc[i][2] *= alpha[1];
       acc[i][3] *= alpha[1];
     }
-    if (!kDense) cp_async_wait<1>();  // V(it); the K prefetch just issued may stay in flight
+    if (!kDense && it > 0) cp_async_wait<1>();  // V(it); the K prefetch just issued may stay in flight
     __syncthreads();                  // P, red_sum and V visible
 #pragma unroll
     for (int h = 0; h < 2; ++h) {

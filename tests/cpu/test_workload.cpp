@@ -116,6 +116,33 @@ TEST(Workload, SharpnessZeroIsTheRandomRegime) {
   EXPECT_EQ(r.dout, s1.dout);
 }
 
+TEST(Workload, SyntheticNoiseIsTheRandomRegimesNoise) {
+  // docs/workloads.md: every element is z (the random regime's value at the same index) plus
+  // structure, and the dims outside the rotating pairs and the sink channel carry no structure.
+  // Odd head_dim makes rows start at odd element indices (half a Box-Muller pair).
+  for (int64_t d : {5, 64}) {
+    auto r = spec("random", 0.0, 96), s = spec("synthetic", 7.0, 96);
+    r.head_dim = s.head_dim = d;
+    Tensors a = generate(r), b = generate(s);
+    const int64_t pairs = (d - 1) / 2, sink = d - 1;
+    int checked = 0;
+    for (int64_t row = 0; row < 96 * s.heads_kv; ++row) {
+      for (int64_t i = 2 * pairs; i < d; ++i) {
+        const int64_t idx = row * d + i;
+        if (i == sink && row < s.heads_kv) continue;  // key 0's sink channel is offset
+        ASSERT_EQ(a.k[idx], b.k[idx]) << "d=" << d << " row " << row << " dim " << i;
+        ++checked;
+      }
+      for (int64_t i = 0; i < 2 * pairs; ++i) ASSERT_NE(a.k[row * d + i], b.k[row * d + i]);
+    }
+    EXPECT_GT(checked, 90);
+    for (int64_t row = 0; row < 96 * s.heads_q; ++row)
+      for (int64_t i = 2 * pairs; i < sink; ++i) ASSERT_EQ(a.q[row * d + i], b.q[row * d + i]);
+    EXPECT_EQ(a.v, b.v);
+    EXPECT_EQ(a.dout, b.dout);
+  }
+}
+
 TEST(Workload, NullDoutIsAllowed) {
   auto s = spec("synthetic", 2.0);
   Tensors with = generate(s, true), without = generate(s, false);

@@ -610,6 +610,13 @@ TEST(GpuDecode, SmallForSanitizer) {
   check_case(c, "small paged");
   c.tau = 0;
   check_case(c, "small paged dense");
+  c.tau = 1;
+  c.page_size = 128;  // a key tile never crosses a page
+  c.capacity = 768;
+  check_case(c, "small paged 128");
+  c.page_size = 48;  // neither a power of two nor a multiple of the tile
+  c.capacity = 720;
+  check_case(c, "small paged 48");
 }
 
 }  // namespace
