@@ -119,7 +119,13 @@ def _worker(rank, W, port, a):
     ops = (a["ops"] or "fwd,bwd,fwd_bwd,decode").split(",")
     names = a["systems"] or DEFAULT_SYSTEMS
     systems = S.all_systems(names.split(","), taus=(a["tau"],))
-    Hq, Hkv, d = 64 // W, 8 // W, 128
+    # Default: the paper's 64/8 heads split over W ranks.  --dist-rank-heads HQ,HKV fixes the
+    # per-rank shape instead (the paper's TP = 8 per-rank shape 8/1 on fewer GPUs: issue 6's fallback).
+    if a.get("dist_rank_heads"):
+        Hq, Hkv = a["dist_rank_heads"]
+    else:
+        Hq, Hkv = 64 // W, 8 // W
+    d = 128
     regime = "synthetic" if a.get("sharpness") else "random"
     sharp = (a.get("sharpness") or [0.0])[0]
     res = None
@@ -162,7 +168,7 @@ def _worker(rank, W, port, a):
             for op in ops:
                 rec = {"section": "dist", "op": op, "system": sysm.name, "label": sysm.label, "tau": sysm.tau,
                        "regime": regime, "sharpness": sharp, "B": 1, "N": N, "Hq": Hq, "Hkv": Hkv, "d": d,
-                       "world_size": W, "heads_q_total": 64, "heads_kv_total": 8}
+                       "world_size": W, "heads_q_total": Hq * W, "heads_kv_total": Hkv * W}
                 if op != "decode":
                     rec.update(info)
                 if why:

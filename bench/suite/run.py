@@ -688,6 +688,8 @@ def main():
     ap.add_argument("--deadline", type=float, default=float(os.environ.get("MALA_BENCH_DEADLINE", 0)) or None,
                     help="absolute time (epoch s) by which everything must be written")
     ap.add_argument("--dist", type=int, default=0, help="tensor-parallel mode over this many GPUs (issue 6)")
+    ap.add_argument("--dist-rank-heads", type=lambda s: tuple(int(x) for x in s.split(",")), default=None,
+                    metavar="HQ,HKV", help="--dist: heads per rank (default 64/W query, 8/W KV heads)")
     ap.add_argument("--no-plots", action="store_true")
     ap.add_argument("--verbose", action="store_true")
     ap.add_argument("--device", default="cuda", help="cpu: smoke test of the suite itself (no GPU numbers)")

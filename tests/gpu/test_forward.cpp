@@ -107,7 +107,9 @@ void run_case(const Case& c) {
     mala::Status s = mala::make_workload(spec, wq.data(), wk.data(), wv.data(), nullptr);
     ASSERT_TRUE(s.ok) << s.message;
   }
-  std::vector<float> noise = randn((size_t)(rows_q * c.hq + 2 * rows_k * c.hkv) * d, c.seed);
+  // One draw per valid element: varlen rows are packed, padded batches have `batch` sequences.
+  const int64_t all_q = varlen ? rows_q : (int64_t)batch * nq, all_k = varlen ? rows_k : (int64_t)batch * nk;
+  std::vector<float> noise = randn((size_t)(all_q * c.hq + 2 * all_k * c.hkv) * d, c.seed);
   size_t ni = 0;
   const float amp = std::sqrt(16.f * std::sqrt((float)d) * 4.f / d);  // local peak ~16 nats
   for (int b = 0; b < batch; ++b) {
@@ -132,6 +134,7 @@ void run_case(const Case& c) {
           v.v[v.idx(b, row0_k(b) + r, h) + x] = vv;
         }
   }
+  ASSERT_EQ(ni, noise.size()) << "test harness: noise draws";
   auto qb = round_to(q.v, c.dtype), kb = round_to(k.v, c.dtype), vb = round_to(v.v, c.dtype);
 
   // ---- GPU ----
