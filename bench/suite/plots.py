@@ -212,7 +212,8 @@ def plot_dist(data, out):
         _latency_panel(ax, [r for r in recs if r["op"] == op], f"{op}, TP={recs[0].get('world_size')}")
         ax.set_ylabel("group latency (ms, median of max over ranks)")
     axes.flat[0].legend(fontsize=7)
-    fig.suptitle(f"tensor parallel: 64 query / 8 KV heads over {recs[0].get('world_size')} GPUs "
+    fig.suptitle(f"tensor parallel: {recs[0].get('heads_q_total', 64)} query / {recs[0].get('heads_kv_total', 8)} KV "
+                 f"heads over {recs[0].get('world_size')} GPUs "
                  f"({_title_suffix(data['meta'])})", fontsize=9)
     fig.tight_layout()
     return _save(fig, os.path.join(out, "latency_dist.png"))

@@ -230,8 +230,11 @@ def dist_tables(data):
         return []
     W = rs[0].get("world_size")
     systems = _systems(rs)
-    lines = [f"\n**tensor parallel over {W} GPUs (64 query / 8 KV heads split; each rank Hq={rs[0]['Hq']} "
-             f"Hkv={rs[0]['Hkv']}): synchronized group latency, median ms of the max over ranks**\n"]
+    r0 = rs[0]
+    hq_t, hkv_t = r0.get("heads_q_total", 64), r0.get("heads_kv_total", 8)
+    inputs = "random" if r0.get("regime") == "random" else f"synthetic s={r0.get('sharpness', 0):g}"
+    lines = [f"\n**tensor parallel over {W} GPUs ({hq_t} query / {hkv_t} KV heads split; each rank Hq={r0['Hq']} "
+             f"Hkv={r0['Hkv']}; {inputs} inputs): synchronized group latency, median ms of the max over ranks**\n"]
     head = ["N", "op"] + [lab for _, lab in systems] + ["peak GiB per rank (max)"]
     lines.append("| " + " | ".join(head) + " |")
     lines.append("|" + "---|" * len(head))
@@ -334,12 +337,14 @@ def main():
                     help="a run's output folder (repeatable, one per results.json)")
     ap.add_argument("--plots-to", default="bench/suite/results")
     ap.add_argument("--title", help="a line above the tables (what run this is)")
+    ap.add_argument("--plot", action="append", default=[],
+                    help="a plot already in the repository (path relative to the doc), repeatable")
     args = ap.parse_args()
     datas = []
     for p in args.results:
         with open(p) as f:
             datas.append(json.load(f))
-    plots = []
+    plots = list(args.plot)
     for src in args.plots_from:
         os.makedirs(args.plots_to, exist_ok=True)
         for name in sorted(os.listdir(src)):
