@@ -56,8 +56,8 @@ def main(args):
     if W > n_gpu:
         print(f"--dist {W}: only {n_gpu} GPUs visible")
         return 2
-    if 8 % W:
-        print(f"--dist {W}: must divide the 8 KV heads")
+    if 8 % W and not args.dist_rank_heads:
+        print(f"--dist {W}: must divide the 8 KV heads (or give --dist-rank-heads)")
         return 2
     os.makedirs(args.out, exist_ok=True)
     port = _free_port()
