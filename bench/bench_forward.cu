@@ -48,10 +48,9 @@ float* flush_buffer(size_t* bytes) {
 }
 
 #ifdef MALA_BENCH_TUNE
-template <int MT, int W, int BK, bool LAZY = true, bool NORM_SMEM = true> struct TuneCfg {
+template <int MT, int W, int BK, bool LAZY = true> struct TuneCfg {
   static constexpr int kMT = MT, kWarps = W, kBk = BK;
   static constexpr bool kLazyV = LAZY;
-  static constexpr bool kNormInSmem = NORM_SMEM;
 };
 
 bool variant_tiles(const std::string& name, int* bq, int* bk) {
@@ -93,7 +92,6 @@ bool launch_variant(const std::string& name, const mala::ForwardArgs& a, int* bq
   if (d != 128 || a.dtype != mala::DType::bf16) return false;
   if (name == "m2w4k64") return go(TuneCfg<2, 4, 64>{});
   if (name == "m2w4k64e") return go(TuneCfg<2, 4, 64, false>{});  // V always prefetched
-  if (name == "m2w4k64r") return go(TuneCfg<2, 4, 64, true, false>{});  // m + log2 l from registers
   return false;
 }
 #endif

@@ -275,7 +275,7 @@ int report_main(int argc, char** argv) {
     Json time;
     time.num("fwd_ms", fwd.ms).num("fwd_tau0_ms", fwd0.ms).num("fwd_ratio", fwd.ms / fwd0.ms)
         .num("bwd_ms", bwd.ms).num("bwd_tau0_ms", bwd0.ms).num("bwd_ratio", bwd.ms / bwd0.ms)
-        .num("workload_s", gen_s).integer("timed_calls", repeat > 0 ? repeat : (runner->device() == "cuda" ? 5 : 1));
+        .num("workload_s", gen_s).integer("timed_calls", runner->timed_calls());
     Json j;
     j.str("device", runner->device()).str("device_name", device_name).str("dtype", runner->dtype());
     if (!device_note.empty()) j.str("device_note", device_note);
@@ -325,7 +325,7 @@ int report_main(int argc, char** argv) {
   if (dense_ref)
     std::printf("    mala at tau = 0          %10.3e %10.3e %10.3e %10.3e\n", e_o0, e_dq0, e_dk0,
                 e_dv0);
-  const int timed = repeat > 0 ? repeat : (runner->device() == "cuda" ? 5 : 1);
+  const int timed = runner->timed_calls();
   const std::string time_title =
       (runner->device() == "cuda" ? "time (CUDA events" : "wall time (") +
       (timed == 1 ? std::string(runner->device() == "cuda" ? ", one call)" : "one call each)")

@@ -60,6 +60,7 @@ double now_ms() {
 
 class CpuRunner : public Runner {
  public:
+  int timed_calls() const override { return std::max(1, repeats_); }
   std::string device() const override { return "cpu"; }
   // Names the CPU even when a GPU is present (mala::device_name() prefers the GPU).
   std::string device_name() const override {
@@ -113,11 +114,11 @@ class CpuRunner : public Runner {
   }
 
  private:
-  // Runs `call` repeats_ (at least 1) times; *ms = the median wall time.
+  // Runs `call` timed_calls() times; *ms = the median wall time.
   template <class Call>
   Status timed(Call call, double* ms) {
     std::vector<double> times;
-    for (int i = 0; i < std::max(1, repeats_); ++i) {
+    for (int i = 0; i < timed_calls(); ++i) {
       const double t0 = now_ms();
       Status s = call();
       times.push_back(now_ms() - t0);

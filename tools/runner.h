@@ -51,6 +51,8 @@ class Runner {
   // Timed calls per forward/backward (the median is reported); 0 = the device's default:
   // 1 on the CPU (after a small warm-up call), 5 after one warm-up call on CUDA.
   void set_repeats(int n) { repeats_ = n; }
+  // The number of timed calls each forward/backward makes (what set_repeats(0) resolves to).
+  virtual int timed_calls() const = 0;
   virtual Status forward(const Problem& p, float tau, ForwardResult* out) = 0;
   // Uses fwd.o and fwd.lse (the forward at the same tau) as the saved forward state.
   virtual Status backward(const Problem& p, float tau, const ForwardResult& fwd,

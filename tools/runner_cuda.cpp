@@ -118,6 +118,7 @@ Status time_calls(Call call, int repeats, double* ms) {
 
 class CudaRunner : public Runner {
  public:
+  int timed_calls() const override { return repeats_ > 0 ? repeats_ : kDefaultTimedCalls; }
   std::string device() const override { return "cuda"; }
   std::string device_name() const override { return mala::device_name(); }
   std::string dtype() const override { return "bfloat16"; }
@@ -211,8 +212,6 @@ class CudaRunner : public Runner {
   }
 
  private:
-  int timed_calls() const { return repeats_ > 0 ? repeats_ : kDefaultTimedCalls; }
-
   // Inputs are uploaded once per problem (the report calls forward/backward several times).
   Status upload_inputs(const Problem& p) {
     if (uploaded_ == &p) return Status::success();

@@ -40,10 +40,6 @@ namespace cuda {
 // Cfg::kLazyV (optional, default true): load V on demand for tiles some warp retains.
 template <typename Cfg, typename = void> struct FwdLazyV { static constexpr bool value = true; };
 template <typename Cfg> struct FwdLazyV<Cfg, decltype(void(Cfg::kLazyV))> { static constexpr bool value = Cfg::kLazyV; };
-// Cfg::kNormInSmem (optional, default true): m + log2(l) kept in shared memory (refreshed after
-// retained tiles) rather than recomputed from the registers at each test.
-template <typename Cfg, typename = void> struct FwdNormSmem { static constexpr bool value = true; };
-template <typename Cfg> struct FwdNormSmem<Cfg, decltype(void(Cfg::kNormInSmem))> { static constexpr bool value = Cfg::kNormInSmem; };
 
 template <typename T, int D, typename Cfg = FwdConfig<D>>
 struct FwdKernelTraits {
@@ -51,7 +47,6 @@ struct FwdKernelTraits {
   static constexpr int kWarps = Cfg::kWarps;
   static constexpr int kBk = Cfg::kBk;
   static constexpr bool kLazyV = FwdLazyV<Cfg>::value;  // V loaded only for retained tiles (see loop)
-  static constexpr bool kNormInSmem = FwdNormSmem<Cfg>::value;
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kRowsPerWarp = 16 * kMT;
   static constexpr int kBq = kWarps * kRowsPerWarp;
@@ -257,8 +252,7 @@ __global__ void __launch_bounds__(FwdKernelTraits<T, D, Cfg>::kThreads, FwdKerne
 #pragma unroll
           for (int hh = 0; hh < 2; ++hh) {
             const int rr = warp * RW + mt * 16 + (lane >> 2) + hh * 8;
-            if constexpr (Tr::kNormInSmem) log_norm[mt][hh] = s_norm[rr];
-            else log_norm[mt][hh] = m[mt][hh] + __log2f(l[mt][hh]);  // l = 0 -> -inf
+            log_norm[mt][hh] = s_norm[rr];
             log_thr[mt][hh] = s_thr[rr];
           }
         skip = warp_vote_skip(lane_rows_allow_skip<MT>(tmax, log_norm, log_thr));
@@ -287,7 +281,7 @@ __global__ void __launch_bounds__(FwdKernelTraits<T, D, Cfg>::kThreads, FwdKerne
       __syncthreads();
     }
     if (retain) {
-      if (Tr::kNormInSmem && test_on && (lane & 3) == 0) {
+      if (test_on && (lane & 3) == 0) {
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
