@@ -29,7 +29,8 @@
 //                  recency(16/tile) tau=1 retained 28% (132 splits) -> 26.5 us (1.22x).
 //   1K-8K        : 10-11 us (batch 1), launch/latency bound.
 // Entry point: run_decode_bench(argc, argv) (called by bench_main.cpp); flags: --quick (fewer
-// lengths / runs), --sweep (num_splits sweep at the largest N).  Built with -DMALA_DECODE_BENCH_MAIN
+// lengths / runs), --sweep (num_splits sweep at the largest N), --overhead (batch-1 fixed costs
+// only: empty kernels, a plain kernel streaming the same K+V bytes, decode at several split counts).  Built with -DMALA_DECODE_BENCH_MAIN
 // it has its own main().
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -105,6 +106,27 @@ __global__ void flush_l2(const uint4* p, int64_t n, uint32_t* sink) {
   if (x == 0x12345678u) *sink = x;
 }
 
+__global__ void empty_kernel() {}
+
+// The dependent half of the empty-kernel pair: launched with programmatic stream serialization,
+// it waits for its primary like decode's combine kernel does.
+__global__ void empty_dependent_kernel() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+// Streams two buffers once (16-byte loads, L2-bypassing like the decode tiles): the time the bytes
+// of one decode take with nothing else to do, launch included.
+__global__ void stream_read(const uint4* a, const uint4* b, int64_t n, uint32_t* sink) {
+  uint32_t x = 0;
+  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
+    const uint4 u = __ldcg(a + i), v = __ldcg(b + i);
+    x ^= u.x ^ u.w ^ v.y ^ v.z;
+  }
+  if (x == 0x12345678u) *sink = x;
+}
+
 float median(std::vector<float> v) {
   std::sort(v.begin(), v.end());
   return v[v.size() / 2];
@@ -158,6 +180,25 @@ float time_decode(Env& env, const mala::DecodeArgs& a) {
     env.flush_l2_now();
     BENCH_CHECK(cudaEventRecord(env.e0, env.stream));
     mala::decode(a);
+    BENCH_CHECK(cudaEventRecord(env.e1, env.stream));
+    BENCH_CHECK(cudaEventSynchronize(env.e1));
+    float ms;
+    BENCH_CHECK(cudaEventElapsedTime(&ms, env.e0, env.e1));
+    t.push_back(ms * 1000.f);
+  }
+  BENCH_CHECK(cudaGetLastError());
+  return median(t);
+}
+
+// Median time (microseconds) of an arbitrary enqueue with a cold L2, timed like time_decode.
+template <typename F>
+float time_enqueue(Env& env, F&& enqueue) {
+  for (int i = 0; i < 3; ++i) enqueue();
+  std::vector<float> t;
+  for (int i = 0; i < env.iters; ++i) {
+    env.flush_l2_now();
+    BENCH_CHECK(cudaEventRecord(env.e0, env.stream));
+    enqueue();
     BENCH_CHECK(cudaEventRecord(env.e1, env.stream));
     BENCH_CHECK(cudaEventSynchronize(env.e1));
     float ms;
@@ -222,7 +263,8 @@ Stats realized(const Problem& pb, Env& env, Bufs& bf, float tau, int num_splits)
   mala::DecodeArgs a = make_args(pb, env, bf.lens, tau, bf.ws, bf.ws_bytes, num_splits);
   a.o = bf.o;
   s.splits = mala::decode_num_splits(a);
-  const int64_t nkt = (pb.n + 127) / 128;
+  const int64_t bk = mala::decode_tiles(a).block_k;
+  const int64_t nkt = (pb.n + bk - 1) / bk;
   a.tile_mask = bf.mask;
   a.lse = bf.lse1;
   mala::Status st = mala::decode(a);
@@ -276,15 +318,68 @@ void bench_problem(const Problem& pb, Env& env, Bufs& bf, const char* input, boo
   std::fflush(stdout);
 }
 
+// --overhead: where a batch-1 decode's time goes beyond its bytes.  The same timing (cold L2, CUDA
+// events, median) around: one empty kernel; an empty kernel plus a dependent one launched the way
+// decode launches its combine; a plain kernel streaming the same K and V bytes; decode at tau = 0
+// with several split counts (num_splits = 1 has no combine).
+void overhead_probe(const Problem& pb, Env& env, Bufs& bf) {
+  std::vector<int32_t> lens(pb.batch, static_cast<int32_t>(pb.n));
+  BENCH_CHECK(cudaMemcpy(bf.lens, lens.data(), lens.size() * 4, cudaMemcpyHostToDevice));
+  const double kv_bytes = 2.0 * pb.batch * pb.n * pb.hkv * pb.d * 2;
+  const float t_empty = time_enqueue(env, [&] { empty_kernel<<<1, 32, 0, env.stream>>>(); });
+  const float t_pair = time_enqueue(env, [&] {
+    empty_kernel<<<1, 32, 0, env.stream>>>();
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(8);
+    cfg.blockDim = dim3(512);
+    cfg.stream = env.stream;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    BENCH_CHECK(cudaLaunchKernelEx(&cfg, empty_dependent_kernel));
+  });
+  int sms = 0;
+  BENCH_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  // The same empty kernel asking for 200 KB of shared memory: what a change of the SM's L1/shared
+  // split (the flush kernel uses none) costs at launch.
+  const int big_smem = 200 * 1024;
+  BENCH_CHECK(cudaFuncSetAttribute(empty_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, big_smem));
+  const float t_empty_smem = time_enqueue(env, [&] { empty_kernel<<<sms, 128, big_smem, env.stream>>>(); });
+  const float t_empty_grid = time_enqueue(env, [&] { empty_kernel<<<sms, 128, 0, env.stream>>>(); });
+  std::printf("overhead: empty kernel, one CTA per SM: %.2f us without / %.2f us with 200 KB shared memory\n", t_empty_grid,
+              t_empty_smem);
+  // Only valid when the batch's sequences are adjacent (cap_stride == n) or batch == 1.
+  const int64_t n16 = static_cast<int64_t>(kv_bytes / 2 / 16);
+  const float t_stream = time_enqueue(env, [&] {
+    stream_read<<<sms * 4, 512, 0, env.stream>>>(reinterpret_cast<const uint4*>(pb.k), reinterpret_cast<const uint4*>(pb.v),
+                                                 n16, env.sink);
+  });
+  std::printf("overhead N=%-6lld B=%lld: empty kernel %.2f us | empty + dependent (PDL) %.2f us | stream K+V %.2f us "
+              "(%.0f GB/s; floor at copy bandwidth %.2f us)\n",
+              (long long)pb.n, (long long)pb.batch, t_empty, t_pair, t_stream, kv_bytes / (t_stream * 1e3),
+              kv_bytes / env.copy_bw * 1e6);
+  for (int ns : {1, 8, 33, 66, 132, 264}) {
+    mala::DecodeArgs a = make_args(pb, env, bf.lens, 0.f, bf.ws, bf.ws_bytes, ns);
+    a.o = bf.o;
+    if (mala::decode_workspace_size(a) > bf.ws_bytes) continue;
+    std::printf("overhead N=%-6lld B=%lld: decode tau=0 splits=%3d %8.2f us\n", (long long)pb.n, (long long)pb.batch, ns,
+                time_decode(env, a));
+  }
+  std::fflush(stdout);
+}
+
 }  // namespace
 
 int run_decode_bench(int argc, char** argv) {
-  bool quick = false, sweep = false, profile = false, no_synth = false;
+  bool quick = false, sweep = false, profile = false, no_synth = false, overhead = false;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--quick")) quick = true;
     if (!std::strcmp(argv[i], "--sweep")) sweep = true;
     if (!std::strcmp(argv[i], "--profile")) profile = true;      // one call per config (for ncu)
     if (!std::strcmp(argv[i], "--no-synthetic")) no_synth = true;
+    if (!std::strcmp(argv[i], "--overhead")) overhead = true;   // batch-1 fixed-cost probe only
   }
   if (!mala::cuda_available()) {
     std::printf("decode bench: no CUDA device\n");
@@ -313,7 +408,7 @@ int run_decode_bench(int argc, char** argv) {
   BENCH_CHECK(cudaMalloc(&bf.o, max_b * hq * d * 2));
   BENCH_CHECK(cudaMalloc(&bf.lse0, max_b * hq * 4));
   BENCH_CHECK(cudaMalloc(&bf.lse1, max_b * hq * 4));
-  BENCH_CHECK(cudaMalloc(&bf.mask, max_b * ((max_n + 127) / 128)));
+  BENCH_CHECK(cudaMalloc(&bf.mask, max_b * ((max_n + 15) / 16)));  // any key tile >= 16
   BENCH_CHECK(cudaMalloc(&bf.lens, max_b * 4));
   uint16_t *q, *k, *v;
   const size_t kv_elems = size_t(max_b) * max_n * d;
@@ -321,6 +416,14 @@ int run_decode_bench(int argc, char** argv) {
   BENCH_CHECK(cudaMalloc(&k, kv_elems * 2));
   BENCH_CHECK(cudaMalloc(&v, kv_elems * 2));
 
+  if (overhead) {
+    fill_normal_bf16<<<1024, 256, 0, env.stream>>>(reinterpret_cast<__nv_bfloat16*>(k), kv_elems, 11);
+    fill_normal_bf16<<<1024, 256, 0, env.stream>>>(reinterpret_cast<__nv_bfloat16*>(v), kv_elems, 12);
+    fill_normal_bf16<<<64, 256, 0, env.stream>>>(reinterpret_cast<__nv_bfloat16*>(q), max_b * hq * d, 13);
+    for (int64_t n : {int64_t(1024), int64_t(32768), max_n}) overhead_probe(Problem{1, n, max_n, 8, 1, 128, q, k, v}, env, bf);
+    lengths.clear();
+    no_synth = true;
+  }
   // random
   fill_normal_bf16<<<1024, 256, 0, env.stream>>>(reinterpret_cast<__nv_bfloat16*>(k), kv_elems, 11);
   fill_normal_bf16<<<1024, 256, 0, env.stream>>>(reinterpret_cast<__nv_bfloat16*>(v), kv_elems, 12);

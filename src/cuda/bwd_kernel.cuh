@@ -334,8 +334,10 @@ __global__ void __launch_bounds__(256, 1) bwd_main_kernel(const BwdParams p) {
           float x = s[n][e] * p.scale_log2;
           if (need_mask && kb + key0 + g + hh * 8 >= L) x = -INFINITY;
           s[n][e] = x;
-          if (!TAU0) allow &= rule::row_allows_skip(x, l2, thr);
         }
+        // The test of this lane's two entries of query `col` (keys g and g + 8) on their maximum:
+        // the same decision as testing each entry (x - l2 < thr is monotone in x), half the work.
+        if (!TAU0) allow &= rule::row_allows_skip(fmaxf(s[n][c], s[n][c + 2]), l2, thr);
       }
     bool retain = true;
     if (split_vote) {

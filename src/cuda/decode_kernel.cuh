@@ -31,17 +31,20 @@
 namespace mala {
 namespace cuda {
 
-template <int D>
+// kLargeSmem: the sm_90 opt-in shared memory (227 KB per block); otherwise sm_80's 163 KB.  The
+// host picks the instance from the device's cudaDevAttrMaxSharedMemoryPerBlockOptin.
+template <int D, bool kLargeSmem>
 struct DecodeConfig {
-  static constexpr int BK = D == 256 ? 64 : 128;  // key tile (keeps one tile at <= 32 KB)
+  static constexpr int BK = decode_block_k(D);
   static constexpr int TILE_BYTES = BK * D * 2;
-  // Shared-memory tile buffers: sparse = (NBUF-1) K stages + 1 V buffer; dense = NBUF/2 (K,V) stages.
-  static constexpr int NBUF_SPARSE = TILE_BYTES <= 16384 ? 10 : 6;
-  static constexpr int NBUF_DENSE = TILE_BYTES <= 16384 ? 10 : 6;
-  static constexpr int smem_bytes(bool dense) {
-    return (dense ? NBUF_DENSE : NBUF_SPARSE) * TILE_BYTES + kDecodeBlockQ * D * 2 + kDecodeBlockQ * BK * 2 +
-           2 * 4 * kDecodeBlockQ * 4;
-  }
+  // Q, P and the two [4 warps][16 rows] reduction arrays.
+  static constexpr int EXTRA_BYTES = kDecodeBlockQ * D * 2 + kDecodeBlockQ * BK * 2 + 2 * 4 * kDecodeBlockQ * 4;
+  static constexpr int SMEM_BUDGET = (kLargeSmem ? 227 : 163) * 1024;
+  // Tile buffers, as many as fit: sparse = (NBUF-1) K stages + 1 V buffer; dense = NBUF/2 (K, V)
+  // stages.  Decode is memory-bound: the bytes in flight per SM are what these buy.
+  static constexpr int NBUF_SPARSE = (SMEM_BUDGET - EXTRA_BYTES) / TILE_BYTES;
+  static constexpr int NBUF_DENSE = NBUF_SPARSE / 2 * 2;
+  static constexpr int smem_bytes(bool dense) { return (dense ? NBUF_DENSE : NBUF_SPARSE) * TILE_BYTES + EXTRA_BYTES; }
 };
 
 // Element offset of (row, 16-byte chunk) in a swizzled [rows][NCH*8] 16-bit tile: the chunk index is
@@ -100,9 +103,9 @@ __device__ __noinline__ void decode_load_tile(uint32_t sdst, const T* base, int6
   }
 }
 
-template <typename T, int D, bool kDense>
+template <typename T, int D, bool kDense, bool kLargeSmem>
 __global__ void __launch_bounds__(kDecodeThreads, 1) decode_split_kernel(const DecodeParams p) {
-  using Cfg = DecodeConfig<D>;
+  using Cfg = DecodeConfig<D, kLargeSmem>;
   constexpr int BK = Cfg::BK;
   constexpr int NBUF = kDense ? Cfg::NBUF_DENSE : Cfg::NBUF_SPARSE;
   constexpr int NST = kDense ? NBUF / 2 : NBUF - 1;  // K stages
@@ -133,6 +136,19 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) decode_split_kernel(const D
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gid = lane >> 2, tig = lane & 3;
   const int qt = blockIdx.x % p.NQT, split = blockIdx.x / p.NQT, hs = blockIdx.y, b = blockIdx.z;
   const int kvh = p.pack ? hs : hs / p.G;
+  const T* gq = static_cast<const T*>(p.q);
+  // Q tile -> shared (zero rows past R), issued before the cache length is read: it does not depend on it.
+  for (int c = tid; c < kDecodeBlockQ * DCH; c += kDecodeThreads) {
+    const int lr = c / DCH, ch = c % DCH, r = qt * kDecodeBlockQ + lr;
+    const bool valid = r < p.R;
+    const T* src = gq;
+    if (valid) {
+      const int tok = p.pack ? r / p.G : r, head = p.pack ? hs * p.G + r % p.G : hs;
+      src = gq + b * p.q_sb + tok * p.q_sr + head * p.q_sh + ch * 8;
+    }
+    cp_async_16(smem_addr(sQ + swz<DCH>(lr, ch)), src, valid);
+  }
+  cp_async_commit();
   int Nk = p.cache_seqlens[b] + p.seqlen_new;
   Nk = min(max(Nk, 0), p.capacity);  // invalid lengths cannot make the kernel read out of bounds
 
@@ -159,22 +175,8 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) decode_split_kernel(const D
     for (int j = n_tiles + split + p.S * tid; j < p.n_cap; j += p.S * kDecodeThreads) mask[j] = kTileIllegal;
   }
 
-  const T* gq = static_cast<const T*>(p.q);
   const T* gk = static_cast<const T*>(p.k_cache);
   const T* gv = static_cast<const T*>(p.v_cache);
-
-  // Q tile -> shared (zero rows past R).
-  for (int c = tid; c < kDecodeBlockQ * DCH; c += kDecodeThreads) {
-    const int lr = c / DCH, ch = c % DCH, r = qt * kDecodeBlockQ + lr;
-    const bool valid = r < p.R;
-    const T* src = gq;
-    if (valid) {
-      const int tok = p.pack ? r / p.G : r, head = p.pack ? hs * p.G + r % p.G : hs;
-      src = gq + b * p.q_sb + tok * p.q_sr + head * p.q_sh + ch * 8;
-    }
-    cp_async_16(smem_addr(sQ + swz<DCH>(lr, ch)), src, valid);
-  }
-  cp_async_commit();
 
   auto load_tile = [&](T* dst, const T* base, int64_t sb, int64_t sr, int64_t sh, int j) {
     decode_load_tile<T, D, BK>(smem_addr(dst), base, sb, sr, sh, j, b, kvh, Nk, p.block_table, p.bt_stride,
@@ -466,7 +468,7 @@ __global__ void __launch_bounds__(kCombineWarps * 32) decode_combine_kernel(cons
       int cnt = 0;
       for (int s = 0; s < p.S; ++s) cnt += p.ws_cnt[idx0 + s];
       const int L = rule::visible_keys(tok, p.Nq, min(max(p.cache_seqlens[b] + p.seqlen_new, 0), p.capacity), p.causal != 0);
-      p.slots[idx] = L > 0 ? cnt * DecodeConfig<D>::BK : 0;
+      p.slots[idx] = L > 0 ? cnt * decode_block_k(D) : 0;
     }
   }
 }
@@ -494,38 +496,42 @@ __global__ void decode_append_kernel(const DecodeParams p) {
   *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
 }
 
-template <typename T, int D, bool kDense>
-cudaError_t prepare_split_kernel() {
-  static cudaError_t err = cudaFuncSetAttribute(decode_split_kernel<T, D, kDense>,
-                                                cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                DecodeConfig<D>::smem_bytes(kDense));
-  return err;
+template <typename T, int D, bool kDense, bool kLargeSmem>
+cudaError_t launch_split_kernel(const DecodeParams& p, cudaStream_t stream) {
+  constexpr int smem = DecodeConfig<D, kLargeSmem>::smem_bytes(kDense);
+  static cudaError_t err =
+      cudaFuncSetAttribute(decode_split_kernel<T, D, kDense, kLargeSmem>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (err != cudaSuccess) return err;
+  decode_split_kernel<T, D, kDense, kLargeSmem><<<dim3(p.NQT * p.S, p.HS, p.B), kDecodeThreads, smem, stream>>>(p);
+  return cudaSuccess;
 }
 
 // Enqueues append (when seqlen_new > 0), split kernel and combine (when S > 1) on the stream.
 template <typename T, int D>
 cudaError_t launch_decode_impl(const DecodeParams& p, bool dense, cudaStream_t stream) {
-  // Programmatic dependent launch of the combine (sm_90+): its launch overlaps the split kernel.
-  static const bool pdl = [] {
+  struct DeviceCaps {
+    bool pdl = false;    // programmatic dependent launch of the combine (sm_90+)
+    int smem_optin = 0;  // bytes of shared memory one block may opt in to
+  };
+  static const DeviceCaps caps = [] {
+    DeviceCaps c;
     int dev = 0, major = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) {
+    if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&c.smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess) {
       cudaGetLastError();
-      return false;
+      return c;
     }
-    return major >= 9;
+    c.pdl = major >= 9;
+    return c;
   }();
   if (p.seqlen_new > 0) {
     decode_append_kernel<T, D><<<dim3(p.seqlen_new * p.Hkv, p.B), 2 * (D / 8), 0, stream>>>(p);
   }
-  const dim3 grid(p.NQT * p.S, p.HS, p.B);
-  cudaError_t err;
-  if (dense) {
-    if ((err = prepare_split_kernel<T, D, true>()) != cudaSuccess) return err;
-    decode_split_kernel<T, D, true><<<grid, kDecodeThreads, DecodeConfig<D>::smem_bytes(true), stream>>>(p);
-  } else {
-    if ((err = prepare_split_kernel<T, D, false>()) != cudaSuccess) return err;
-    decode_split_kernel<T, D, false><<<grid, kDecodeThreads, DecodeConfig<D>::smem_bytes(false), stream>>>(p);
-  }
+  // The sm_90 instance where the device lets a block have its shared memory (A100: 163 KB, no).
+  const bool large = caps.smem_optin >= DecodeConfig<D, true>::smem_bytes(dense);
+  cudaError_t err = dense ? (large ? launch_split_kernel<T, D, true, true>(p, stream) : launch_split_kernel<T, D, true, false>(p, stream))
+                          : (large ? launch_split_kernel<T, D, false, true>(p, stream) : launch_split_kernel<T, D, false, false>(p, stream));
+  if (err != cudaSuccess) return err;
   if (p.S > 1) {
     const int64_t rows = static_cast<int64_t>(p.B) * p.HS * p.R;
     cudaLaunchConfig_t cfg = {};
@@ -537,7 +543,7 @@ cudaError_t launch_decode_impl(const DecodeParams& p, bool dense, cudaStream_t s
     attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
     attr[0].val.programmaticStreamSerializationAllowed = 1;
     cfg.attrs = attr;
-    cfg.numAttrs = pdl ? 1 : 0;
+    cfg.numAttrs = caps.pdl ? 1 : 0;
     if ((err = cudaLaunchKernelEx(&cfg, decode_combine_kernel<T, D>, p)) != cudaSuccess) return err;
   }
   return cudaGetLastError();

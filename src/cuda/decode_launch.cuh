@@ -19,8 +19,5 @@ MALA_DECODE_LAUNCHER(launch_decode_fp16_d64);
 MALA_DECODE_LAUNCHER(launch_decode_fp16_d128);
 MALA_DECODE_LAUNCHER(launch_decode_fp16_d256);
 
-// Key tile of the decode kernels for a head dim (DecodeConfig<D>::BK).
-inline int decode_block_k(int head_dim) { return head_dim == 256 ? 64 : 128; }
-
 }  // namespace cuda
 }  // namespace mala

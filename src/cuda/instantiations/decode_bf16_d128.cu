@@ -4,7 +4,6 @@
 
 namespace mala {
 namespace cuda {
-static_assert(DecodeConfig<128>::BK == 0 + (128 == 256 ? 64 : 128), "decode_block_k out of sync");
 MALA_DECODE_LAUNCHER(launch_decode_bf16_d128) { return launch_decode_impl<__nv_bfloat16, 128>(p, dense, stream); }
 }  // namespace cuda
 }  // namespace mala

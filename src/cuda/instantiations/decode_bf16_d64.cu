@@ -4,7 +4,6 @@
 
 namespace mala {
 namespace cuda {
-static_assert(DecodeConfig<64>::BK == 0 + (64 == 256 ? 64 : 128), "decode_block_k out of sync");
 MALA_DECODE_LAUNCHER(launch_decode_bf16_d64) { return launch_decode_impl<__nv_bfloat16, 64>(p, dense, stream); }
 }  // namespace cuda
 }  // namespace mala

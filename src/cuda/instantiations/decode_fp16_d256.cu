@@ -4,7 +4,6 @@
 
 namespace mala {
 namespace cuda {
-static_assert(DecodeConfig<256>::BK == 0 + (256 == 256 ? 64 : 128), "decode_block_k out of sync");
 MALA_DECODE_LAUNCHER(launch_decode_fp16_d256) { return launch_decode_impl<__half, 256>(p, dense, stream); }
 }  // namespace cuda
 }  // namespace mala
