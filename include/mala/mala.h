@@ -115,7 +115,7 @@ struct BackwardArgs {
   float softmax_scale = 0.f;
   float tau = 1.0f;
   int block_q = 0, block_k = 0;
-  // CUDA: scratch of backward_workspace_size() bytes (fp32 dQ accumulator, rowsum(dO*O)).
+  // CUDA: scratch of backward_workspace_size() bytes (fp32 dQ accumulator, rowsum(dO*O), lse in log2).
   // Null = allocated stream-ordered inside the call.
   void* workspace = nullptr;
   size_t workspace_bytes = 0;

@@ -39,6 +39,13 @@ MALA_HD bool row_allows_skip(float tile_max, float log_norm, float log_thr) {
   return tile_max - log_norm < log_thr;
 }
 
+// The same test where the caller guarantees log_norm finite and log_thr > -inf (the offline test of
+// the backward kernel: a row without legal keys, lse = -inf, passes log_norm = 0 and log_thr = +inf;
+// tau > 0).  Then tile_max = -inf gives -inf < log_thr: the special case needs no branch.
+MALA_HD bool row_allows_skip_finite_norm(float tile_max, float log_norm, float log_thr) {
+  return tile_max - log_norm < log_thr;
+}
+
 // Margin of the test, (tile_max - log_norm) - log_thr: negative allows skipping.  Used by tests to
 // recognise rounding flips (|margin| below ~1e-3).
 MALA_HD float row_margin(float tile_max, float log_norm, float log_thr) {

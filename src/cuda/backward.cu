@@ -65,7 +65,7 @@ struct Plan {
   int64_t rows_q_cap = 0, rows_k_cap = 0;
   int heads_per_cta = 1, head_splits = 1;
   bool kv_atomic = false;
-  size_t off_dsum = 0, off_dq = 0, off_dk = 0, off_dv = 0, bytes = 0;
+  size_t off_dsum = 0, off_lse2 = 0, off_dq = 0, off_dk = 0, off_dv = 0, bytes = 0;
 };
 
 size_t align_up(size_t x) { return (x + 255) & ~static_cast<size_t>(255); }
@@ -99,6 +99,8 @@ Plan make_plan(const BackwardArgs& a) {
   size_t off = 0;
   pl.off_dsum = off;
   off = align_up(off + sizeof(float) * static_cast<size_t>(a.heads_q * pl.rows_q_cap));
+  pl.off_lse2 = off;
+  off = align_up(off + sizeof(float) * static_cast<size_t>(a.heads_q * pl.rows_q_cap));
   pl.off_dq = off;
   off = align_up(off + sizeof(float) * static_cast<size_t>(a.heads_q * pl.rows_q_cap) * d);
   if (pl.kv_atomic) {
@@ -130,6 +132,8 @@ struct RowParams {
   const float* src;   // convert: fp32 accumulator [heads, rows_cap, d]
   Str o_s, do_s, dst_s;
   float* dsum;
+  float* lse2;        // preprocess: lse * log2(e), -inf -> 0, in dsum's layout
+  const float* lse;   // preprocess: the forward's lse [B, H, N] or [H, total]
   int32_t* slots;
   const int32_t* cu;  // varlen when non-null
   int batch, seqlen, heads;
@@ -169,10 +173,12 @@ __global__ void bwd_preprocess_kernel(const RowParams p) {
   for (int m = 16; m >= 1; m >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, m);
   if (lane == 0) {
     p.dsum[h * p.rows_cap + g] = acc;
-    if (p.slots) {
-      const int64_t idx = p.cu ? h * total + g : ((g / p.seqlen) * p.heads + h) * p.seqlen + g % p.seqlen;
-      p.slots[idx] = 0;
-    }
+    const int64_t idx = p.cu ? h * total + g : ((g / p.seqlen) * p.heads + h) * p.seqlen + g % p.seqlen;
+    // The main kernel's offline test and P = exp2(S - lse2) read this: converted once per row instead
+    // of once per visited tile (and finite, so the test needs no -inf case).
+    const float l2 = p.lse[idx] * 1.4426950408889634f;
+    p.lse2[h * p.rows_cap + g] = l2 == -INFINITY ? 0.f : l2;
+    if (p.slots) p.slots[idx] = 0;
   }
 }
 
@@ -208,6 +214,7 @@ cudaError_t run_typed(const BackwardArgs& a, const Plan& pl, char* ws, cudaStrea
             dks = resolve(a.dk_strides, a.seqlen_k, a.heads_kv, d),
             dvs = resolve(a.dv_strides, a.seqlen_k, a.heads_kv, d);
   float* dsum = reinterpret_cast<float*>(ws + pl.off_dsum);
+  float* lse2 = reinterpret_cast<float*>(ws + pl.off_lse2);
   float* dq_acc = reinterpret_cast<float*>(ws + pl.off_dq);
   float* dk_acc = pl.kv_atomic ? reinterpret_cast<float*>(ws + pl.off_dk) : nullptr;
   float* dv_acc = pl.kv_atomic ? reinterpret_cast<float*>(ws + pl.off_dv) : nullptr;
@@ -232,6 +239,8 @@ cudaError_t run_typed(const BackwardArgs& a, const Plan& pl, char* ws, cudaStrea
   rq.o_s = os;
   rq.do_s = dos;
   rq.dsum = dsum;
+  rq.lse2 = lse2;
+  rq.lse = a.lse;
   rq.slots = a.bwd_slots;
   rq.cu = a.cu_seqlens_q;
   rq.batch = static_cast<int>(a.batch);
@@ -250,7 +259,6 @@ cudaError_t run_typed(const BackwardArgs& a, const Plan& pl, char* ws, cudaStrea
   p.k = a.k;
   p.v = a.v;
   p.dout = a.dout;
-  p.lse = a.lse;
   p.q_b = qs.b; p.q_r = qs.r; p.q_h = qs.h;
   p.k_b = ks.b; p.k_r = ks.r; p.k_h = ks.h;
   p.v_b = vs.b; p.v_r = vs.r; p.v_h = vs.h;
@@ -279,6 +287,7 @@ cudaError_t run_typed(const BackwardArgs& a, const Plan& pl, char* ws, cudaStrea
   p.scale_log2 = scale * 1.4426950408889634f;
   p.log2_tau = a.tau > 0.f ? std::log2(a.tau) : -INFINITY;
   p.dsum = dsum;
+  p.lse2 = lse2;
   p.dq_acc = dq_acc;
   p.dk_acc = dk_acc;
   p.dv_acc = dv_acc;
@@ -286,10 +295,6 @@ cudaError_t run_typed(const BackwardArgs& a, const Plan& pl, char* ws, cudaStrea
   // 3 Q stages where they fit (they pay on the skip path: 10.66 -> 10.44 ms at 32K, 6% retained;
   // dense tau = 0 measured within 1% either way).  MALA_BWD_Q_STAGES=2|3 overrides.
   p.q_stages = pick_q_stages(cuda::bwd_smem_bytes<D>(3));
-  {
-    const char* env = std::getenv("MALA_BWD_SPLIT_VOTE");
-    p.split_vote = !(env && env[0] == '0');
-  }
   p.head_splits = pl.head_splits;
   if ((err = cuda::launch_bwd_main<T, D>(p, stream)) != cudaSuccess) return err;
 

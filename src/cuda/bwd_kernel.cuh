@@ -20,9 +20,10 @@
 // and on dense inputs; on sparse inputs it is rarely issued because a skipped tile issues none).
 // The first tile of every CTA has its dO prefetched too (it is usually retained).  So dO is loaded
 // for a skipped tile only when it directly follows a retained one (or is a CTA's first tile).
-// Barriers per tile: 1 (tau = 0: template TAU0, no test code), tau > 0: + the vote, split-phase by
-// default (each warp arrives on an mbarrier, the deferred dQ of the previous tile runs, then it
-// waits; MALA_BWD_SPLIT_VOTE=0 uses __syncthreads_or), +1 when dO_t was not prefetched.
+// Barriers per tile: 1 (tau = 0: template TAU0, no test code), tau > 0: + the vote through an
+// mbarrier (every warp arrives; a warp that would skip waits, a warp that retains goes on: its vote
+// already decides the tile), +1 when dO_t was not prefetched.  The deferred dQ of the previous tile runs before S (after the top barrier):
+// run between the vote's arrive and wait it overlapped the vote but kept S live and spilled.
 // Q stages: 3 where the opt-in shared memory allows (H100), else 2 (A100 at d = 128).
 // The scale is applied once at the end (dK in the epilogue, dQ in the convert kernel).
 #pragma once
@@ -119,7 +120,6 @@ __global__ void __launch_bounds__(256, 1) bwd_main_kernel(const BwdParams p) {
   using KTile = typename KC::KTile;
   using QTile = typename KC::QTile;
   using STile = typename KC::STile;
-  constexpr float kLog2e = 1.4426950408889634f;
 
   extern __shared__ __align__(128) unsigned char smem[];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -180,11 +180,13 @@ __global__ void __launch_bounds__(256, 1) bwd_main_kernel(const BwdParams p) {
                                     p.q_r, valid, tid);
     if (tid < BQ) {
       const bool ok = tid < valid;
-      bwd_cp_async_4(sbase + KC::kOffLse + (stage * BQ + tid) * 4, ok ? p.lse + lse_index(h, r0 + tid) : p.lse, ok);
-      // Visible by the next top barrier (the tile is read after it).
+      const float* lse2 = p.lse2 + h * p.rows_q_cap + qrow0 + r0 + tid;  // log2 units, finite
+      bwd_cp_async_4(sbase + KC::kOffLse + (stage * BQ + tid) * 4, ok ? lse2 : p.lse2, ok);
+      // Visible by the next top barrier (the tile is read after it).  A row without legal keys gets
+      // +inf (it never constrains; see rule::row_allows_skip_finite_norm).
       const int L = ok ? rule::visible_keys(r0 + tid, qlen, klen, p.causal) : 0;
       reinterpret_cast<float*>(smem + KC::kOffThr)[stage * BQ + tid] =
-          rule::log_threshold(p.log2_tau, __log2f(static_cast<float>(L)));
+          L > 0 ? rule::log_threshold(p.log2_tau, __log2f(static_cast<float>(L))) : INFINITY;
     }
   };
   auto load_do = [&](int t, int stage) {
@@ -248,11 +250,11 @@ __global__ void __launch_bounds__(256, 1) bwd_main_kernel(const BwdParams p) {
   };
   bool pend = false;
   int pend_h = 0, pend_q0 = 0, pend_buf = 0;
-  // Vote state of the split-phase vote (tau > 0, p.split_vote): two mbarriers + two flags.
-  const bool split_vote = !TAU0 && p.split_vote;
+  // Vote state of the mbarrier vote (tau > 0): two mbarriers + two flags.
+  constexpr bool mbar_vote = !TAU0;
   uint32_t* vote_s = reinterpret_cast<uint32_t*>(smem + KC::kOffVote);
   const uint32_t mbar_s = sbase + KC::kOffMbar;
-  if (split_vote && tid == 0) {
+  if (mbar_vote && tid == 0) {
     bwd_mbar_init(mbar_s, KC::kWarps);
     bwd_mbar_init(mbar_s + 8, KC::kWarps);
     vote_s[0] = vote_s[1] = 0u;
@@ -274,6 +276,21 @@ __global__ void __launch_bounds__(256, 1) bwd_main_kernel(const BwdParams p) {
     }
   }
 
+  // The optional outputs of a decision (tile mask, slot counters).  With tau > 0 they are written one
+  // iteration late, where the scores are not live: written right after the vote they cost register
+  // spills (measured with ptxas -v: 32 -> 8 bytes at d = 128).
+  bool last_retain = false;
+  const bool recording = !TAU0 && (p.tile_mask != nullptr || p.bwd_slots != nullptr);
+  auto record = [&](int tt, bool keep) {
+    const int rh = h0 + tt / n_iq, ri = i_start + tt % n_iq;
+    if (p.tile_mask != nullptr && tid == 0)
+      p.tile_mask[((static_cast<int64_t>(b) * p.heads_q + rh) * p.n_q_tiles + ri) * p.n_k_tiles + j] = keep ? 2 : 1;
+    if (keep && p.bwd_slots != nullptr && tid < BQ) {
+      const int r = ri * BQ + tid;
+      if (r < qlen && rule::visible_keys(r, qlen, klen, p.causal) > 0) atomicAdd(p.bwd_slots + lse_index(rh, r), BK);
+    }
+  };
+
   for (int t = 0; t < n_iter; ++t) {
     const int st = t & 1, qs = t % nqs;
     const int h = h0 + t / n_iq, i = i_start + t % n_iq;
@@ -288,8 +305,9 @@ __global__ void __launch_bounds__(256, 1) bwd_main_kernel(const BwdParams p) {
       cp_async_commit();
     }
     const uint32_t sQs = sQ + qs * QTile::kBytes, sDOs = sDO + st * QTile::kBytes;
-    if (split_vote && tid == 0) vote_s[st ^ 1] = 0u;  // last read before this barrier, next written after the next
-    if (pend && !split_vote) {
+    if (mbar_vote && tid == 0) vote_s[st ^ 1] = 0u;  // last read before this barrier, next written after the next
+    if (recording && t > 0) record(t - 1, last_retain);
+    if (pend) {  // before S: the scores are not live yet (no register spills)
       do_dq(pend_h, pend_q0, pend_buf);
       pend = false;
     }
@@ -315,19 +333,16 @@ __global__ void __launch_bounds__(256, 1) bwd_main_kernel(const BwdParams p) {
     const bool need_mask = (q0 + BQ > qlen) || (kb + BK > klen) || (p.causal && kb + BK - 1 > q0 + klen - qlen);
     const float* lse_t = lse_s + qs * BQ;
     const float* thr_t = reinterpret_cast<const float*>(smem + KC::kOffThr) + qs * BQ;
-    bool allow = true;
+    // Scale to log2 units and mask (both instances), then the test (tau > 0).
 #pragma unroll
     for (int n = 0; n < NT; ++n)
 #pragma unroll
       for (int c = 0; c < 2; ++c) {
-        const int col = n * 8 + 2 * tq + c;
-        const float l2 = lse_t[col] * kLog2e;
         int L = BK + kb;  // only compared when masking
         if (need_mask) {
-          const int qr = q0 + col;
+          const int qr = q0 + n * 8 + 2 * tq + c;
           L = qr < qlen ? rule::visible_keys(qr, qlen, klen, p.causal) : 0;
         }
-        const float thr = thr_t[col];
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
           const int e = hh * 2 + c;
@@ -335,32 +350,43 @@ __global__ void __launch_bounds__(256, 1) bwd_main_kernel(const BwdParams p) {
           if (need_mask && kb + key0 + g + hh * 8 >= L) x = -INFINITY;
           s[n][e] = x;
         }
-        // The test of this lane's two entries of query `col` (keys g and g + 8) on their maximum:
-        // the same decision as testing each entry (x - l2 < thr is monotone in x), half the work.
-        if (!TAU0) allow &= rule::row_allows_skip(fmaxf(s[n][c], s[n][c + 2]), l2, thr);
       }
+    // The test of this lane's two entries of each query column (keys g and g + 8) on their maximum:
+    // the same decision as testing each entry (x - l2 < thr is monotone in x), half the work.
+    // (Stopping early once some lane of the warp retains was measured: a warp vote per column group
+    // cost more on sparse inputs (8.45 vs 8.15 ms at 32K) than it saved on random ones.)
+    bool allow = true;
+    if (!TAU0) {
+#pragma unroll
+      for (int n = 0; n < NT; ++n) {
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          const int col = n * 8 + 2 * tq + c;
+          allow &= rule::row_allows_skip_finite_norm(fmaxf(s[n][c], s[n][c + 2]), lse_t[col], thr_t[col]);
+        }
+      }
+    }
     bool retain = true;
-    if (split_vote) {
-      // Split-phase vote: each warp ORs its vote into vote_s[st] and arrives on mbarrier st, the
-      // deferred dQ of the previous retained tile runs, then the warp waits for the 8 arrivals.
+    if (mbar_vote) {
+      // Vote through an mbarrier: each warp ORs its vote into vote_s[st] and arrives on mbarrier st.
+      // A warp that retains knows the outcome (one retaining entry keeps the tile) and does not
+      // wait; only warps that would skip wait for the 8 arrivals.  On inputs where nearly every tile
+      // is kept the vote thus costs no barrier and the warps keep drifting like the tau = 0 kernel.
       const bool warp_retain = __any_sync(0xffffffffu, !allow);
       if (lane == 0) {
         if (warp_retain) atomicOr(&vote_s[st], 1u);
         bwd_mbar_arrive(mbar_s + st * 8);
       }
-      if (pend) {
-        do_dq(pend_h, pend_q0, pend_buf);
-        pend = false;
+      if (warp_retain) {
+        retain = true;
+      } else {
+        bwd_mbar_wait(mbar_s + st * 8, (t >> 1) & 1);
+        retain = *reinterpret_cast<volatile uint32_t*>(&vote_s[st]) != 0u;
       }
-      bwd_mbar_wait(mbar_s + st * 8, (t >> 1) & 1);
-      retain = *reinterpret_cast<volatile uint32_t*>(&vote_s[st]) != 0u;
-    } else if (!TAU0) {
-      retain = __syncthreads_or(allow ? 0 : 1) != 0;
     }
-    if (p.tile_mask != nullptr && tid == 0)
-      p.tile_mask[((static_cast<int64_t>(b) * p.heads_q + h) * p.n_q_tiles + i) * p.n_k_tiles + j] =
-          retain ? 2 : 1;
     const bool q_late = LA == 2 && t + 2 < n_iter;
+    if (TAU0) record(t, true);  // (no scores-live pressure problem without the test)
+    last_retain = retain;
     if (!retain) {
       if (q_late) {
         load_q(t + 2, (t + 2) % nqs);
@@ -369,11 +395,6 @@ __global__ void __launch_bounds__(256, 1) bwd_main_kernel(const BwdParams p) {
       do_ready = false;
       continue;
     }
-    if (p.bwd_slots != nullptr && tid < BQ) {
-      const int r = q0 + tid;
-      if (r < qlen && rule::visible_keys(r, qlen, klen, p.causal) > 0) atomicAdd(p.bwd_slots + lse_index(h, r), BK);
-    }
-
     // ---- 3. retained: dO, P, dP, dS, dV, dK, dQ -----------------------------------------------------
     const bool spec = t + 1 < n_iter;
     if (!do_ready) {
@@ -393,8 +414,7 @@ __global__ void __launch_bounds__(256, 1) bwd_main_kernel(const BwdParams p) {
     for (int n = 0; n < NT; ++n)
 #pragma unroll
       for (int c = 0; c < 2; ++c) {
-        float l2 = lse_t[n * 8 + 2 * tq + c] * kLog2e;
-        l2 = l2 == -INFINITY ? 0.f : l2;
+        const float l2 = lse_t[n * 8 + 2 * tq + c];  // log2 units, -inf mapped to 0 (masked rows: P = 0)
         s[n][c] = exp2f(s[n][c] - l2);
         s[n][c + 2] = exp2f(s[n][c + 2] - l2);
       }
@@ -482,6 +502,7 @@ __global__ void __launch_bounds__(256, 1) bwd_main_kernel(const BwdParams p) {
   cp_async_wait<0>();
   __syncthreads();
   if (pend) do_dq(pend_h, pend_q0, pend_buf);
+  if (recording && n_iter > 0) record(n_iter - 1, last_retain);
 
   // ---- epilogue: dK (scaled), dV ------------------------------------------------------------------
 #pragma unroll

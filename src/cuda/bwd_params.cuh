@@ -23,7 +23,6 @@ struct BwdParams {
   const void* k;
   const void* v;
   const void* dout;
-  const float* lse;
   int64_t q_b, q_r, q_h;
   int64_t k_b, k_r, k_h;
   int64_t v_b, v_r, v_h;
@@ -51,13 +50,13 @@ struct BwdParams {
   // Workspace (fp32).  D: [heads_q, rows_q_cap]; dq_acc: [heads_q, rows_q_cap, d];
   // dk_acc/dv_acc: [heads_kv, rows_k_cap, d] or null (direct dK/dV stores).
   float* dsum;
+  float* lse2;           // [heads_q, rows_q_cap]: lse in log2 units, -inf -> 0 (preprocess kernel)
   float* dq_acc;
   float* dk_acc;
   float* dv_acc;
   int heads_per_cta;    // query heads of one KV group handled by one CTA
   int head_splits;      // group / heads_per_cta
   int q_stages;         // 2 or 3 shared-memory stages of Q (3 where the shared memory allows)
-  bool split_vote;      // tau > 0: split-phase (mbarrier) vote overlapped with the deferred dQ
 };
 
 template <typename T, int D>

@@ -391,3 +391,21 @@ TEST(Rule, ForwardAndBackwardEqualDenseMathOverRetainedTiles) {
 }
 
 }  // namespace
+
+// The backward kernel's form of the test (finite normalizer, threshold > -inf) decides exactly as
+// rule::row_allows_skip under its preconditions, including rows without legal keys (tile_max = -inf,
+// lse = -inf mapped to 0, threshold +inf).
+TEST(Rule, FiniteNormFormEqualsTileTest) {
+  const float inf = INFINITY;
+  const float maxima[] = {-inf, -30.f, -1.5f, 0.f, 0.25f, 7.f, 1e30f};
+  const float norms[] = {-20.f, -0.5f, 0.f, 3.f, 11.f};
+  const float thresholds[] = {-17.f, -3.f, -0.25f, 0.f, 2.f, inf};
+  for (float mx : maxima)
+    for (float ln : norms)
+      for (float th : thresholds)
+        EXPECT_EQ(mala::rule::row_allows_skip_finite_norm(mx, ln, th), mala::rule::row_allows_skip(mx, ln, th))
+            << "tile_max " << mx << " log_norm " << ln << " log_thr " << th;
+  // A row without legal keys: lse = -inf is passed as 0 with threshold +inf, and never constrains.
+  EXPECT_TRUE(mala::rule::row_allows_skip_finite_norm(-inf, 0.f, inf));
+  EXPECT_TRUE(mala::rule::row_allows_skip(-inf, -inf, inf));
+}
