@@ -9,6 +9,7 @@ package adds autograd, torch.compile support and the flash_attn-style functions 
     out = mala.attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k)
     out = mala.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k=k_new, v=v_new)
     mala.integrations.transformers.register()        # attn_implementation="mala"
+    from mala.flash_attn_interface import flash_attn_func   # flash_attn's signatures (+ tau)
 """
 
 import torch  # noqa: F401  (loads libtorch before the extension)

@@ -1,0 +1,93 @@
+"""FlashAttention-2 call signatures over MALA, for code written against `flash_attn`.
+
+    from mala.flash_attn_interface import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
+
+The positional and keyword arguments are flash_attn's (2.x), so switching is an import change; the
+defaults are flash_attn's too (causal=False), plus one keyword-only argument, `tau` (default 1.0,
+MALA's tolerance; tau=0.0 is exact dense attention).  Arguments MALA does not implement (dropout,
+sliding windows, softcapping, ALiBi, rotary embedding inside the call, cache_batch_idx,
+cache_leftpad) raise NotImplementedError naming the argument when set to anything but their
+"off" value, rather than being ignored.  `deterministic` is accepted: MALA's backward accumulates
+dQ with fp32 atomics and is not bit-deterministic, so deterministic=True raises as well.
+
+Returns follow flash_attn: `out`, or `(out, softmax_lse, None)` with return_attn_probs=True (MALA
+never materializes the probabilities); flash_attn_with_kvcache returns `(out, softmax_lse)` with
+return_softmax_lse=True.  softmax_lse is float32 [B, Hq, Nq] ([Hq, total_q] for varlen).
+"""
+
+from typing import Optional, Tuple
+
+import torch
+
+from .api import attention, attention_varlen, attention_with_kvcache
+
+__all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache"]
+
+
+def _common_checks(dropout_p, window_size, softcap, alibi_slopes, deterministic):
+    if float(dropout_p) != 0.0:
+        raise NotImplementedError(f"dropout_p: MALA has no attention dropout (got {dropout_p}; only 0.0)")
+    if tuple(window_size) != (-1, -1):
+        raise NotImplementedError(f"window_size: no sliding window in MALA (got {tuple(window_size)}; only (-1, -1))")
+    if float(softcap) != 0.0:
+        raise NotImplementedError(f"softcap: no logit softcapping in MALA (got {softcap}; only 0.0)")
+    if alibi_slopes is not None:
+        raise NotImplementedError("alibi_slopes: not supported by MALA")
+    if deterministic:
+        raise NotImplementedError("deterministic: MALA's backward accumulates dQ with fp32 atomics "
+                                  "(not bit-deterministic)")
+
+
+def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
+                    softmax_scale: Optional[float] = None, causal: bool = False,
+                    window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0, alibi_slopes=None,
+                    deterministic: bool = False, return_attn_probs: bool = False, *, tau: float = 1.0):
+    """flash_attn.flash_attn_func: q [B, Nq, Hq, d], k/v [B, Nk, Hkv, d] -> out [B, Nq, Hq, d]."""
+    _common_checks(dropout_p, window_size, softcap, alibi_slopes, deterministic)
+    if return_attn_probs:
+        out, lse = attention(q, k, v, tau=tau, causal=causal, softmax_scale=softmax_scale, return_lse=True)
+        return out, lse, None
+    return attention(q, k, v, tau=tau, causal=causal, softmax_scale=softmax_scale)
+
+
+def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                           cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, dropout_p: float = 0.0,
+                           softmax_scale: Optional[float] = None, causal: bool = False,
+                           window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0, alibi_slopes=None,
+                           deterministic: bool = False, return_attn_probs: bool = False,
+                           block_table: Optional[torch.Tensor] = None, *, tau: float = 1.0):
+    """flash_attn.flash_attn_varlen_func: packed q [total_q, Hq, d], k/v [total_k, Hkv, d]."""
+    _common_checks(dropout_p, window_size, softcap, alibi_slopes, deterministic)
+    if block_table is not None:
+        raise NotImplementedError("block_table: paged keys are supported by flash_attn_with_kvcache only")
+    if return_attn_probs:
+        out, lse = attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, tau=tau,
+                                    causal=causal, softmax_scale=softmax_scale, return_lse=True)
+        return out, lse, None
+    return attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, tau=tau, causal=causal,
+                            softmax_scale=softmax_scale)
+
+
+def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            k: Optional[torch.Tensor] = None, v: Optional[torch.Tensor] = None, rotary_cos=None,
+                            rotary_sin=None, cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None,
+                            block_table: Optional[torch.Tensor] = None, softmax_scale: Optional[float] = None,
+                            causal: bool = False, window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                            rotary_interleaved: bool = True, alibi_slopes=None, num_splits: int = 0,
+                            return_softmax_lse: bool = False, *, tau: float = 1.0):
+    """flash_attn.flash_attn_with_kvcache.  k/v, when given, are appended in place at cache_seqlens
+    like flash_attn does.  cache_seqlens None means every cache is full (then k/v cannot be given)."""
+    if rotary_cos is not None or rotary_sin is not None:
+        raise NotImplementedError("rotary_cos/rotary_sin: apply the rotary embedding before the call")
+    if cache_batch_idx is not None:
+        raise NotImplementedError("cache_batch_idx: not supported by MALA (index the cache instead)")
+    if cache_leftpad is not None:
+        raise NotImplementedError("cache_leftpad: not supported by MALA")
+    _common_checks(0.0, window_size, softcap, alibi_slopes, False)
+    if cache_seqlens is None:
+        if k is not None or v is not None:
+            raise ValueError("cache_seqlens: required when k/v are appended (None means the caches are full)")
+        cache_seqlens = k_cache.shape[1] * (block_table.shape[1] if block_table is not None else 1)
+    return attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k=k, v=v, block_table=block_table, tau=tau,
+                                  causal=causal, softmax_scale=softmax_scale, num_splits=num_splits,
+                                  return_lse=return_softmax_lse)

@@ -1,0 +1,97 @@
+"""mala.flash_attn_interface: flash_attn's signatures and defaults over the MALA operators."""
+
+import pytest
+import torch
+
+import mala
+from conftest import device_params, dtype_for, local_inputs, rand, reference_attention, rel_l2
+from mala.flash_attn_interface import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
+
+
+@pytest.mark.parametrize("device", device_params())
+@pytest.mark.parametrize("causal", [False, True])
+def test_func_is_attention_with_flash_attn_defaults(device, causal):
+    q, k, v = local_inputs(device, 2, 200, 4, 2, 64)
+    # Positional arguments in flash_attn's order: dropout_p, softmax_scale, causal.
+    out = flash_attn_func(q, k, v, 0.0, None, causal, tau=0.0)
+    ref, _ = reference_attention(q, k, v, causal)
+    assert rel_l2(out, ref) < 1e-2
+    assert torch.equal(out, mala.attention(q, k, v, tau=0.0, causal=causal))
+    # Default tau is MALA's 1.0; default causal is flash_attn's False.
+    assert torch.equal(flash_attn_func(q, k, v), mala.attention(q, k, v, tau=1.0, causal=False))
+    out2, lse, probs = flash_attn_func(q, k, v, causal=causal, return_attn_probs=True, tau=0.0)
+    assert probs is None and torch.equal(out2, out) and lse.shape == (2, 4, 200) and lse.dtype == torch.float32
+
+
+@pytest.mark.parametrize("device", device_params())
+def test_func_gradients(device):
+    q, k, v = (t.detach().requires_grad_() for t in local_inputs(device, 1, 160, 4, 1, 64))
+    flash_attn_func(q, k, v, causal=True, tau=0.0).float().square().sum().backward()
+    grads = [t.grad.clone() for t in (q, k, v)]
+    q2, k2, v2 = (t.detach().requires_grad_() for t in (q, k, v))
+    ref, _ = reference_attention(q2, k2, v2, True)
+    ref.square().sum().backward()
+    for g, r, name in zip(grads, (q2.grad, k2.grad, v2.grad), "qkv"):
+        assert rel_l2(g, r) < 2e-2, f"d{name}"
+
+
+@pytest.mark.parametrize("device", device_params())
+def test_varlen_is_attention_varlen(device):
+    dtype = dtype_for(device)
+    lengths = [70, 1, 130]
+    cu = torch.tensor([0, 70, 71, 201], dtype=torch.int32, device=device)
+    q, k, v = (rand((201, h, 64), device, dtype) for h in (4, 2, 2))
+    out = flash_attn_varlen_func(q, k, v, cu, cu, max(lengths), max(lengths), causal=True, tau=0.0)
+    assert torch.equal(out, mala.attention_varlen(q, k, v, cu, cu, 130, 130, tau=0.0, causal=True))
+    out2, lse, probs = flash_attn_varlen_func(q, k, v, cu, cu, 130, 130, causal=True, return_attn_probs=True, tau=0.0)
+    assert probs is None and torch.equal(out2, out) and lse.shape == (4, 201)
+
+
+@pytest.mark.parametrize("device", device_params())
+def test_kvcache_is_attention_with_kvcache(device):
+    dtype = dtype_for(device)
+    batch, capacity, hq, hkv, d = 2, 300, 8, 2, 128
+    k_cache, v_cache = rand((batch, capacity, hkv, d), device, dtype), rand((batch, capacity, hkv, d), device, dtype)
+    q = rand((batch, 1, hq, d), device, dtype)
+    k_new, v_new = rand((batch, 1, hkv, d), device, dtype), rand((batch, 1, hkv, d), device, dtype)
+    lens = torch.tensor([17, 250], dtype=torch.int32, device=device)
+    kc, vc = k_cache.clone(), v_cache.clone()
+    out, lse = flash_attn_with_kvcache(q, kc, vc, k_new, v_new, cache_seqlens=lens, causal=True,
+                                       return_softmax_lse=True, tau=0.0)
+    kc2, vc2 = k_cache.clone(), v_cache.clone()
+    ref_out, ref_lse = mala.attention_with_kvcache(q, kc2, vc2, lens, k=k_new, v=v_new, tau=0.0, causal=True,
+                                                   return_lse=True)
+    assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
+    assert torch.equal(kc, kc2) and torch.equal(vc, vc2)  # appended in place, the same way
+    # cache_seqlens None: the caches are full.
+    full = flash_attn_with_kvcache(q, k_cache, v_cache, causal=True, tau=0.0)
+    assert torch.equal(full, mala.attention_with_kvcache(q, k_cache, v_cache, capacity, tau=0.0, causal=True))
+    with pytest.raises(ValueError, match="cache_seqlens"):
+        flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new)
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    (dict(dropout_p=0.1), "dropout_p"),
+    (dict(window_size=(64, 0)), "window_size"),
+    (dict(softcap=30.0), "softcap"),
+    (dict(alibi_slopes=torch.ones(4)), "alibi_slopes"),
+    (dict(deterministic=True), "deterministic"),
+])
+def test_unsupported_arguments_raise(kwargs, name):
+    q, k, v = (rand((1, 8, h, 64), "cpu", torch.float32) for h in (4, 4, 4))
+    with pytest.raises(NotImplementedError, match=name):
+        flash_attn_func(q, k, v, **kwargs)
+    cu = torch.tensor([0, 8], dtype=torch.int32)
+    with pytest.raises(NotImplementedError, match=name):
+        flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, 8, 8, **kwargs)
+
+
+def test_kvcache_unsupported_arguments_raise():
+    q = rand((1, 1, 4, 64), "cpu", torch.float32)
+    kc = rand((1, 16, 4, 64), "cpu", torch.float32)
+    for kwargs, name in [(dict(rotary_cos=torch.ones(16, 32), rotary_sin=torch.ones(16, 32)), "rotary"),
+                         (dict(cache_batch_idx=torch.zeros(1, dtype=torch.int32)), "cache_batch_idx"),
+                         (dict(cache_leftpad=torch.zeros(1, dtype=torch.int32)), "cache_leftpad"),
+                         (dict(window_size=(8, 0)), "window_size"), (dict(softcap=5.0), "softcap")]:
+        with pytest.raises(NotImplementedError, match=name):
+            flash_attn_with_kvcache(q, kc, kc.clone(), cache_seqlens=4, **kwargs)
