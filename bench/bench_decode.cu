@@ -21,13 +21,14 @@
 //               split has retained: homogeneous far context is retained; a ramp is skipped.
 // Each N uses a cache of capacity N (the kernel's split heuristic depends on the capacity only).
 //
-// Measured (H100 80GB HBM3, 2026-11-22, copy bandwidth 2.99 TB/s, Hq=8 Hkv=1 d=128 bf16, cold L2):
-//   128K batch 8 : tau=0 184.8 us = 1.03x its K+V floor (179.4 us); recency(16/tile) tau=1 retained
-//                  3.5% -> 102-104 us = 1.78-1.80x faster than tau=0; recency(2/tile) retained 8.9%
-//                  -> 106 us (1.74x); random / make_workload synthetic s=4,16 retain 91-100% -> 0.97-1.00x.
-//   128K batch 1 : tau=0 32.2-32.4 us = 1.44x floor (22.4 us; split kernel ~27-29 us, combine ~3 us);
-//                  recency(16/tile) tau=1 retained 28% (132 splits) -> 26.5 us (1.22x).
-//   1K-8K        : 10-11 us (batch 1), launch/latency bound.
+// Measured (H100 80GB HBM3, 2026-11-22, copy bandwidth 2.99 TB/s, Hq=8 Hkv=1 d=128 bf16, cold L2;
+// bench/results/mala_bench_decode_h100.log):
+//   128K batch 8 : tau=0 188 us = 1.05x its K+V floor; recency(16/tile) tau=1 retained 3.5% ->
+//                  101 us = 1.86x faster than tau=0; recency(2/tile) 8.9% -> 105 us (1.78x);
+//                  random / make_workload synthetic s=4,16 retain 91-100% -> 0.99-1.02x.
+//   128K batch 1 : tau=0 32.1-32.3 us = 1.43x floor (22.4 us); recency(16/tile) tau=1 retained 28%
+//                  (132 splits) -> 24.9 us (1.29x); random tau=1 0.99x.
+//   1K-8K        : 10-11 us (batch 1), launch/latency bound (--overhead: an empty kernel is 3 us).
 // Entry point: run_decode_bench(argc, argv) (called by bench_main.cpp); flags: --quick (fewer
 // lengths / runs), --sweep (num_splits sweep at the largest N), --overhead (batch-1 fixed costs
 // only: empty kernels, a plain kernel streaming the same K+V bytes, decode at several split counts).  Built with -DMALA_DECODE_BENCH_MAIN

@@ -36,6 +36,10 @@ run)
   echo "== GPU tests (every kernel against the CPU implementation)"
   "$bin/mala_gpu_tests" --gtest_brief=1 2>&1 | tee "$out/gpu_tests.log" | tail -40 || status=1
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
+  echo "== GPU decode tests with the sm_80-sized (163 KB shared memory) decode instance"
+  MALA_DECODE_SMALL_SMEM=1 "$bin/mala_gpu_tests" --gtest_brief=1 --gtest_filter='GpuDecode*' 2>&1 \
+    | tee "$out/gpu_tests_decode_small_smem.log" | tail -3
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
   if command -v compute-sanitizer >/dev/null; then
     filter=${MALA_SANITIZER_FILTER:-*Small*}
     for tool in memcheck racecheck; do

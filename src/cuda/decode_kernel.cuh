@@ -10,8 +10,11 @@
 //   PV   : P (bf16/fp16, 16 x BK) goes through shared memory; warp w accumulates output dims
 //          [w*D/4, (w+1)*D/4), so m, l and the accumulator never need a cross-warp reduction.
 // Memory (decode is memory-bound): K tiles stream through a ring of cp.async stages issued ahead;
-// V is loaded ONLY for retained tiles, after the test (sparse variant).  With tau = 0 nothing can be
-// skipped, so the dense variant streams (K, V) pairs ahead together.
+// V is loaded ONLY for retained tiles, after the test (sparse variant), and consumed DEFER tiles
+// later: the tile's P and m wait in shared-memory rings while the next tiles' K is scored, so the V
+// latency is hidden (the online state m, l is updated at test time; acc catches up at the PV, scaled
+// from the m of the previous PV to the m of the tile).  With tau = 0 nothing can be skipped, so the
+// dense variant streams (K, V) pairs ahead together.
 // Why not the forward's shared pieces (online_softmax.cuh / smem_tile.cuh): those assume each warp
 // owns its own 16-row block and full key tiles; decode has one 16-row block per CTA and splits the
 // key dimension (QK) and the head dimension (PV) across warps instead.  The test itself is
@@ -21,6 +24,7 @@
 #include <cuda_runtime.h>
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #include "common/rule.h"
 #include "cuda/decode_params.cuh"
@@ -37,15 +41,37 @@ template <int D, bool kLargeSmem>
 struct DecodeConfig {
   static constexpr int BK = decode_block_k(D);
   static constexpr int TILE_BYTES = BK * D * 2;
-  // Q, P and the two [4 warps][16 rows] reduction arrays.
-  static constexpr int EXTRA_BYTES = kDecodeBlockQ * D * 2 + kDecodeBlockQ * BK * 2 + 2 * 4 * kDecodeBlockQ * 4;
+  static constexpr int P_BYTES = kDecodeBlockQ * BK * 2;
   static constexpr int SMEM_BUDGET = (kLargeSmem ? 227 : 163) * 1024;
-  // Tile buffers, as many as fit: sparse = (NBUF-1) K stages + 1 V buffer; dense = NBUF/2 (K, V)
-  // stages.  Decode is memory-bound: the bytes in flight per SM are what these buy.
-  static constexpr int NBUF_SPARSE = (SMEM_BUDGET - EXTRA_BYTES) / TILE_BYTES;
-  static constexpr int NBUF_DENSE = NBUF_SPARSE / 2 * 2;
-  static constexpr int smem_bytes(bool dense) { return (dense ? NBUF_DENSE : NBUF_SPARSE) * TILE_BYTES + EXTRA_BYTES; }
+  // Sparse variant: V of a retained tile is read after its test and consumed DEFER tiles later
+  // (its P, m and V wait in rings of NV slots), so the V latency hides behind the next tiles' QK.
+  static constexpr int NV = kLargeSmem ? 3 : 2, DEFER = NV - 1;
+  // Q, P (NV slots sparse, 1 dense), the [4 warps][16 rows] row-max exchange, the row-sum exchange
+  // (two parities sparse, one dense) and, sparse, the m of each P slot.
+  static constexpr int extra_bytes(bool dense) {
+    return kDecodeBlockQ * D * 2 + (dense ? 1 : NV) * P_BYTES + 4 * kDecodeBlockQ * 4 +
+           (dense ? 1 : 2) * 4 * kDecodeBlockQ * 4 + (dense ? 0 : NV * kDecodeBlockQ * 4);
+  }
+  // Tile buffers, as many as fit (decode is memory-bound: they are the bytes in flight per SM).
+  // Dense: NBUF_DENSE / 2 (K, V) stages.  Sparse: NBUF_SPARSE - NV K stages and NV V slots.
+  static constexpr int NBUF_DENSE = (SMEM_BUDGET - extra_bytes(true)) / TILE_BYTES / 2 * 2;
+  static constexpr int NBUF_SPARSE = (SMEM_BUDGET - extra_bytes(false)) / TILE_BYTES;
+  static constexpr int smem_bytes(bool dense) {
+    return (dense ? NBUF_DENSE : NBUF_SPARSE) * TILE_BYTES + extra_bytes(dense);
+  }
 };
+
+// cp.async.wait_group with a run-time count n (clamped to 15: leaving fewer groups in flight than
+// allowed is still correct).
+template <int N = 15>
+__device__ __forceinline__ void cp_async_wait_dyn(int n) {
+  if constexpr (N == 0) {
+    cp_async_wait<0>();
+  } else {
+    if (n >= N) cp_async_wait<N>();
+    else cp_async_wait_dyn<N - 1>(n);
+  }
+}
 
 // Element offset of (row, 16-byte chunk) in a swizzled [rows][NCH*8] 16-bit tile: the chunk index is
 // XORed with row % 8 so ldmatrix's 8 row addresses hit distinct banks.
@@ -108,7 +134,9 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) decode_split_kernel(const D
   using Cfg = DecodeConfig<D, kLargeSmem>;
   constexpr int BK = Cfg::BK;
   constexpr int NBUF = kDense ? Cfg::NBUF_DENSE : Cfg::NBUF_SPARSE;
-  constexpr int NST = kDense ? NBUF / 2 : NBUF - 1;  // K stages
+  constexpr int NV = kDense ? 1 : Cfg::NV;           // P slots (and, sparse, V slots)
+  constexpr int DEFER = Cfg::DEFER;                   // sparse: PV of a retained tile DEFER tiles later
+  constexpr int NST = kDense ? NBUF / 2 : NBUF - NV;  // K stages
   constexpr int TILE = BK * D;                        // elements per tile buffer
   constexpr int DCH = D / 8;                          // 16-byte chunks per K/V/Q row
   constexpr int BKCH = BK / 8;                        // 16-byte chunks per P row
@@ -120,13 +148,15 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) decode_split_kernel(const D
   constexpr int KS_PV = BK / 16;
   static_assert(NF % 2 == 0 && NDF % 2 == 0 && (BK * DCH) % kDecodeThreads == 0, "tile shape");
   static_assert(NST >= 2, "at least two K stages");
+  static_assert(kDense || DEFER + 1 <= NV, "a ring slot is drained before it is refilled");
 
   extern __shared__ __align__(128) unsigned char smem_raw[];
   T* bufs = reinterpret_cast<T*>(smem_raw);
   T* sQ = bufs + NBUF * TILE;
-  T* sP = sQ + kDecodeBlockQ * D;
-  float* red_max = reinterpret_cast<float*>(sP + kDecodeBlockQ * BK);  // [4 warps][16 rows]
-  float* red_sum = red_max + 4 * kDecodeBlockQ;
+  T* sP = sQ + kDecodeBlockQ * D;                                            // [NV][16][BK]
+  float* red_max = reinterpret_cast<float*>(sP + NV * kDecodeBlockQ * BK);  // [4 warps][16 rows]
+  float* red_sum = red_max + 4 * kDecodeBlockQ;                             // [1 or 2][4 warps][16 rows]
+  float* m_slot = red_sum + (kDense ? 1 : 2) * 4 * kDecodeBlockQ;           // sparse: [NV][16 rows]
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   // Programmatic dependent launch: the combine kernel may be scheduled now; it waits on
@@ -177,23 +207,22 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) decode_split_kernel(const D
 
   const T* gk = static_cast<const T*>(p.k_cache);
   const T* gv = static_cast<const T*>(p.v_cache);
-
   auto load_tile = [&](T* dst, const T* base, int64_t sb, int64_t sr, int64_t sh, int j) {
     decode_load_tile<T, D, BK>(smem_addr(dst), base, sb, sr, sh, j, b, kvh, Nk, p.block_table, p.bt_stride,
                                p.page_size, p.page_shift, p.page_in_tile);
   };
+  // Buffers: dense: K stages then V stages; sparse: K stages then the NV V slots.
   auto kbuf = [&](int it) { return bufs + (it % NST) * TILE; };
-  auto vbuf = [&](int it) { return kDense ? bufs + (NST + it % NST) * TILE : bufs + NST * TILE; };
-  auto issue = [&](int it) {  // K (and V when dense) of iteration it, as one commit group
+  auto vbuf = [&](int it) { return bufs + (NST + it % (kDense ? NST : NV)) * TILE; };
+  auto pbuf = [&](int it) { return sP + (kDense ? 0 : it % NV) * kDecodeBlockQ * BK; };
+  // K (and V when dense) of iteration it, as one commit group (an empty group past the end keeps
+  // the group count of every iteration the same).  The split's first legal tile is always retained
+  // (nothing is retained yet, so its test cannot pass): its V travels with K in both variants.
+  auto issue = [&](int it) {
     if (it < n_it) {
       const int j = te_l - 1 - it;
-      // The split's first legal tile is always retained (nothing is retained yet, so its test
-      // cannot pass), so its V travels with K even in the sparse variant.
-#pragma unroll 1
-      for (int w = 0; w < (kDense || it == 0 ? 2 : 1); ++w) {
-        if (w == 0) load_tile(kbuf(it), gk, p.k_sb, p.k_sr, p.k_sh, j);
-        else load_tile(vbuf(it), gv, p.v_sb, p.v_sr, p.v_sh, j);
-      }
+      load_tile(kbuf(it), gk, p.k_sb, p.k_sr, p.k_sh, j);
+      if (kDense || it == 0) load_tile(vbuf(it), gv, p.v_sb, p.v_sr, p.v_sh, j);
     }
     cp_async_commit();
   };
@@ -208,11 +237,86 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) decode_split_kernel(const D
   int retained = 0;
   const int arow = (lane & 7) + ((lane >> 3) & 1) * 8;  // ldmatrix row of an A (Q or P) fragment
 
+  // O[:, warp dims] += P V for the P in `Ps` and the V in `Vs`.
+  auto pv = [&](const T* Ps, const T* Vs) {
+#pragma unroll
+    for (int ks = 0; ks < KS_PV; ++ks) {
+      uint32_t pa[4];
+      ldmatrix_x4(pa, smem_addr(Ps + swz<BKCH>(arow, ks * 2 + (lane >> 4))));
+#pragma unroll
+      for (int n2 = 0; n2 < NDF / 2; ++n2) {
+        const int vrow = ks * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+        const int vch = (warp * DW + n2 * 16) / 8 + (lane >> 4);
+        uint32_t vb[4];
+        ldmatrix_x4_trans(vb, smem_addr(Vs + swz<DCH>(vrow, vch)));
+        mma_16816<T>(acc[2 * n2], pa, vb);
+        mma_16816<T>(acc[2 * n2 + 1], pa, vb + 2);
+      }
+    }
+  };
+  auto scale_acc = [&](const float (&f)[2]) {
+#pragma unroll
+    for (int i = 0; i < NDF; ++i) {
+      acc[i][0] *= f[0];
+      acc[i][1] *= f[0];
+      acc[i][2] *= f[1];
+      acc[i][3] *= f[1];
+    }
+  };
+  // Sparse: acc is kept relative to m_basis, the m of the last tile whose PV has been added; a
+  // deferred tile's P is relative to the m after its own update (m_slot).
+  float m_basis[2] = {-INFINITY, -INFINITY};
+  auto drain = [&](int it_d) {  // PV of the retained tile of iteration it_d (its V complete and visible)
+    const float* ms = m_slot + (it_d % NV) * kDecodeBlockQ;
+    float f[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float mi = ms[gid + 8 * h];  // finite (m_use)
+      f[h] = exp2f(m_basis[h] - mi);     // m_basis = -inf before the first tile: acc is 0 anyway
+      m_basis[h] = mi;
+    }
+    scale_acc(f);
+    pv(pbuf(it_d), vbuf(it_d));
+  };
+  // Sparse: the l update of a retained tile waits for the next top barrier (its row sums come from
+  // all warps); pend_l / alpha_l carry it.
+  bool pend_l = false;
+  float alpha_l[2] = {1.f, 1.f};
+  auto apply_l = [&](int it_r) {
+    const float* rs = red_sum + (it_r & 1) * 4 * kDecodeBlockQ;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float sum = 0.f;
+#pragma unroll
+      for (int w = 0; w < 4; ++w) sum += rs[w * kDecodeBlockQ + gid + 8 * h];
+      l[0][h] = l[0][h] * alpha_l[h] + sum;
+    }
+  };
+  uint32_t pend_pv = 0;  // sparse: bit d set = the tile of iteration it - 1 - d awaits its PV
+
   for (int it = 0; it < n_it; ++it) {
     const int j = te_l - 1 - it;
-    cp_async_wait<NST - 2>();
-    __syncthreads();  // K(it) visible; previous iteration's buffers, P and red_* free
+    if (kDense) {
+      cp_async_wait<NST - 2>();
+    } else {
+      // Groups committed so far: Q, the NST - 1 prologue groups (K(0) with V(0), K(1), ...), then two
+      // per iteration (V of the tile if retained, else empty; K of the tile NST - 1 ahead).  K(it)
+      // must be complete, and V of the tile to drain (iteration it - DEFER) if there is one.
+      int after = it <= NST - 2 ? (NST - 2 - it) + 2 * it : 2 * (NST - 2);  // groups newer than K(it)
+      if (pend_pv & (1u << (DEFER - 1))) {
+        const int i = it - DEFER;  // its V: in the prologue group (i = 0) or iteration i's first group
+        after = min(after, i == 0 ? (NST - 2) + 2 * it : 2 * (it - i) - 1);
+      }
+      cp_async_wait_dyn(after);
+    }
+    __syncthreads();  // K(it) (and V of the tile to drain) visible; previous buffers, P slots, red_* free
     if (kDense) issue(it + NST - 1);
+    if (!kDense) {
+      if (pend_l) apply_l(it - 1);
+      pend_l = false;
+      if (pend_pv & (1u << (DEFER - 1))) drain(it - DEFER);
+      pend_pv = (pend_pv << 1) & ((1u << DEFER) - 1);
+    }
 
     // S = Q K^T for this warp's keys.
     const T* Ks = kbuf(it);
@@ -260,14 +364,13 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) decode_split_kernel(const D
     }
     // The tile test (identical inputs in every warp, so every warp takes the same decision).
     const bool skip = kDense ? false : warp_tile_skip_online<1>(tmax, m, l, log_thr);
+    if (mask && tid == 0) mask[j] = skip ? kTileSkipped : kTileRetained;
     if (!kDense) {
-      if (!skip && it > 0) {  // V only after the test (V(0) came with K(0))
-        load_tile(vbuf(it), gv, p.v_sb, p.v_sr, p.v_sh, j);
-        cp_async_commit();
-      }
+      // V only after the test (V(0) came with K(0)); one group per iteration even when skipped.
+      if (!skip && it > 0) load_tile(vbuf(it), gv, p.v_sb, p.v_sr, p.v_sh, j);
+      cp_async_commit();
       issue(it + NST - 1);
     }
-    if (mask && tid == 0) mask[j] = skip ? kTileSkipped : kTileRetained;
     if (skip) continue;
     ++retained;
 
@@ -280,6 +383,7 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) decode_split_kernel(const D
       alpha[h] = exp2f(m[0][h] - m_use[h]);
       m[0][h] = m_new;
     }
+    T* Pw = pbuf(it);
 #pragma unroll
     for (int nf = 0; nf < NF; ++nf) {
       const float p0 = exp2f(sc[nf][0] - m_use[0]), p1 = exp2f(sc[nf][1] - m_use[0]);
@@ -287,49 +391,60 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) decode_split_kernel(const D
       psum[0] += p0 + p1;
       psum[1] += p2 + p3;
       const int col = warp * KW + nf * 8 + tig * 2;
-      *reinterpret_cast<uint32_t*>(sP + swz<BKCH>(gid, col >> 3) + (col & 7)) = pack2<T>(p0, p1);
-      *reinterpret_cast<uint32_t*>(sP + swz<BKCH>(gid + 8, col >> 3) + (col & 7)) = pack2<T>(p2, p3);
+      *reinterpret_cast<uint32_t*>(Pw + swz<BKCH>(gid, col >> 3) + (col & 7)) = pack2<T>(p0, p1);
+      *reinterpret_cast<uint32_t*>(Pw + swz<BKCH>(gid + 8, col >> 3) + (col & 7)) = pack2<T>(p2, p3);
     }
     psum[0] = warp_sum_quad(psum[0]);
     psum[1] = warp_sum_quad(psum[1]);
+    float* rs = red_sum + (kDense ? 0 : (it & 1) * 4 * kDecodeBlockQ);
     if (tig == 0) {
-      red_sum[warp * kDecodeBlockQ + gid] = psum[0];
-      red_sum[warp * kDecodeBlockQ + gid + 8] = psum[1];
+      rs[warp * kDecodeBlockQ + gid] = psum[0];
+      rs[warp * kDecodeBlockQ + gid + 8] = psum[1];
     }
-#pragma unroll
-    for (int i = 0; i < NDF; ++i) {
-      acc[i][0] *= alpha[0];
-      acc[i][1] *= alpha[0];
-      acc[i][2] *= alpha[1];
-      acc[i][3] *= alpha[1];
+    if (!kDense) {
+      // Deferred: l at the next top barrier, PV DEFER iterations later (or after the loop).
+      if (warp == 0 && tig == 0) {
+        m_slot[(it % NV) * kDecodeBlockQ + gid] = m_use[0];
+        m_slot[(it % NV) * kDecodeBlockQ + gid + 8] = m_use[1];
+      }
+      alpha_l[0] = alpha[0];
+      alpha_l[1] = alpha[1];
+      pend_l = true;
+      pend_pv |= 1u;
+      continue;
     }
-    if (!kDense && it > 0) cp_async_wait<1>();  // V(it); the K prefetch just issued may stay in flight
-    __syncthreads();                  // P, red_sum and V visible
+    scale_acc(alpha);
+    __syncthreads();  // P, red_sum and V visible
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      float s = 0.f;
+      float sum = 0.f;
 #pragma unroll
-      for (int w = 0; w < 4; ++w) s += red_sum[w * kDecodeBlockQ + gid + 8 * h];
-      l[0][h] = l[0][h] * alpha[h] + s;
+      for (int w = 0; w < 4; ++w) sum += red_sum[w * kDecodeBlockQ + gid + 8 * h];
+      l[0][h] = l[0][h] * alpha[h] + sum;
     }
-    // O[:, warp dims] += P V
-    const T* Vs = vbuf(it);
-#pragma unroll
-    for (int ks = 0; ks < KS_PV; ++ks) {
-      uint32_t pa[4];
-      ldmatrix_x4(pa, smem_addr(sP + swz<BKCH>(arow, ks * 2 + (lane >> 4))));
-#pragma unroll
-      for (int n2 = 0; n2 < NDF / 2; ++n2) {
-        const int vrow = ks * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
-        const int vch = (warp * DW + n2 * 16) / 8 + (lane >> 4);
-        uint32_t vb[4];
-        ldmatrix_x4_trans(vb, smem_addr(Vs + swz<DCH>(vrow, vch)));
-        mma_16816<T>(acc[2 * n2], pa, vb);
-        mma_16816<T>(acc[2 * n2 + 1], pa, vb + 2);
-      }
-    }
+    m_basis[0] = m_use[0];
+    m_basis[1] = m_use[1];
+    pv(Pw, vbuf(it));
   }
   cp_async_wait<0>();  // nothing may stay in flight into exited shared memory
+  if (!kDense) {
+    __syncthreads();  // the last V slots, P slots, m slots and row sums visible
+    if (pend_l) apply_l(n_it - 1);
+#pragma unroll
+    for (int d = DEFER - 1; d >= 0; --d)
+      if (pend_pv & (1u << d)) drain(n_it - 1 - d);
+  }
+  // acc relative to the final m (m only changes on retained tiles, and the last drained tile is the
+  // last retained one, so this factor is 1 except for rows without a finite m, where acc is 0).
+  {
+    float f[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float m_fin = m[0][h] == -INFINITY ? 0.f : m[0][h];
+      f[h] = m_basis[h] == -INFINITY ? 1.f : exp2f(m_basis[h] - m_fin);
+    }
+    scale_acc(f);
+  }
 
   // Epilogue.
   if (p.S == 1) {
@@ -528,7 +643,12 @@ cudaError_t launch_decode_impl(const DecodeParams& p, bool dense, cudaStream_t s
     decode_append_kernel<T, D><<<dim3(p.seqlen_new * p.Hkv, p.B), 2 * (D / 8), 0, stream>>>(p);
   }
   // The sm_90 instance where the device lets a block have its shared memory (A100: 163 KB, no).
-  const bool large = caps.smem_optin >= DecodeConfig<D, true>::smem_bytes(dense);
+  // MALA_DECODE_SMALL_SMEM=1 forces the 163 KB instance (so that the GPU tests can cover it on an H100).
+  static const bool force_small = [] {
+    const char* e = getenv("MALA_DECODE_SMALL_SMEM");
+    return e != nullptr && e[0] == '1';
+  }();
+  const bool large = !force_small && caps.smem_optin >= DecodeConfig<D, true>::smem_bytes(dense);
   cudaError_t err = dense ? (large ? launch_split_kernel<T, D, true, true>(p, stream) : launch_split_kernel<T, D, true, false>(p, stream))
                           : (large ? launch_split_kernel<T, D, false, true>(p, stream) : launch_split_kernel<T, D, false, false>(p, stream));
   if (err != cudaSuccess) return err;
