@@ -84,11 +84,21 @@ struct BwdKernel {
   static constexpr int KQ = BQ / 16;  // k16 steps over the query rows
   static constexpr int KD = D / 16;   // k16 steps over the head dim
   static constexpr int NDW = DW / 8;  // n8 tiles of dK/dV per warp
-  static constexpr int WQ = BQ / 16;  // dQ: warps along query rows
-  static constexpr int WDQ = kWarps / WQ;
-  static constexpr int DQN = D / WDQ;  // dQ columns per warp
-  static constexpr int NDQ = DQN / 8;
-  static_assert(NT % 2 == 0 && NDW % 2 == 0 && NDQ % 2 == 0, "fragment pairs");
+  // dQ = dS K: each warp owns MQ m16 tiles of query rows and DQN columns.  MQ = 2 (fewer warps along
+  // the rows, so each warp's K fragments cover fewer columns: 32 instead of 40 ldmatrix per warp
+  // and tile at d = 128) measured faster for the tau > 0 instance at d = 128 (32K random: 23.8 vs
+  // 25.1 ms) but slower for the TAU0 instance (23.4 vs 23.1 ms: more register spills), so the
+  // layout is chosen per instance (dq_mt below); d = 64 and 256 keep MQ = 1 (not measured).
+  template <int MQ>
+  struct DqLayout {
+    static constexpr int WQ = BQ / (16 * MQ);  // warps along query rows
+    static constexpr int WDQ = kWarps / WQ;
+    static constexpr int DQN = D / WDQ;  // columns per warp
+    static constexpr int NDQ = DQN / 8;
+    static_assert(BQ % (16 * MQ) == 0 && NDQ % 2 == 0, "dQ layout");
+  };
+  static constexpr int dq_mt(bool tau0) { return !tau0 && D == 128 ? 2 : 1; }
+  static_assert(NT % 2 == 0 && NDW % 2 == 0, "fragment pairs");
 
   using KTile = SmemTile<BK, D>;
   using QTile = SmemTile<BQ, D>;
@@ -116,7 +126,7 @@ __global__ void __launch_bounds__(256, 1) bwd_main_kernel(const BwdParams p) {
   // TAU0 (tau = 0): every visited tile is retained; the test, the vote and their code are compiled out.
   using KC = BwdKernel<T, D>;
   constexpr int BQ = KC::BQ, BK = KC::BK;
-  constexpr int NT = KC::NT, KQ = KC::KQ, KD = KC::KD, NDW = KC::NDW, NDQ = KC::NDQ;
+  constexpr int NT = KC::NT, KQ = KC::KQ, KD = KC::KD, NDW = KC::NDW;
   using KTile = typename KC::KTile;
   using QTile = typename KC::QTile;
   using STile = typename KC::STile;
@@ -213,40 +223,54 @@ __global__ void __launch_bounds__(256, 1) bwd_main_kernel(const BwdParams p) {
     for (int e = 0; e < 4; ++e) dk[n][e] = dv[n][e] = 0.f;
 
   // dQ_i (+)= dS K for a retained tile whose dS^T sits in buffer `buf`: warp (wq, wdq) owns rows
-  // wq*16.. and columns wdq*DQN..  Deferred to the next iteration (after its top barrier) so that
-  // no extra barrier is needed between writing dS^T and reading it.
+  // wq*16*MQ.. and columns wdq*DQN..  Deferred to the next iteration (after its top barrier) so
+  // that no extra barrier is needed between writing dS^T and reading it.
   auto do_dq = [&](int h, int q0, int buf) {
+    constexpr int MQ = KC::dq_mt(TAU0);
+    using DQL = typename KC::template DqLayout<MQ>;
+    constexpr int NDQ = DQL::NDQ;
     const uint32_t sDSb = sDS + buf * STile::kBytes;
-    const int wq = warp % KC::WQ, wdq = warp / KC::WQ;
-    float dq[NDQ][4];
+    const int wq = warp % DQL::WQ, wdq = warp / DQL::WQ;
+    float dq[MQ][NDQ][4];
 #pragma unroll
-    for (int n = 0; n < NDQ; ++n) dq[n][0] = dq[n][1] = dq[n][2] = dq[n][3] = 0.f;
+    for (int mq = 0; mq < MQ; ++mq)
+#pragma unroll
+      for (int n = 0; n < NDQ; ++n) dq[mq][n][0] = dq[mq][n][1] = dq[mq][n][2] = dq[mq][n][3] = 0.f;
 #pragma unroll
     for (int kk = 0; kk < BK / 16; ++kk) {
-      uint32_t r[4], a[4];
-      ldmatrix_x4_trans(r, STile::bt_addr(sDSb, kk * 16, wq * 16, lane));
-      a[0] = r[0];
-      a[1] = r[2];
-      a[2] = r[1];
-      a[3] = r[3];
+      uint32_t a[MQ][4];
+#pragma unroll
+      for (int mq = 0; mq < MQ; ++mq) {
+        uint32_t r[4];
+        ldmatrix_x4_trans(r, STile::bt_addr(sDSb, kk * 16, (wq * MQ + mq) * 16, lane));
+        a[mq][0] = r[0];
+        a[mq][1] = r[2];
+        a[mq][2] = r[1];
+        a[mq][3] = r[3];
+      }
 #pragma unroll
       for (int n2 = 0; n2 < NDQ / 2; ++n2) {
         uint32_t bk[4];
-        ldmatrix_x4_trans(bk, KTile::bt_addr(sK, kk * 16, wdq * KC::DQN + n2 * 16, lane));
-        mma_16816<T>(dq[2 * n2], a, bk);
-        mma_16816<T>(dq[2 * n2 + 1], a, bk + 2);
+        ldmatrix_x4_trans(bk, KTile::bt_addr(sK, kk * 16, wdq * DQL::DQN + n2 * 16, lane));
+#pragma unroll
+        for (int mq = 0; mq < MQ; ++mq) {
+          mma_16816<T>(dq[mq][2 * n2], a[mq], bk);
+          mma_16816<T>(dq[mq][2 * n2 + 1], a[mq], bk + 2);
+        }
       }
     }
     float* dqa = p.dq_acc + (h * p.rows_q_cap + qrow0 + q0) * D;
 #pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      const int r = wq * 16 + g + hh * 8;
-      if (q0 + r < qlen) {
+    for (int mq = 0; mq < MQ; ++mq)
 #pragma unroll
-        for (int n = 0; n < NDQ; ++n)
-          bwd_red_add2(dqa + r * D + wdq * KC::DQN + n * 8 + 2 * tq, dq[n][2 * hh], dq[n][2 * hh + 1]);
+      for (int hh = 0; hh < 2; ++hh) {
+        const int r = (wq * MQ + mq) * 16 + g + hh * 8;
+        if (q0 + r < qlen) {
+#pragma unroll
+          for (int n = 0; n < NDQ; ++n)
+            bwd_red_add2(dqa + r * D + wdq * DQL::DQN + n * 8 + 2 * tq, dq[mq][n][2 * hh], dq[mq][n][2 * hh + 1]);
+        }
       }
-    }
   };
   bool pend = false;
   int pend_h = 0, pend_q0 = 0, pend_buf = 0;
