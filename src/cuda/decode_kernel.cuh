@@ -278,8 +278,8 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) decode_split_kernel(const D
     scale_acc(f);
     pv(pbuf(it_d), vbuf(it_d));
   };
-  // Sparse: the l update of a retained tile waits for the next top barrier (its row sums come from
-  // all warps); pend_l / alpha_l carry it.
+  // l = l * alpha + the row sums of a retained tile's P from all warps (red_sum parity it_r & 1).
+  // Sparse: it waits for the next top barrier; pend_l / alpha_l carry it.
   bool pend_l = false;
   float alpha_l[2] = {1.f, 1.f};
   auto apply_l = [&](int it_r) {
@@ -414,14 +414,10 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) decode_split_kernel(const D
       continue;
     }
     scale_acc(alpha);
+    alpha_l[0] = alpha[0];
+    alpha_l[1] = alpha[1];
     __syncthreads();  // P, red_sum and V visible
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      float sum = 0.f;
-#pragma unroll
-      for (int w = 0; w < 4; ++w) sum += red_sum[w * kDecodeBlockQ + gid + 8 * h];
-      l[0][h] = l[0][h] * alpha[h] + sum;
-    }
+    apply_l(0);       // (the dense variant has one red_sum buffer: parity 0)
     m_basis[0] = m_use[0];
     m_basis[1] = m_use[1];
     pv(Pw, vbuf(it));
