@@ -10,6 +10,11 @@ cache_leftpad) raise NotImplementedError naming the argument when set to anythin
 "off" value, rather than being ignored.  `deterministic` is accepted: MALA's backward accumulates
 dQ with fp32 atomics and is not bit-deterministic, so deterministic=True raises as well.
 
+Like flash_attn, these never synchronize with the GPU to validate cu_seqlens / cache_seqlens (the
+native mala functions do by default, outside CUDA-graph capture); pass check_inputs=True to get
+those checks.  The kernels clamp lengths to the cache capacity, so invalid lengths cannot make them
+read out of bounds, but the output is then meaningless.
+
 Returns follow flash_attn: `out`, or `(out, softmax_lse, None)` with return_attn_probs=True (MALA
 never materializes the probabilities); flash_attn_with_kvcache returns `(out, softmax_lse)` with
 return_softmax_lse=True.  softmax_lse is float32 [B, Hq, Nq] ([Hq, total_q] for varlen).
@@ -55,17 +60,19 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
                            softmax_scale: Optional[float] = None, causal: bool = False,
                            window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0, alibi_slopes=None,
                            deterministic: bool = False, return_attn_probs: bool = False,
-                           block_table: Optional[torch.Tensor] = None, *, tau: float = 1.0):
+                           block_table: Optional[torch.Tensor] = None, *, tau: float = 1.0,
+                           check_inputs: bool = False):
     """flash_attn.flash_attn_varlen_func: packed q [total_q, Hq, d], k/v [total_k, Hkv, d]."""
     _common_checks(dropout_p, window_size, softcap, alibi_slopes, deterministic)
     if block_table is not None:
         raise NotImplementedError("block_table: paged keys are supported by flash_attn_with_kvcache only")
     if return_attn_probs:
         out, lse = attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, tau=tau,
-                                    causal=causal, softmax_scale=softmax_scale, return_lse=True)
+                                    causal=causal, softmax_scale=softmax_scale, return_lse=True,
+                                    check_inputs=check_inputs)
         return out, lse, None
     return attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, tau=tau, causal=causal,
-                            softmax_scale=softmax_scale)
+                            softmax_scale=softmax_scale, check_inputs=check_inputs)
 
 
 def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -74,7 +81,7 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             block_table: Optional[torch.Tensor] = None, softmax_scale: Optional[float] = None,
                             causal: bool = False, window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
                             rotary_interleaved: bool = True, alibi_slopes=None, num_splits: int = 0,
-                            return_softmax_lse: bool = False, *, tau: float = 1.0):
+                            return_softmax_lse: bool = False, *, tau: float = 1.0, check_inputs: bool = False):
     """flash_attn.flash_attn_with_kvcache.  k/v, when given, are appended in place at cache_seqlens
     like flash_attn does.  cache_seqlens None means every cache is full (then k/v cannot be given)."""
     if rotary_cos is not None or rotary_sin is not None:
@@ -90,4 +97,4 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         cache_seqlens = k_cache.shape[1] * (block_table.shape[1] if block_table is not None else 1)
     return attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k=k, v=v, block_table=block_table, tau=tau,
                                   causal=causal, softmax_scale=softmax_scale, num_splits=num_splits,
-                                  return_lse=return_softmax_lse)
+                                  return_lse=return_softmax_lse, check_inputs=check_inputs)

@@ -95,3 +95,17 @@ def test_kvcache_unsupported_arguments_raise():
                          (dict(window_size=(8, 0)), "window_size"), (dict(softcap=5.0), "softcap")]:
         with pytest.raises(NotImplementedError, match=name):
             flash_attn_with_kvcache(q, kc, kc.clone(), cache_seqlens=4, **kwargs)
+
+
+@pytest.mark.parametrize("device", device_params(cpu=False))
+def test_kvcache_checks_only_on_request(device):
+    """Like flash_attn, no host-side validation (no synchronization) unless check_inputs=True.  (The CPU
+    implementation validates lengths itself: host memory, no synchronization to avoid.)"""
+    dtype = dtype_for(device)
+    q = rand((1, 1, 4, 64), device, dtype)
+    kc, vc = rand((1, 16, 2, 64), device, dtype), rand((1, 16, 2, 64), device, dtype)
+    bad = torch.tensor([40], dtype=torch.int32, device=device)  # beyond the capacity of 16
+    out = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=bad, causal=True)  # clamped, not checked
+    assert out.shape == q.shape
+    with pytest.raises(ValueError, match="cache_seqlens"):
+        flash_attn_with_kvcache(q, kc, vc, cache_seqlens=bad, causal=True, check_inputs=True)
