@@ -31,8 +31,8 @@
 //   1K-8K        : 10-11 us (batch 1), launch/latency bound (--overhead: an empty kernel is 3 us).
 // Entry point: run_decode_bench(argc, argv) (called by bench_main.cpp); flags: --quick (fewer
 // lengths / runs), --sweep (num_splits sweep at the largest N), --overhead (batch-1 fixed costs
-// only: empty kernels, a plain kernel streaming the same K+V bytes, decode at several split counts).  Built with -DMALA_DECODE_BENCH_MAIN
-// it has its own main().
+// only: empty kernels, a plain kernel streaming the same K+V bytes, decode at several split counts).
+// Built with -DMALA_DECODE_BENCH_MAIN it has its own main().
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -333,14 +333,6 @@ void overhead_probe(const Problem& pb, Env& env, Bufs& bf) {
   });
   int sms = 0;
   BENCH_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-  // The same empty kernel asking for 200 KB of shared memory: what a change of the SM's L1/shared
-  // split (the flush kernel uses none) costs at launch.
-  const int big_smem = 200 * 1024;
-  BENCH_CHECK(cudaFuncSetAttribute(empty_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, big_smem));
-  const float t_empty_smem = time_enqueue(env, [&] { empty_kernel<<<sms, 128, big_smem, env.stream>>>(); });
-  const float t_empty_grid = time_enqueue(env, [&] { empty_kernel<<<sms, 128, 0, env.stream>>>(); });
-  std::printf("overhead: empty kernel, one CTA per SM: %.2f us without / %.2f us with 200 KB shared memory\n", t_empty_grid,
-              t_empty_smem);
   // Only valid when the batch's sequences are adjacent (cap_stride == n) or batch == 1.
   const int64_t n16 = static_cast<int64_t>(kv_bytes / 2 / 16);
   const float t_stream = time_enqueue(env, [&] {

@@ -34,16 +34,16 @@ MALA_HD float log_threshold(float log_tau, float log_L) { return log_tau - log_L
 //   log_thr  : log(tau / L_q)
 // All three must be in the same log base (natural on the CPU, base 2 in the kernels).
 // A tile is skipped iff every row of the query tile allows it.
-MALA_HD bool row_allows_skip(float tile_max, float log_norm, float log_thr) {
-  if (tile_max == -INFINITY) return true;
+// The comparison itself, for callers that guarantee log_norm finite and log_thr > -inf (the offline
+// test of the backward kernel: a row without legal keys, lse = -inf, passes log_norm = 0 and
+// log_thr = +inf; tau > 0).  Then tile_max = -inf gives -inf < log_thr: no special case is needed.
+MALA_HD bool row_allows_skip_finite_norm(float tile_max, float log_norm, float log_thr) {
   return tile_max - log_norm < log_thr;
 }
 
-// The same test where the caller guarantees log_norm finite and log_thr > -inf (the offline test of
-// the backward kernel: a row without legal keys, lse = -inf, passes log_norm = 0 and log_thr = +inf;
-// tau > 0).  Then tile_max = -inf gives -inf < log_thr: the special case needs no branch.
-MALA_HD bool row_allows_skip_finite_norm(float tile_max, float log_norm, float log_thr) {
-  return tile_max - log_norm < log_thr;
+MALA_HD bool row_allows_skip(float tile_max, float log_norm, float log_thr) {
+  if (tile_max == -INFINITY) return true;
+  return row_allows_skip_finite_norm(tile_max, log_norm, log_thr);
 }
 
 // Margin of the test, (tile_max - log_norm) - log_thr: negative allows skipping.  Used by tests to

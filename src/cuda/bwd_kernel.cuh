@@ -22,8 +22,9 @@
 // for a skipped tile only when it directly follows a retained one (or is a CTA's first tile).
 // Barriers per tile: 1 (tau = 0: template TAU0, no test code), tau > 0: + the vote through an
 // mbarrier (every warp arrives; a warp that would skip waits, a warp that retains goes on: its vote
-// already decides the tile), +1 when dO_t was not prefetched.  The deferred dQ of the previous tile runs before S (after the top barrier):
-// run between the vote's arrive and wait it overlapped the vote but kept S live and spilled.
+// already decides the tile), +1 when dO_t was not prefetched.  The deferred dQ of the previous tile
+// runs before S (after the top barrier): run between the vote's arrive and wait it overlapped the
+// vote but kept S live and spilled.
 // Q stages: 3 where the opt-in shared memory allows (H100), else 2 (A100 at d = 128).
 // The scale is applied once at the end (dK in the epilogue, dQ in the convert kernel).
 #pragma once
@@ -275,10 +276,9 @@ __global__ void __launch_bounds__(256, 1) bwd_main_kernel(const BwdParams p) {
   bool pend = false;
   int pend_h = 0, pend_q0 = 0, pend_buf = 0;
   // Vote state of the mbarrier vote (tau > 0): two mbarriers + two flags.
-  constexpr bool mbar_vote = !TAU0;
   uint32_t* vote_s = reinterpret_cast<uint32_t*>(smem + KC::kOffVote);
   const uint32_t mbar_s = sbase + KC::kOffMbar;
-  if (mbar_vote && tid == 0) {
+  if (!TAU0 && tid == 0) {
     bwd_mbar_init(mbar_s, KC::kWarps);
     bwd_mbar_init(mbar_s + 8, KC::kWarps);
     vote_s[0] = vote_s[1] = 0u;
@@ -329,7 +329,7 @@ __global__ void __launch_bounds__(256, 1) bwd_main_kernel(const BwdParams p) {
       cp_async_commit();
     }
     const uint32_t sQs = sQ + qs * QTile::kBytes, sDOs = sDO + st * QTile::kBytes;
-    if (mbar_vote && tid == 0) vote_s[st ^ 1] = 0u;  // last read before this barrier, next written after the next
+    if (!TAU0 && tid == 0) vote_s[st ^ 1] = 0u;  // last read before this barrier, next written after the next
     if (recording && t > 0) record(t - 1, last_retain);
     if (pend) {  // before S: the scores are not live yet (no register spills)
       do_dq(pend_h, pend_q0, pend_buf);
@@ -391,7 +391,7 @@ __global__ void __launch_bounds__(256, 1) bwd_main_kernel(const BwdParams p) {
       }
     }
     bool retain = true;
-    if (mbar_vote) {
+    if (!TAU0) {
       // Vote through an mbarrier: each warp ORs its vote into vote_s[st] and arrives on mbarrier st.
       // A warp that retains knows the outcome (one retaining entry keeps the tile) and does not
       // wait; only warps that would skip wait for the 8 arrivals.  On inputs where nearly every tile

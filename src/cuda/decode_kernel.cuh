@@ -8,7 +8,8 @@
 //          row maxima are exchanged through shared memory (one barrier) so every warp holds the
 //          whole tile's row max and takes the same decision (warp_tile_skip_online).
 //   PV   : P (bf16/fp16, 16 x BK) goes through shared memory; warp w accumulates output dims
-//          [w*D/4, (w+1)*D/4), so m, l and the accumulator never need a cross-warp reduction.
+//          [w*D/4, (w+1)*D/4), so m and the accumulator never need a cross-warp reduction (l adds
+//          the warps' row sums of P through shared memory).
 // Memory (decode is memory-bound): K tiles stream through a ring of cp.async stages issued ahead;
 // V is loaded ONLY for retained tiles, after the test (sparse variant), and consumed DEFER tiles
 // later: the tile's P and m wait in shared-memory rings while the next tiles' K is scored, so the V
