@@ -117,7 +117,8 @@ inline int64_t parse_len(const std::string& s) {  // "4096", "4K", "128k"
   return std::stoll(s);
 }
 
-// Flags shared by all ops (unknown flags are left for the op's own parser, e.g. decode's --quick):
+// Flags shared by all ops (unknown flags are left for the op's own parser: decode's --quick, --sweep,
+// --profile, --no-synthetic, --overhead; see bench_decode.cu):
 //   --op fwd|bwd|decode|all   --n 1K,4K,...   --tau 0,1   --regime random,synthetic
 //   --sharpness 1,4,16   --batch B   --hq H   --hkv H   --d D   --dtype bf16|fp16   --noncausal
 //   --iters N   --warmup N   --no-flush   --seed S   --decode-batch 1,8   --variant NAME   --check
