@@ -44,6 +44,7 @@
 #include <string>
 #include <vector>
 
+#include "cuda/backend.h"
 #include "mala/mala.h"
 
 namespace {
@@ -125,6 +126,46 @@ __global__ void stream_read(const uint4* a, const uint4* b, int64_t n, uint32_t*
     const uint4 u = __ldcg(a + i), v = __ldcg(b + i);
     x ^= u.x ^ u.w ^ v.y ^ v.z;
   }
+  if (x == 0x12345678u) *sink = x;
+}
+
+// The decode split kernel's memory pattern without its compute: one CTA of 128 threads per split,
+// (K, V) tile pairs of 128 x 128 bf16 through a 3-stage cp.async ring.  strided = 0: split c owns
+// tiles [c*per, (c+1)*per) (rule::split_tiles); 1: tiles c, c + S, c + 2S, ... (all CTAs read
+// neighbouring tiles at the same time).  Newest first in both.
+__global__ void __launch_bounds__(128, 1) stream_tiles(const uint4* k, const uint4* v, int n_tiles, int strided,
+                                                       uint32_t* sink) {
+  extern __shared__ uint4 st_smem[];  // [3 stages][K, V][2048 uint4]
+  constexpr int TILE16 = 2048;        // 16-byte chunks per 32 KB tile
+  const int S = gridDim.x, c = blockIdx.x, tid = threadIdx.x;
+  const int per = (n_tiles + S - 1) / S;
+  const int cnt = strided ? (c < n_tiles ? (n_tiles - 1 - c) / S + 1 : 0) : max(0, min(per, n_tiles - c * per));
+  auto tile = [&](int i) { return strided ? c + (cnt - 1 - i) * S : c * per + cnt - 1 - i; };
+  auto issue = [&](int i) {
+    if (i < cnt) {
+      const int64_t t = tile(i);
+      for (int q = 0; q < TILE16 / 128; ++q) {
+        const int e = q * 128 + tid;
+        const uint32_t dk = static_cast<uint32_t>(__cvta_generic_to_shared(st_smem + ((i % 3) * 2) * TILE16 + e));
+        const uint32_t dv = static_cast<uint32_t>(__cvta_generic_to_shared(st_smem + ((i % 3) * 2 + 1) * TILE16 + e));
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dk), "l"(k + t * TILE16 + e));
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dv), "l"(v + t * TILE16 + e));
+      }
+    }
+    asm volatile("cp.async.commit_group;\n" ::);
+  };
+  issue(0);
+  issue(1);
+  uint32_t x = 0;
+  for (int i = 0; i < cnt; ++i) {
+    asm volatile("cp.async.wait_group 1;\n" ::);
+    __syncthreads();
+    issue(i + 2);
+    const uint4 a = st_smem[((i % 3) * 2) * TILE16 + tid * 16], b = st_smem[((i % 3) * 2 + 1) * TILE16 + tid * 16];
+    x ^= a.x ^ b.y;
+    __syncthreads();
+  }
+  asm volatile("cp.async.wait_group 0;\n" ::);
   if (x == 0x12345678u) *sink = x;
 }
 
@@ -309,6 +350,55 @@ void bench_problem(const Problem& pb, Env& env, Bufs& bf, const char* input, boo
   std::fflush(stdout);
 }
 
+// --overhead, part 2: the timeline of one decode call (default splits, tau = 0, cold L2) from the
+// kernels' globaltimer stamps (cuda_backend::set_decode_trace), in us after the first split CTA's
+// entry: min / median / max over the CTAs of each stamp.  Three calls.
+void trace_probe(const Problem& pb, Env& env, Bufs& bf) {
+  mala::DecodeArgs a = make_args(pb, env, bf.lens, 0.f, bf.ws, bf.ws_bytes, 0);
+  a.o = bf.o;
+  const int64_t splits = mala::decode_num_splits(a);
+  const int64_t n_split = splits * pb.batch * pb.hkv;  // one query tile per KV head (8 packed rows)
+  const int64_t n_ctas = n_split + pb.batch * pb.hq * (pb.d / 32);
+  unsigned long long* tr = nullptr;
+  constexpr int kSlots = 12;  // decode_kernel.cuh's kTraceSlots
+  BENCH_CHECK(cudaMalloc(&tr, n_ctas * kSlots * sizeof(unsigned long long)));
+  std::vector<unsigned long long> h(n_ctas * kSlots);
+  const char* names[kSlots] = {"entry", "len",  "tile0",    "tileN",  "loop",   "part",
+                               "wait",  "done", "loaded", "summed", "barrier", "-"};
+  for (int run = 0; run < 3; ++run) {
+    BENCH_CHECK(cudaMemset(tr, 0, h.size() * sizeof(unsigned long long)));
+    mala::cuda_backend::set_decode_trace(tr);
+    env.flush_l2_now();
+    BENCH_CHECK(cudaEventRecord(env.e0, env.stream));
+    mala::decode(a);
+    BENCH_CHECK(cudaEventRecord(env.e1, env.stream));
+    BENCH_CHECK(cudaEventSynchronize(env.e1));
+    mala::cuda_backend::set_decode_trace(nullptr);
+    float ms = 0;
+    BENCH_CHECK(cudaEventElapsedTime(&ms, env.e0, env.e1));
+    BENCH_CHECK(cudaMemcpy(h.data(), tr, h.size() * sizeof(unsigned long long), cudaMemcpyDeviceToHost));
+    unsigned long long t0 = ~0ull;
+    for (int64_t c = 0; c < n_split; ++c)
+      if (h[c * kSlots]) t0 = std::min(t0, h[c * kSlots]);
+    std::printf("trace N=%-6lld B=%lld splits=%lld (%.2f us event-timed):", (long long)pb.n, (long long)pb.batch,
+                (long long)splits, ms * 1000.f);
+    for (int part = 0; part < 2; ++part) {
+      const int64_t c0 = part ? n_split : 0, c1 = part ? n_ctas : n_split;
+      if (part) std::printf(" | combine CTAs:");
+      for (int i = 0; i < kSlots; ++i) {
+        std::vector<float> v;
+        for (int64_t c = c0; c < c1; ++c)
+          if (h[c * kSlots + i]) v.push_back((h[c * kSlots + i] - t0) * 1e-3f);
+        if (v.empty()) continue;
+        std::sort(v.begin(), v.end());
+        std::printf(" %s %.2f/%.2f/%.2f", names[i], v.front(), v[v.size() / 2], v.back());
+      }
+    }
+    std::printf("\n");
+  }
+  BENCH_CHECK(cudaFree(tr));
+}
+
 // --overhead: where a batch-1 decode's time goes beyond its bytes.  The same timing (cold L2, CUDA
 // events, median) around: one empty kernel; an empty kernel plus a dependent one launched the way
 // decode launches its combine; a plain kernel streaming the same K and V bytes; decode at tau = 0
@@ -339,10 +429,24 @@ void overhead_probe(const Problem& pb, Env& env, Bufs& bf) {
     stream_read<<<sms * 4, 512, 0, env.stream>>>(reinterpret_cast<const uint4*>(pb.k), reinterpret_cast<const uint4*>(pb.v),
                                                  n16, env.sink);
   });
+  float t_tiles[2] = {0.f, 0.f};
+  if (pb.batch == 1) {
+    const int tiles_smem = 3 * 2 * 32768;
+    BENCH_CHECK(cudaFuncSetAttribute(stream_tiles, cudaFuncAttributeMaxDynamicSharedMemorySize, tiles_smem));
+    for (int strided = 0; strided < 2; ++strided)
+      t_tiles[strided] = time_enqueue(env, [&] {
+        stream_tiles<<<sms, 128, tiles_smem, env.stream>>>(reinterpret_cast<const uint4*>(pb.k),
+                                                           reinterpret_cast<const uint4*>(pb.v),
+                                                           static_cast<int>(pb.n / 128), strided, env.sink);
+      });
+  }
+  std::printf("overhead N=%-6lld B=%lld: stream (K, V) tiles like the split kernel, %d CTAs: contiguous splits %.2f us, "
+              "strided splits %.2f us\n", (long long)pb.n, (long long)pb.batch, sms, t_tiles[0], t_tiles[1]);
   std::printf("overhead N=%-6lld B=%lld: empty kernel %.2f us | empty + dependent (PDL) %.2f us | stream K+V %.2f us "
               "(%.0f GB/s; floor at copy bandwidth %.2f us)\n",
               (long long)pb.n, (long long)pb.batch, t_empty, t_pair, t_stream, kv_bytes / (t_stream * 1e3),
               kv_bytes / env.copy_bw * 1e6);
+  trace_probe(pb, env, bf);
   for (int ns : {1, 8, 33, 66, 132, 264}) {
     mala::DecodeArgs a = make_args(pb, env, bf.lens, 0.f, bf.ws, bf.ws_bytes, ns);
     a.o = bf.o;

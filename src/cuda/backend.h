@@ -26,6 +26,9 @@ Status decode(const DecodeArgs& args);
 Tiles decode_tiles(const DecodeArgs& args);
 int decode_num_splits(const DecodeArgs& args);
 size_t decode_workspace_size(const DecodeArgs& args);
+// Benchmark-only: while non-null, decode kernels write globaltimer stamps to `trace` (12 per split
+// CTA, then 12 per combine CTA; see decode_kernel.cuh), for `mala_bench --op decode --overhead`.
+void set_decode_trace(unsigned long long* trace);
 
 }  // namespace cuda_backend
 }  // namespace mala

@@ -23,6 +23,7 @@ namespace {
 using cuda::kDecodeBlockQ;
 
 constexpr int kMaxSplits = 256;
+unsigned long long* g_decode_trace = nullptr;  // set_decode_trace (benchmark only)
 // tau > 0 uses the same one-wave split count as tau = 0.  Fewer splits would retain less (each split
 // retains its first legal tile and tests against its own partial normalizer) but measured on H100
 // (bench --sweep: 8K..128K, batch 1 and 8, random, make_workload synthetic and recency-ramp
@@ -113,6 +114,8 @@ int decode_num_splits(const DecodeArgs& a) {
   return static_cast<int>(std::max<int64_t>(want, 1));
 }
 
+void set_decode_trace(unsigned long long* trace) { g_decode_trace = trace; }
+
 size_t decode_workspace_size(const DecodeArgs& a) { return workspace_layout(a, cuda_backend::decode_num_splits(a)).total; }
 
 Status decode(const DecodeArgs& a) {
@@ -167,6 +170,7 @@ Status decode(const DecodeArgs& a) {
   p.lse = a.lse;
   p.slots = a.fwd_slots;
   p.tile_mask = a.tile_mask;
+  p.trace = g_decode_trace;
   p.B = static_cast<int>(a.batch);
   p.Nq = static_cast<int>(a.seqlen_q);
   p.seqlen_new = static_cast<int>(a.seqlen_new);

@@ -62,6 +62,17 @@ struct DecodeConfig {
   }
 };
 
+// Benchmark-only timeline (DecodeParams::trace): thread 0 of a CTA writes the globaltimer to stamp
+// `i` of its CTA's kTraceSlots; `dep` is a value the stamp must wait for (so the stamp follows its load).
+constexpr int kTraceSlots = 12;
+__device__ __forceinline__ void trace_stamp(const DecodeParams& p, int64_t cta, int i, int dep = 0) {
+  if (p.trace != nullptr && threadIdx.x == 0) {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t) : "r"(dep));
+    p.trace[cta * kTraceSlots + i] = t;
+  }
+}
+
 // cp.async.wait_group with a run-time count n (clamped to 15: leaving fewer groups in flight than
 // allowed is still correct).
 template <int N = 15>
@@ -130,6 +141,111 @@ __device__ __noinline__ void decode_load_tile(uint32_t sdst, const T* base, int6
   }
 }
 
+// lse-weighted merge of the split partials (the combine kernel).  One work item = (output row,
+// 32-dim chunk), done by one CTA of kDecodeThreads threads: thread t owns float4 (t % 8) of the
+// chunk and the splits t / 8, t / 8 + 16, ...; it loads all of them at once (one L2 round trip for
+// up to 16 * kMergePre splits), merges them online into its own (m, l, acc), and the 16 subsets are
+// merged through shared memory after one barrier.  (Measured on the H100 with the globaltimer
+// timeline of `mala_bench --op decode --overhead`: the previous combine, a block-wide max and sum of
+// the split lse before the weighted sum, took 2.5 us after its wait at 132 splits, this one 1.7.)
+constexpr int kMergeDims = 32;
+constexpr int kMergeSubs = kDecodeThreads / (kMergeDims / 4);  // 16 split subsets
+constexpr int kMergePre = 16;  // splits per thread loaded up front (more are merged one at a time)
+__host__ __device__ constexpr int merge_smem_bytes() { return kMergeSubs * (kMergeDims + 2) * 4; }
+template <int D>
+__host__ __device__ inline int64_t merge_items(const DecodeParams& p) {
+  return static_cast<int64_t>(p.B) * p.HS * p.R * (D / kMergeDims);
+}
+
+template <typename T, int D>
+__device__ void merge_item(const DecodeParams& p, int64_t item, float* sm, int64_t cta) {
+  constexpr int NCH = D / kMergeDims;
+  float* red = sm;                                // [kMergeSubs][kMergeDims]
+  float* red_m = sm + kMergeSubs * kMergeDims;    // [kMergeSubs]
+  float* red_l = red_m + kMergeSubs;              // [kMergeSubs]
+  const int chunk = static_cast<int>(item % NCH);
+  const int64_t gr = item / NCH;
+  const int r = static_cast<int>(gr % p.R), hs = static_cast<int>((gr / p.R) % p.HS),
+            b = static_cast<int>(gr / (static_cast<int64_t>(p.R) * p.HS));
+  const int qt = r / kDecodeBlockQ, lr = r % kDecodeBlockQ;
+  const int64_t idx0 = ((static_cast<int64_t>(b) * p.HS + hs) * p.NQT + qt) * p.S;
+  const int t = threadIdx.x, f4 = t % (kMergeDims / 4), sub = t / (kMergeDims / 4);
+  const float* col = p.ws_o + (idx0 * kDecodeBlockQ + lr) * D + chunk * kMergeDims + f4 * 4;
+  const float* lse_col = p.ws_lse + idx0 * kDecodeBlockQ + lr;
+  const int64_t split_stride = static_cast<int64_t>(kDecodeBlockQ) * D;
+  // A split's partial O is normalized by its own l, and lse_s = log2 of that l plus its m: the row's
+  // O = sum_s 2^(lse_s - lse) O_s.  Splits that saw nothing for the row have lse_s = -inf, O_s = 0.
+  float4 v[kMergePre];
+  float ls[kMergePre];
+#pragma unroll
+  for (int k = 0; k < kMergePre; ++k) {
+    const int s = sub + k * kMergeSubs;
+    const bool ok = s < p.S;
+    v[k] = ok ? __ldcg(reinterpret_cast<const float4*>(col + s * split_stride)) : make_float4(0.f, 0.f, 0.f, 0.f);
+    ls[k] = ok ? __ldcg(lse_col + s * kDecodeBlockQ) : -INFINITY;
+  }
+  float m = -INFINITY, l = 0.f;
+  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+  for (int k = 0; k < kMergePre; ++k) m = fmaxf(m, ls[k]);
+  trace_stamp(p, cta, 8, __float_as_int(m) ^ __float_as_int(v[0].x));
+  if (m != -INFINITY) {
+#pragma unroll
+    for (int k = 0; k < kMergePre; ++k) {
+      const float w = exp2f(ls[k] - m);
+      l += w;
+      acc.x += w * v[k].x, acc.y += w * v[k].y, acc.z += w * v[k].z, acc.w += w * v[k].w;
+    }
+  }
+  for (int s = sub + kMergePre * kMergeSubs; s < p.S; s += kMergeSubs) {
+    const float lv = __ldcg(lse_col + s * kDecodeBlockQ);
+    const float4 ov = __ldcg(reinterpret_cast<const float4*>(col + s * split_stride));
+    if (lv == -INFINITY) continue;
+    const float m_new = fmaxf(m, lv), f = exp2f(m - m_new), w = exp2f(lv - m_new);
+    l = l * f + w;
+    acc.x = acc.x * f + w * ov.x, acc.y = acc.y * f + w * ov.y, acc.z = acc.z * f + w * ov.z, acc.w = acc.w * f + w * ov.w;
+    m = m_new;
+  }
+  *reinterpret_cast<float4*>(red + sub * kMergeDims + f4 * 4) = acc;
+  if (f4 == 0) {
+    red_m[sub] = m;
+    red_l[sub] = l;
+  }
+  trace_stamp(p, cta, 9, __float_as_int(acc.x));
+  __syncthreads();
+  trace_stamp(p, cta, 10);
+  float M = -INFINITY;
+#pragma unroll
+  for (int k = 0; k < kMergeSubs; ++k) M = fmaxf(M, red_m[k]);
+  const int tok = p.pack ? r / p.G : r, head = p.pack ? hs * p.G + r % p.G : hs;
+  if (t < kMergeDims / 2) {
+    float L = 0.f, o0 = 0.f, o1 = 0.f;
+    if (M != -INFINITY) {
+#pragma unroll
+      for (int k = 0; k < kMergeSubs; ++k) {
+        const float w = exp2f(red_m[k] - M);  // 0 for subsets without a finite lse
+        L += w * red_l[k];
+        o0 += w * red[k * kMergeDims + 2 * t];
+        o1 += w * red[k * kMergeDims + 2 * t + 1];
+      }
+    }
+    const float inv = L > 0.f ? 1.f / L : 0.f;
+    T* out = static_cast<T*>(p.o) + b * p.o_sb + tok * p.o_sr + head * p.o_sh + chunk * kMergeDims + 2 * t;
+    *reinterpret_cast<uint32_t*>(out) = pack2<T>(o0 * inv, o1 * inv);
+    if (t == 0 && chunk == 0) {
+      const int64_t idx = (static_cast<int64_t>(b) * p.Hq + head) * p.Nq + tok;
+      if (p.lse) p.lse[idx] = L > 0.f ? (M + __log2f(L)) * 0.69314718055994531f : -INFINITY;
+      if (p.slots) {
+        int cnt = 0;
+        for (int s = 0; s < p.S; ++s) cnt += __ldcg(p.ws_cnt + idx0 + s);
+        const int Lq = rule::visible_keys(tok, p.Nq, min(max(p.cache_seqlens[b] + p.seqlen_new, 0), p.capacity), p.causal != 0);
+        p.slots[idx] = Lq > 0 ? cnt * decode_block_k(D) : 0;
+      }
+    }
+  }
+  __syncthreads();  // shared memory is reused by the next item
+}
+
 template <typename T, int D, bool kDense, bool kLargeSmem>
 __global__ void __launch_bounds__(kDecodeThreads, 1) decode_split_kernel(const DecodeParams p) {
   using Cfg = DecodeConfig<D, kLargeSmem>;
@@ -167,6 +283,9 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) decode_split_kernel(const D
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gid = lane >> 2, tig = lane & 3;
   const int qt = blockIdx.x % p.NQT, split = blockIdx.x / p.NQT, hs = blockIdx.y, b = blockIdx.z;
   const int kvh = p.pack ? hs : hs / p.G;
+  const int64_t cta = (static_cast<int64_t>(blockIdx.z) * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
+  trace_stamp(p, cta, 0);  // (benchmark timeline: 0 entry, 1 cache length read, 2 first tile visible,
+                           //  3 last tile visible, 4 loop done, 5 output or partial written)
   const T* gq = static_cast<const T*>(p.q);
   // Q tile -> shared (zero rows past R), issued before the cache length is read: it does not depend on it.
   for (int c = tid; c < kDecodeBlockQ * DCH; c += kDecodeThreads) {
@@ -182,6 +301,7 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) decode_split_kernel(const D
   cp_async_commit();
   int Nk = p.cache_seqlens[b] + p.seqlen_new;
   Nk = min(max(Nk, 0), p.capacity);  // invalid lengths cannot make the kernel read out of bounds
+  trace_stamp(p, cta, 1, Nk);
 
   // This lane's two fragment rows (gid, gid + 8): visible keys and thresholds.
   int L[2];
@@ -311,6 +431,8 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) decode_split_kernel(const D
       cp_async_wait_dyn(after);
     }
     __syncthreads();  // K(it) (and V of the tile to drain) visible; previous buffers, P slots, red_* free
+    if (it == 0) trace_stamp(p, cta, 2);
+    if (it == n_it - 1) trace_stamp(p, cta, 3);
     if (kDense) issue(it + NST - 1);
     if (!kDense) {
       if (pend_l) apply_l(it - 1);
@@ -431,17 +553,9 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) decode_split_kernel(const D
     for (int d = DEFER - 1; d >= 0; --d)
       if (pend_pv & (1u << d)) drain(n_it - 1 - d);
   }
-  // acc relative to the final m (m only changes on retained tiles, and the last drained tile is the
-  // last retained one, so this factor is 1 except for rows without a finite m, where acc is 0).
-  {
-    float f[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const float m_fin = m[0][h] == -INFINITY ? 0.f : m[0][h];
-      f[h] = m_basis[h] == -INFINITY ? 1.f : exp2f(m_basis[h] - m_fin);
-    }
-    scale_acc(f);
-  }
+  trace_stamp(p, cta, 4, __float_as_int(acc[0][0]));
+  // acc is relative to the final m: m only changes on retained tiles and the last PV'd tile is the
+  // last retained one (rows without a finite m have acc = 0).
 
   // Epilogue.
   if (p.S == 1) {
@@ -476,113 +590,24 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) decode_split_kernel(const D
         p.ws_lse[idx * kDecodeBlockQ + lr] = l[0][h] > 0.f ? m[0][h] + __log2f(l[0][h]) : -INFINITY;
     }
     if (tid == 0) p.ws_cnt[idx] = retained;
+    trace_stamp(p, cta, 5);
   }
 }
 
-// lse-weighted merge of the splits: one CTA of 16 warps per (batch, owner, row); warp w merges
-// splits w, w+16, ... over all D dims (float4 per lane), then the partial rows are summed.  The first
-// kCombinePre partial rows of each warp are loaded before the split lse values are reduced, so a
-// combine of up to 16 * kCombinePre splits costs about one round trip after the split kernel.
-constexpr int kCombineWarps = 16;
-constexpr int kCombinePre = 8;
-template <int D>
-constexpr int combine_smem_bytes(int splits) {
-  return kCombineWarps * D * 4 + splits * 4;
-}
-
+// The combine kernel: one CTA per merge item, launched as a programmatic dependent of the split kernel.
 template <typename T, int D>
-__global__ void __launch_bounds__(kCombineWarps * 32) decode_combine_kernel(const DecodeParams p) {
+__global__ void __launch_bounds__(kDecodeThreads) decode_combine_kernel(const DecodeParams p) {
+  // Timeline stamps after the split CTAs': 0 entry, 6 after the wait, 8 partials loaded, 9 merged
+  // per thread, 10 after the barrier, 7 done.
+  const int64_t cta = static_cast<int64_t>(p.NQT) * p.S * p.HS * p.B + blockIdx.x;
+  trace_stamp(p, cta, 0);
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");  // the split kernel's partials are complete
 #endif
-  constexpr int PER_LANE = D >= 128 ? D / 128 : 1;  // float4 per lane
+  trace_stamp(p, cta, 6);
   extern __shared__ __align__(16) float cmb_smem[];
-  float* red = cmb_smem;                         // [kCombineWarps][D]
-  float* lse_sh = cmb_smem + kCombineWarps * D;  // [S]
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int64_t gr = blockIdx.x;
-  const int r = static_cast<int>(gr % p.R), hs = static_cast<int>((gr / p.R) % p.HS),
-            b = static_cast<int>(gr / (static_cast<int64_t>(p.R) * p.HS));
-  const int qt = r / kDecodeBlockQ, lr = r % kDecodeBlockQ;
-  const int64_t idx0 = ((static_cast<int64_t>(b) * p.HS + hs) * p.NQT + qt) * p.S;
-  const bool active = lane * 4 < D;
-  auto orow = [&](int s) { return p.ws_o + ((idx0 + s) * kDecodeBlockQ + lr) * D + lane * 4; };
-
-  for (int s = threadIdx.x; s < p.S; s += kCombineWarps * 32) lse_sh[s] = __ldcg(p.ws_lse + (idx0 + s) * kDecodeBlockQ + lr);
-  float4 pre[kCombinePre][PER_LANE];
-#pragma unroll
-  for (int k = 0; k < kCombinePre; ++k) {
-    const int s = warp + k * kCombineWarps;
-#pragma unroll
-    for (int i = 0; i < PER_LANE; ++i)
-      pre[k][i] = (s < p.S && active) ? __ldcg(reinterpret_cast<const float4*>(orow(s) + i * 128))
-                                      : make_float4(0.f, 0.f, 0.f, 0.f);
-  }
-  __syncthreads();
-  float mx = -INFINITY;
-  for (int s = lane; s < p.S; s += 32) mx = fmaxf(mx, lse_sh[s]);
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-  float sum = 0.f;
-  if (mx != -INFINITY)
-    for (int s = lane; s < p.S; s += 32) sum += exp2f(lse_sh[s] - mx);
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-  const float lse2 = mx == -INFINITY ? -INFINITY : mx + __log2f(sum);
-
-  float4 acc[PER_LANE];
-#pragma unroll
-  for (int i = 0; i < PER_LANE; ++i) acc[i] = make_float4(0.f, 0.f, 0.f, 0.f);
-  auto add = [&](const float4 (&v)[PER_LANE], float w) {
-#pragma unroll
-    for (int i = 0; i < PER_LANE; ++i) {
-      acc[i].x += w * v[i].x;
-      acc[i].y += w * v[i].y;
-      acc[i].z += w * v[i].z;
-      acc[i].w += w * v[i].w;
-    }
-  };
-  if (mx != -INFINITY) {
-    // w = 0 for splits that saw nothing for this row (their partial O is 0).
-#pragma unroll
-    for (int k = 0; k < kCombinePre; ++k) {
-      const int s = warp + k * kCombineWarps;
-      if (s < p.S) add(pre[k], exp2f(lse_sh[s] - lse2));
-    }
-#pragma unroll 4
-    for (int s = warp + kCombinePre * kCombineWarps; s < p.S; s += kCombineWarps) {
-      float4 v[PER_LANE];
-#pragma unroll
-      for (int i = 0; i < PER_LANE; ++i)
-        v[i] = active ? __ldcg(reinterpret_cast<const float4*>(orow(s) + i * 128)) : make_float4(0.f, 0.f, 0.f, 0.f);
-      add(v, exp2f(lse_sh[s] - lse2));
-    }
-  }
-  if (active)
-#pragma unroll
-    for (int i = 0; i < PER_LANE; ++i) *reinterpret_cast<float4*>(red + warp * D + lane * 4 + i * 128) = acc[i];
-  __syncthreads();
-  const int tok = p.pack ? r / p.G : r, head = p.pack ? hs * p.G + r % p.G : hs;
-  T* out = static_cast<T*>(p.o) + b * p.o_sb + tok * p.o_sr + head * p.o_sh;
-  for (int x = threadIdx.x * 2; x < D; x += kCombineWarps * 64) {
-    float o0 = 0.f, o1 = 0.f;
-#pragma unroll
-    for (int w = 0; w < kCombineWarps; ++w) {
-      o0 += red[w * D + x];
-      o1 += red[w * D + x + 1];
-    }
-    *reinterpret_cast<uint32_t*>(out + x) = pack2<T>(o0, o1);
-  }
-  if (threadIdx.x == 0) {
-    const int64_t idx = (static_cast<int64_t>(b) * p.Hq + head) * p.Nq + tok;
-    if (p.lse) p.lse[idx] = lse2 * 0.69314718055994531f;
-    if (p.slots) {
-      int cnt = 0;
-      for (int s = 0; s < p.S; ++s) cnt += p.ws_cnt[idx0 + s];
-      const int L = rule::visible_keys(tok, p.Nq, min(max(p.cache_seqlens[b] + p.seqlen_new, 0), p.capacity), p.causal != 0);
-      p.slots[idx] = L > 0 ? cnt * decode_block_k(D) : 0;
-    }
-  }
+  merge_item<T, D>(p, blockIdx.x, cmb_smem, cta);
+  trace_stamp(p, cta, 7);
 }
 
 // k_new / v_new -> cache rows cache_seqlens[b] + t.  Block: 2 * D/8 threads (K then V), 16 B each.
@@ -650,11 +675,10 @@ cudaError_t launch_decode_impl(const DecodeParams& p, bool dense, cudaStream_t s
                           : (large ? launch_split_kernel<T, D, false, true>(p, stream) : launch_split_kernel<T, D, false, false>(p, stream));
   if (err != cudaSuccess) return err;
   if (p.S > 1) {
-    const int64_t rows = static_cast<int64_t>(p.B) * p.HS * p.R;
     cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3(static_cast<unsigned>(rows));
-    cfg.blockDim = dim3(kCombineWarps * 32);
-    cfg.dynamicSmemBytes = combine_smem_bytes<D>(p.S);
+    cfg.gridDim = dim3(static_cast<unsigned>(merge_items<D>(p)));
+    cfg.blockDim = dim3(kDecodeThreads);
+    cfg.dynamicSmemBytes = merge_smem_bytes();
     cfg.stream = stream;
     cudaLaunchAttribute attr[1];
     attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;

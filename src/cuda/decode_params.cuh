@@ -48,6 +48,7 @@ struct DecodeParams {
   int S;     // splits
   int n_cap; // key tiles of the capacity (tile_mask width)
   int causal, pack;
+  unsigned long long* trace;  // benchmark-only (set_decode_trace): per-CTA globaltimer stamps, else null
   float scale_log2;  // softmax_scale * log2(e)
   float log2_tau;    // log2(tau), -inf for tau = 0
 
