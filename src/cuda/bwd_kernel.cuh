@@ -555,8 +555,17 @@ __global__ void __launch_bounds__(256, 1) bwd_main_kernel(const BwdParams p) {
   }
 }
 
+// The wgmma kernel for sm_90 at d = 128, tau = 0 (bwd_kernel_sm90.cuh, included by the d = 128
+// instantiation files).
+inline bool bwd_use_sm90(const BwdParams& p);
+template <typename T>
+cudaError_t launch_bwd_main_sm90(const BwdParams& p, cudaStream_t stream);
+
 template <typename T, int D>
 cudaError_t launch_bwd_main(const BwdParams& p, cudaStream_t stream) {
+  if constexpr (D == 128) {
+    if (bwd_use_sm90(p)) return launch_bwd_main_sm90<T>(p, stream);
+  }
   using KC = BwdKernel<T, D>;
   const int smem = KC::smem_bytes(p.q_stages);
   auto kernel = p.tau_zero ? bwd_main_kernel<T, D, true> : bwd_main_kernel<T, D, false>;

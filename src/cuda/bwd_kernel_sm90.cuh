@@ -1,0 +1,502 @@
+// The backward main kernel on Hopper tensor cores (wgmma), head dim 128, tau = 0 (sm_90a; the
+// mma.sync kernel in bwd_kernel.cuh serves everything else).  Same work split and outputs as that
+// kernel -- one CTA per (key tile of 128 keys, sequence, KV head, head split), query tiles of 64 rows
+// ascending from the first legal one, dK/dV in registers, dQ added to the fp32 workspace -- but the
+// five products are warpgroup MMAs whose B operand (and A, for S, dP and dQ) is read by the tensor
+// cores straight from shared memory, once per warpgroup instead of once per warp: the mma.sync
+// kernel is bound by that shared-memory traffic (docs/kernels.md, profile of the backward).
+//
+// Two warpgroups (256 threads); warpgroup g owns keys 64g..64g+63 of the tile.  Per query tile:
+//   S^T_g  = K_g Q^T        m64n64, A = K (K-major), B = Q (K-major), 8 k-steps over d
+//   dP^T_g = V_g dO^T       likewise
+//   P^T = exp2(S^T - lse), dS^T = P^T (dP^T - D)   in registers (accumulator layout = mma.sync C)
+//   dV_g  += P^T dO         m64n128, A = P^T from registers, B = dO (MN-major), 4 k-steps over q
+//   dK_g  += dS^T Q         likewise with dS^T and Q
+//   dS^T -> shared memory; at the next iteration (after its top barrier, so no extra barrier):
+//   dQ[:, 64g..64g+63] += dS K   m64n64, A = dS (MN-major: dS^T is stored [key][q]), B = K (MN-major)
+// Shared-memory tiles use the 128-byte swizzle wgmma reads (GmmaTile); loads are cp.async (Q_{t+1},
+// dO_{t+1} issued at the top of iteration t), made visible to the tensor cores' async proxy by
+// fence.proxy.async before the barrier.
+#pragma once
+
+#include <stdlib.h>
+
+#include <type_traits>
+
+#include "cuda/bwd_kernel.cuh"
+#include "cuda/wgmma.cuh"
+
+namespace mala {
+namespace cuda {
+
+// ROWS x COLS 16-bit elements in the layout of wgmma's 128-byte swizzle: COLS/64 blocks of ROWS rows
+// x 128 bytes; 16-byte chunk c of row r of a block is stored at chunk c ^ (r % 8).  Block bases are
+// 1024-byte aligned (the swizzle repeats every 8 rows), so descriptors need no base offset.
+//   K-major operand (rows = M or N, cols = K): sbo = 1024 (8 rows); a k16 step is +32 bytes inside a
+//   block.  MN-major operand (rows = K, cols = M or N): sbo = 1024, lbo = kBlockBytes (next 64
+//   columns); a k16 step is +2048 bytes (16 rows).
+template <int ROWS, int COLS>
+struct GmmaTile {
+  static_assert(COLS % 64 == 0 && ROWS % 8 == 0, "GmmaTile shape");
+  static constexpr int kBlockBytes = ROWS * 128;
+  static constexpr int kBytes = (COLS / 64) * kBlockBytes;
+  __device__ __forceinline__ static uint32_t offset(int r, int c) {
+    return static_cast<uint32_t>((c >> 6) * kBlockBytes + r * 128 + ((((c & 63) >> 3) ^ (r & 7)) << 4) + (c & 7) * 2);
+  }
+  // Rows >= valid are zero-filled.  src: row 0, ld: elements between rows.
+  template <int NT, typename T>
+  __device__ __forceinline__ static void load_async(uint32_t dst, const T* src, int64_t ld, int valid, int tid) {
+    constexpr int CH = COLS / 8;
+#pragma unroll 4
+    for (int c = tid; c < ROWS * CH; c += NT) {
+      const int r = c / CH, ch = c % CH;
+      const bool ok = r < valid;
+      cp_async_16(dst + offset(r, ch * 8), ok ? src + r * ld + ch * 8 : src, ok);
+    }
+  }
+};
+
+struct BwdSm90 {
+  static constexpr int D = 128, BQ = 64, BK = 128, kThreads = 256, kWarps = 8, kQStages = 3;
+  using KTile = GmmaTile<BK, D>;   // K, V: 32 KB
+  using QTile = GmmaTile<BQ, D>;   // Q, dO stage: 16 KB
+  using STile = GmmaTile<BK, BQ>;  // dS^T [key][query]: 16 KB
+  static constexpr int kOffK = 0;
+  static constexpr int kOffV = kOffK + KTile::kBytes;
+  static constexpr int kOffQ = kOffV + KTile::kBytes;               // kQStages stages
+  static constexpr int kOffDO = kOffQ + kQStages * QTile::kBytes;   // 2 stages
+  static constexpr int kOffDS = kOffDO + 2 * QTile::kBytes;         // 2 buffers
+  static constexpr int kOffLse = kOffDS + 2 * STile::kBytes;        // [kQStages][BQ], log2 units
+  static constexpr int kOffThr = kOffLse + kQStages * BQ * 4;       // [kQStages][BQ], log2(tau / L_q)
+  static constexpr int kOffDsum = kOffThr + kQStages * BQ * 4;      // [2][BQ]
+  static constexpr int kOffMbar = kOffDsum + 2 * BQ * 4;            // 2 x u64 mbarrier (vote)
+  static constexpr int kOffVote = kOffMbar + 16;                    // 2 x u32 flags
+  static constexpr int kBytes = kOffVote + 16;
+  static constexpr int kSmem = kBytes + 1024;  // slack to align the base to 1024 bytes
+};
+
+template <typename T, bool TAU0>
+__global__ void __launch_bounds__(256, 1) bwd_main_kernel_sm90(const BwdParams p) {
+#ifdef MALA_WGMMA_ENABLED
+  using KC = BwdSm90;
+  constexpr int D = KC::D, BQ = KC::BQ, BK = KC::BK, NQS = KC::kQStages;
+  using KTile = KC::KTile;
+  using QTile = KC::QTile;
+  using STile = KC::STile;
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  const uint32_t sraw = smem_addr(smem_raw);
+  const uint32_t sbase = (sraw + 1023u) & ~1023u;
+  unsigned char* smem = smem_raw + (sbase - sraw);
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = warp >> 2, wl = warp & 3;
+  const int gid = lane >> 2, tig = lane & 3;
+
+  // CTA -> (key tile, batch, kv head, head split), as bwd_main_kernel.
+  const int per_j = p.batch * p.heads_kv * p.head_splits;
+  const int j = blockIdx.x / per_j;
+  int rest = blockIdx.x % per_j;
+  const int hs = rest % p.head_splits;
+  rest /= p.head_splits;
+  const int hk = rest % p.heads_kv;
+  const int b = rest / p.heads_kv;
+  const bool varlen = p.cu_q != nullptr;
+  int qlen = p.seqlen_q, klen = p.seqlen_k;
+  int64_t qrow0 = static_cast<int64_t>(b) * p.seqlen_q, krow0 = static_cast<int64_t>(b) * p.seqlen_k;
+  if (varlen) {
+    qrow0 = p.cu_q[b];
+    qlen = p.cu_q[b + 1] - p.cu_q[b];
+    krow0 = p.cu_k[b];
+    klen = p.cu_k[b + 1] - p.cu_k[b];
+  }
+  const int kb = j * BK;
+  if (kb >= klen) return;
+  const int kn = min(BK, klen - kb);
+  int i_start = 0;
+  if (p.causal) i_start = max(kb - (klen - qlen), 0) / BQ;
+  const int n_iq = max(rule::ceil_div(qlen, BQ) - i_start, 0);
+  const int n_iter = p.heads_per_cta * n_iq;
+  const int h0 = hk * p.group + hs * p.heads_per_cta;
+  const int64_t total_q = varlen ? static_cast<int64_t>(p.cu_q[p.batch]) : 0;
+
+  const T* q_base = static_cast<const T*>(p.q) + (varlen ? qrow0 * p.q_r : b * p.q_b);
+  const T* do_base = static_cast<const T*>(p.dout) + (varlen ? qrow0 * p.do_r : b * p.do_b);
+  const T* k_ptr = static_cast<const T*>(p.k) + (varlen ? krow0 * p.k_r : b * p.k_b) +
+                   static_cast<int64_t>(kb) * p.k_r + hk * p.k_h;
+  const T* v_ptr = static_cast<const T*>(p.v) + (varlen ? krow0 * p.v_r : b * p.v_b) +
+                   static_cast<int64_t>(kb) * p.v_r + hk * p.v_h;
+  const uint32_t sK = sbase + KC::kOffK, sV = sbase + KC::kOffV, sQ = sbase + KC::kOffQ, sDO = sbase + KC::kOffDO,
+                 sDS = sbase + KC::kOffDS;
+  const float* lse_s = reinterpret_cast<const float*>(smem + KC::kOffLse);
+  const float* thr_s = reinterpret_cast<const float*>(smem + KC::kOffThr);
+  const float* dsum_s = reinterpret_cast<const float*>(smem + KC::kOffDsum);
+
+  auto lse_index = [&](int h, int row) -> int64_t {
+    return varlen ? h * total_q + qrow0 + row : (static_cast<int64_t>(b) * p.heads_q + h) * p.seqlen_q + row;
+  };
+  // Q_t with its lse (and log2(tau / L_q), written directly: read after the next top barrier).
+  auto load_q = [&](int t, int stage) {
+    const int h = h0 + t / n_iq, i = i_start + t % n_iq;
+    const int r0 = i * BQ, valid = min(BQ, qlen - r0);
+    QTile::load_async<KC::kThreads>(sQ + stage * QTile::kBytes, q_base + static_cast<int64_t>(r0) * p.q_r + h * p.q_h,
+                                    p.q_r, valid, tid);
+    if (tid < BQ) {
+      const bool ok = tid < valid;
+      const float* l2 = p.lse2 + h * p.rows_q_cap + qrow0 + r0 + tid;
+      bwd_cp_async_4(sbase + KC::kOffLse + (stage * BQ + tid) * 4, ok ? l2 : p.lse2, ok);
+      if (!TAU0) {
+        const int L = ok ? rule::visible_keys(r0 + tid, qlen, klen, p.causal) : 0;
+        reinterpret_cast<float*>(smem + KC::kOffThr)[stage * BQ + tid] =
+            L > 0 ? rule::log_threshold(p.log2_tau, __log2f(static_cast<float>(L))) : INFINITY;
+      }
+    }
+  };
+  auto load_do = [&](int t, int stage) {
+    const int h = h0 + t / n_iq, i = i_start + t % n_iq;
+    const int r0 = i * BQ, valid = min(BQ, qlen - r0);
+    QTile::load_async<KC::kThreads>(sDO + stage * QTile::kBytes,
+                                    do_base + static_cast<int64_t>(r0) * p.do_r + h * p.do_h, p.do_r, valid, tid);
+    if (tid < BQ) {
+      const bool ok = tid < valid;
+      const float* ds = p.dsum + h * p.rows_q_cap + qrow0 + r0 + tid;
+      bwd_cp_async_4(sbase + KC::kOffDsum + (stage * BQ + tid) * 4, ok ? ds : p.dsum, ok);
+    }
+  };
+
+  KTile::load_async<KC::kThreads>(sK, k_ptr, p.k_r, kn, tid);
+  KTile::load_async<KC::kThreads>(sV, v_ptr, p.v_r, kn, tid);
+  cp_async_commit();
+
+  float dk[64], dv[64];
+#pragma unroll
+  for (int i = 0; i < 64; ++i) dk[i] = dv[i] = 0.f;
+
+  // dQ[q0.., 64wg..64wg+63] += dS K for the tile whose dS^T is in buffer `buf`.
+  auto do_dq = [&](int h, int q0, int buf) {
+    float dq[32];
+#pragma unroll
+    for (int i = 0; i < 32; ++i) dq[i] = 0.f;
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < BK / 16; ++kk) {
+      const uint64_t da = wgmma_desc(sDS + buf * STile::kBytes + kk * 2048, STile::kBlockBytes, 1024);
+      const uint64_t db = wgmma_desc(sK + wg * KTile::kBlockBytes + kk * 2048, KTile::kBlockBytes, 1024);
+      WgmmaSS<64, 1, 1, T>::run(dq, da, db);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    wgmma_fence_operands(dq);
+    float* dqa = p.dq_acc + (h * p.rows_q_cap + qrow0 + q0) * D + wg * 64 + 2 * tig;
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const int r = wl * 16 + gid + hh * 8;
+      if (q0 + r < qlen) {
+#pragma unroll
+        for (int n = 0; n < 8; ++n) bwd_red_add2(dqa + r * D + n * 8, dq[4 * n + 2 * hh], dq[4 * n + 2 * hh + 1]);
+      }
+    }
+  };
+  const bool recording = p.tile_mask != nullptr || p.bwd_slots != nullptr;
+  auto record = [&](int tt, bool keep) {
+    const int rh = h0 + tt / n_iq, ri = i_start + tt % n_iq;
+    if (p.tile_mask != nullptr && tid == 0)
+      p.tile_mask[((static_cast<int64_t>(b) * p.heads_q + rh) * p.n_q_tiles + ri) * p.n_k_tiles + j] = keep ? 2 : 1;
+    if (keep && p.bwd_slots != nullptr && tid < BQ) {
+      const int r = ri * BQ + tid;
+      if (r < qlen && rule::visible_keys(r, qlen, klen, p.causal) > 0) atomicAdd(p.bwd_slots + lse_index(rh, r), BK);
+    }
+  };
+  // The vote of tau > 0 (as bwd_main_kernel): two mbarriers + two flags.
+  uint32_t* vote_s = reinterpret_cast<uint32_t*>(smem + KC::kOffVote);
+  const uint32_t mbar_s = sbase + KC::kOffMbar;
+  if (!TAU0 && tid == 0) {
+    bwd_mbar_init(mbar_s, KC::kWarps);
+    bwd_mbar_init(mbar_s + 8, KC::kWarps);
+    vote_s[0] = vote_s[1] = 0u;
+  }
+
+  // Pipeline (as bwd_main_kernel with 3 Q stages): Q_{t+2} is issued after tile t's decision, dO_t
+  // only for a retained tile, and dO_{t+1} speculatively when tile t is retained.
+  bool do_ready = false;
+  if (n_iter > 0) {
+    load_q(0, 0);
+    cp_async_commit();
+    load_do(0, 0);
+    cp_async_commit();
+    do_ready = true;
+    if (n_iter > 1) {
+      load_q(1, 1);
+      cp_async_commit();
+    }
+  }
+
+  bool pend = false, last_retain = false;
+  int pend_h = 0, pend_q0 = 0, pend_buf = 0;
+  const int krow = 64 * wg + 16 * wl + gid;  // this thread's first key row in the tile (+8: second)
+  for (int t = 0; t < n_iter; ++t) {
+    const int st = t & 1, qs = t % NQS;
+    const int h = h0 + t / n_iq, i = i_start + t % n_iq;
+    const int q0 = i * BQ;
+    if (t + 1 < n_iter)
+      cp_async_wait<1>();  // Q_{t+1} may stay in flight
+    else
+      cp_async_wait<0>();
+    fence_proxy_async_smem();
+    __syncthreads();  // Q_t (and dO_t when prefetched) visible; older stages and dS^T buffer st free
+    if (!TAU0 && tid == 0) vote_s[st ^ 1] = 0u;
+    if (recording && t > 0) record(t - 1, last_retain);
+    if (pend) {
+      do_dq(pend_h, pend_q0, pend_buf);
+      pend = false;
+    }
+    // The rest of the tile, in two copies: with dP^T issued right behind S^T (dO_t is here) or after
+    // the decision.  (One copy with a run-time branch made ptxas serialize every wgmma of the kernel.)
+    auto rest = [&](auto early) {
+      const uint32_t sQs = sQ + qs * QTile::kBytes, sDOs = sDO + st * QTile::kBytes;
+
+      // S^T = K_g Q^T (and, tau = 0, dP^T = V_g dO^T right behind it).
+      float s[32], dp[32];
+#pragma unroll
+      for (int e = 0; e < 32; ++e) s[e] = dp[e] = 0.f;
+      auto issue_dp = [&]() {
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+          const uint32_t ka = (kk >> 2) * KTile::kBlockBytes + 64 * wg * 128 + (kk & 3) * 32;
+          const uint32_t qa = (kk >> 2) * QTile::kBlockBytes + (kk & 3) * 32;
+          WgmmaSS<64, 0, 0, T>::run(dp, wgmma_desc(sV + ka, 16, 1024), wgmma_desc(sDOs + qa, 16, 1024));
+        }
+        wgmma_commit();
+      };
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk) {
+        const uint32_t ka = (kk >> 2) * KTile::kBlockBytes + 64 * wg * 128 + (kk & 3) * 32;
+        const uint32_t qa = (kk >> 2) * QTile::kBlockBytes + (kk & 3) * 32;
+        WgmmaSS<64, 0, 0, T>::run(s, wgmma_desc(sK + ka, 16, 1024), wgmma_desc(sQs + qa, 16, 1024));
+      }
+      wgmma_commit();
+      // dP^T goes right behind S^T whenever dO_t is already here: always at tau = 0, and at tau > 0
+      // after a retained tile (speculatively, like the dO prefetch: on inputs where tiles are kept it
+      // overlaps the mask, the test and the vote; a skipped tile wastes it).
+      constexpr bool dp_early = decltype(early)::value;
+      if constexpr (dp_early) {
+        issue_dp();
+        wgmma_wait<1>();
+      } else {
+        wgmma_wait<0>();
+      }
+      wgmma_fence_operands(s);
+
+      // Scale to log2 units and mask.
+      const bool need_mask = (q0 + BQ > qlen) || (kb + BK > klen) || (p.causal && kb + BK - 1 > q0 + klen - qlen);
+      const float* lse_t = lse_s + qs * BQ;
+#pragma unroll
+      for (int n = 0; n < 8; ++n)
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          int L = BK + kb;
+          if (need_mask) {
+            const int qr = q0 + n * 8 + 2 * tig + c;
+            L = qr < qlen ? rule::visible_keys(qr, qlen, klen, p.causal) : 0;
+          }
+#pragma unroll
+          for (int hh = 0; hh < 2; ++hh) {
+            const int e = 4 * n + 2 * hh + c;
+            float x = s[e] * p.scale_log2;
+            if (need_mask && kb + krow + hh * 8 >= L) x = -INFINITY;
+            s[e] = x;
+          }
+        }
+      bool retain = true;
+      if (!TAU0) {
+        // The offline test on the max of this thread's two entries per query, then the CTA vote.
+        const float* thr_t = thr_s + qs * BQ;
+        bool allow = true;
+#pragma unroll
+        for (int n = 0; n < 8; ++n)
+#pragma unroll
+          for (int c = 0; c < 2; ++c) {
+            const int col = n * 8 + 2 * tig + c;
+            allow &= rule::row_allows_skip_finite_norm(fmaxf(s[4 * n + c], s[4 * n + 2 + c]), lse_t[col], thr_t[col]);
+          }
+        const bool warp_retain = __any_sync(0xffffffffu, !allow);
+        if (lane == 0) {
+          if (warp_retain) atomicOr(&vote_s[st], 1u);
+          bwd_mbar_arrive(mbar_s + st * 8);
+        }
+        if (!warp_retain) {
+          bwd_mbar_wait(mbar_s + st * 8, (t >> 1) & 1);
+          retain = *reinterpret_cast<volatile uint32_t*>(&vote_s[st]) != 0u;
+        }
+      }
+      const bool q_late = t + 2 < n_iter;
+      last_retain = retain;
+      if (!retain) {
+        if constexpr (dp_early) wgmma_wait<0>();  // its reads of V and dO_t end before the next loads
+        if (q_late) {
+          load_q(t + 2, (t + 2) % NQS);
+          cp_async_commit();
+        }
+        do_ready = false;
+        return;
+      }
+      const bool spec = t + 1 < n_iter;
+      const bool had_do = do_ready;
+      if (!TAU0) {
+        if (!had_do) {
+          load_do(t, st);
+          cp_async_commit();
+        }
+      }
+      if (spec) {
+        load_do(t + 1, st ^ 1);
+        cp_async_commit();
+      }
+      if (q_late) {
+        load_q(t + 2, (t + 2) % NQS);
+        cp_async_commit();
+      }
+      if (!TAU0) {
+        if (!had_do) {  // dO_t was not prefetched: wait for it (groups issued after it: spec, q_late)
+          const int newer = (spec ? 1 : 0) + (q_late ? 1 : 0);
+          if (newer == 2)
+            cp_async_wait<2>();
+          else if (newer == 1)
+            cp_async_wait<1>();
+          else
+            cp_async_wait<0>();
+          fence_proxy_async_smem();
+          __syncthreads();
+        }
+        if constexpr (!dp_early) {
+          wgmma_fence();
+          issue_dp();
+        }
+      }
+      do_ready = spec;
+      // P = exp2(S - lse) while dP^T is computed.
+#pragma unroll
+      for (int n = 0; n < 8; ++n)
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          const float l2 = lse_t[n * 8 + 2 * tig + c];
+          s[4 * n + c] = exp2f(s[4 * n + c] - l2);
+          s[4 * n + 2 + c] = exp2f(s[4 * n + 2 + c] - l2);
+        }
+      wgmma_wait<0>();
+      wgmma_fence_operands(dp);
+      const float* dsum_t = dsum_s + st * BQ;
+#pragma unroll
+      for (int n = 0; n < 8; ++n)
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          const float dd = dsum_t[n * 8 + 2 * tig + c];
+          dp[4 * n + c] = s[4 * n + c] * (dp[4 * n + c] - dd);
+          dp[4 * n + 2 + c] = s[4 * n + 2 + c] * (dp[4 * n + 2 + c] - dd);
+        }
+      uint32_t pa[4][4], da[4][4];
+#pragma unroll
+      for (int kq = 0; kq < 4; ++kq) {
+        pa[kq][0] = pack2<T>(s[8 * kq + 0], s[8 * kq + 1]);
+        pa[kq][1] = pack2<T>(s[8 * kq + 2], s[8 * kq + 3]);
+        pa[kq][2] = pack2<T>(s[8 * kq + 4], s[8 * kq + 5]);
+        pa[kq][3] = pack2<T>(s[8 * kq + 6], s[8 * kq + 7]);
+        da[kq][0] = pack2<T>(dp[8 * kq + 0], dp[8 * kq + 1]);
+        da[kq][1] = pack2<T>(dp[8 * kq + 2], dp[8 * kq + 3]);
+        da[kq][2] = pack2<T>(dp[8 * kq + 4], dp[8 * kq + 5]);
+        da[kq][3] = pack2<T>(dp[8 * kq + 6], dp[8 * kq + 7]);
+      }
+      // dS^T -> shared memory for the deferred dQ (read after the next top barrier).
+      unsigned char* dsb = smem + KC::kOffDS + st * STile::kBytes;
+#pragma unroll
+      for (int kq = 0; kq < 4; ++kq) {
+        const int c = kq * 16 + 2 * tig;
+        *reinterpret_cast<uint32_t*>(dsb + STile::offset(krow, c)) = da[kq][0];
+        *reinterpret_cast<uint32_t*>(dsb + STile::offset(krow + 8, c)) = da[kq][1];
+        *reinterpret_cast<uint32_t*>(dsb + STile::offset(krow, c + 8)) = da[kq][2];
+        *reinterpret_cast<uint32_t*>(dsb + STile::offset(krow + 8, c + 8)) = da[kq][3];
+      }
+      fence_proxy_async_smem();
+
+      // dV += P^T dO, dK += dS^T Q.
+      wgmma_fence();
+#pragma unroll
+      for (int kq = 0; kq < 4; ++kq)
+        WgmmaRS<128, 1, T>::run(dv, pa[kq], wgmma_desc(sDOs + kq * 2048, QTile::kBlockBytes, 1024));
+#pragma unroll
+      for (int kq = 0; kq < 4; ++kq)
+        WgmmaRS<128, 1, T>::run(dk, da[kq], wgmma_desc(sQs + kq * 2048, QTile::kBlockBytes, 1024));
+      wgmma_commit();
+      wgmma_wait<0>();
+      wgmma_fence_operands(dv);
+      wgmma_fence_operands(dk);
+      pend = true;
+      pend_h = h;
+      pend_q0 = q0;
+      pend_buf = st;
+    };
+    if (TAU0 || do_ready)
+      rest(std::true_type{});
+    else
+      rest(std::false_type{});
+  }
+  cp_async_wait<0>();
+  __syncthreads();
+  if (pend) do_dq(pend_h, pend_q0, pend_buf);
+  if (recording && n_iter > 0) record(n_iter - 1, last_retain);
+
+  // Epilogue: dK (scaled), dV.  Accumulator element 4n + 2hh + c: key krow + 8hh, dim 8n + 2tig + c.
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    const int r = krow + hh * 8;
+    if (r >= kn) continue;
+    if (p.dk_acc != nullptr) {
+      float* dka = p.dk_acc + (hk * p.rows_k_cap + krow0 + kb + r) * D + 2 * tig;
+      float* dva = p.dv_acc + (hk * p.rows_k_cap + krow0 + kb + r) * D + 2 * tig;
+#pragma unroll
+      for (int n = 0; n < 16; ++n) {
+        bwd_red_add2(dka + n * 8, dk[4 * n + 2 * hh] * p.scale, dk[4 * n + 2 * hh + 1] * p.scale);
+        bwd_red_add2(dva + n * 8, dv[4 * n + 2 * hh], dv[4 * n + 2 * hh + 1]);
+      }
+    } else {
+      T* dkp = static_cast<T*>(p.dk) + (varlen ? krow0 * p.dk_r : b * p.dk_b) + static_cast<int64_t>(kb + r) * p.dk_r +
+               hk * p.dk_h + 2 * tig;
+      T* dvp = static_cast<T*>(p.dv) + (varlen ? krow0 * p.dv_r : b * p.dv_b) + static_cast<int64_t>(kb + r) * p.dv_r +
+               hk * p.dv_h + 2 * tig;
+#pragma unroll
+      for (int n = 0; n < 16; ++n) {
+        *reinterpret_cast<uint32_t*>(dkp + n * 8) = pack2<T>(dk[4 * n + 2 * hh] * p.scale, dk[4 * n + 2 * hh + 1] * p.scale);
+        *reinterpret_cast<uint32_t*>(dvp + n * 8) = pack2<T>(dv[4 * n + 2 * hh], dv[4 * n + 2 * hh + 1]);
+      }
+    }
+  }
+#endif
+}
+
+// Whether launch_bwd_main should use bwd_main_kernel_sm90: an sm_90 device (d = 128) and
+// MALA_BWD_WGMMA not set to 0 (the switch lets the benchmark and tests compare both kernels).
+inline bool bwd_use_sm90(const BwdParams& p) {
+  static const bool ok = [] {
+    int dev = 0, major = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) {
+      cudaGetLastError();
+      return false;
+    }
+    const char* e = getenv("MALA_BWD_WGMMA");
+    return major == 9 && !(e != nullptr && e[0] == '0');
+  }();
+  (void)p;
+  return ok;
+}
+
+template <typename T>
+cudaError_t launch_bwd_main_sm90(const BwdParams& p, cudaStream_t stream) {
+  auto kernel = p.tau_zero ? bwd_main_kernel_sm90<T, true> : bwd_main_kernel_sm90<T, false>;
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, BwdSm90::kSmem);
+  if (err != cudaSuccess) return err;
+  const int64_t grid = static_cast<int64_t>(p.n_k_tiles) * p.batch * p.heads_kv * p.head_splits;
+  if (grid <= 0) return cudaSuccess;
+  kernel<<<static_cast<unsigned>(grid), BwdSm90::kThreads, BwdSm90::kSmem, stream>>>(p);
+  return cudaGetLastError();
+}
+
+}  // namespace cuda
+}  // namespace mala
