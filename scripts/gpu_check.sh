@@ -40,6 +40,10 @@ run)
   MALA_DECODE_SMALL_SMEM=1 "$bin/mala_gpu_tests" --gtest_brief=1 --gtest_filter='GpuDecode*' 2>&1 \
     | tee "$out/gpu_tests_decode_small_smem.log" | tail -3
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
+  echo "== GPU backward tests with the mma.sync kernel on this device too (MALA_BWD_WGMMA=0)"
+  MALA_BWD_WGMMA=0 "$bin/mala_gpu_tests" --gtest_brief=1 --gtest_filter='Backward*' 2>&1 \
+    | tee "$out/gpu_tests_backward_mma_sync.log" | tail -3
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
   if command -v compute-sanitizer >/dev/null; then
     filter=${MALA_SANITIZER_FILTER:-*Small*}
     for tool in memcheck racecheck; do
