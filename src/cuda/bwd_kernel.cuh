@@ -31,6 +31,7 @@
 
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #include "common/rule.h"
 #include "cuda/bwd_params.cuh"
@@ -71,6 +72,174 @@ __device__ __forceinline__ void bwd_mbar_wait(uint32_t addr, uint32_t parity) {
         : "r"(addr), "r"(parity)
         : "memory");
   } while (!done);
+}
+
+// ---- pieces shared by both main kernels (this one and bwd_kernel_sm90.cuh) ----------------------
+
+// What one CTA covers: key tile j (BK keys from kb) of sequence b and KV head hk, the query heads
+// h0 .. h0 + heads_per_cta - 1 (head split hs), and their query tiles of BQ rows, ascending from the
+// first one with a legal entry; iteration t visits query head head(t), query tile q_tile(t).  CTAs
+// are ordered so that key tiles with more query tiles come first.
+struct BwdWork {
+  int j, hs, hk, b;
+  bool varlen;
+  int qlen, klen, kb, kn, i_start, n_iq, n_iter, h0;
+  int64_t qrow0, krow0, total_q;
+  __device__ __forceinline__ int head(int t) const { return h0 + t / n_iq; }
+  __device__ __forceinline__ int q_tile(int t) const { return i_start + t % n_iq; }
+  // (query head h, row) in lse and bwd_slots: [B, Hq, Nq], or [Hq, total rows] for varlen.
+  __device__ __forceinline__ int64_t row_index(const BwdParams& p, int h, int row) const {
+    return varlen ? h * total_q + qrow0 + row : (static_cast<int64_t>(b) * p.heads_q + h) * p.seqlen_q + row;
+  }
+};
+
+// The CTA's work; kb >= klen means none (a key tile past this sequence's end).
+template <int BQ, int BK>
+__device__ __forceinline__ BwdWork bwd_cta_work(const BwdParams& p) {
+  BwdWork w;
+  const int per_j = p.batch * p.heads_kv * p.head_splits;
+  w.j = blockIdx.x / per_j;
+  int rest = blockIdx.x % per_j;
+  w.hs = rest % p.head_splits;
+  rest /= p.head_splits;
+  w.hk = rest % p.heads_kv;
+  w.b = rest / p.heads_kv;
+  w.varlen = p.cu_q != nullptr;
+  w.qlen = p.seqlen_q;
+  w.klen = p.seqlen_k;
+  w.qrow0 = static_cast<int64_t>(w.b) * p.seqlen_q;
+  w.krow0 = static_cast<int64_t>(w.b) * p.seqlen_k;
+  if (w.varlen) {
+    w.qrow0 = p.cu_q[w.b];
+    w.qlen = p.cu_q[w.b + 1] - p.cu_q[w.b];
+    w.krow0 = p.cu_k[w.b];
+    w.klen = p.cu_k[w.b + 1] - p.cu_k[w.b];
+  }
+  w.kb = w.j * BK;
+  w.kn = min(BK, w.klen - w.kb);
+  w.i_start = p.causal ? max(w.kb - (w.klen - w.qlen), 0) / BQ : 0;  // first row seeing key kb
+  w.n_iq = max(rule::ceil_div(w.qlen, BQ) - w.i_start, 0);
+  w.n_iter = p.heads_per_cta * w.n_iq;
+  w.h0 = w.hk * p.group + w.hs * p.heads_per_cta;
+  w.total_q = w.varlen ? static_cast<int64_t>(p.cu_q[p.batch]) : 0;
+  return w;
+}
+
+// The per-row scalars of query tile (head h, rows r0 .., `valid` of them): lse in log2 units (with Q,
+// by cp.async) and log2(tau / L_q) (a plain store: read after the next top barrier; rows without
+// legal keys get +inf, which never constrains; unused at tau = 0, where leaving it out made ptxas
+// spill 44 bytes in the d = 256 mma.sync kernel); D = rowsum(dO * O) (with dO).
+template <int BQ>
+__device__ __forceinline__ void bwd_load_lse_thr(const BwdParams& p, const BwdWork& w, int h, int r0, int valid,
+                                                 uint32_t lse_dst, float* thr_dst) {
+  const int tid = threadIdx.x;
+  if (tid < BQ) {
+    const bool ok = tid < valid;
+    const float* l2 = p.lse2 + h * p.rows_q_cap + w.qrow0 + r0 + tid;  // finite (preprocess kernel)
+    bwd_cp_async_4(lse_dst + tid * 4, ok ? l2 : p.lse2, ok);
+    const int L = ok ? rule::visible_keys(r0 + tid, w.qlen, w.klen, p.causal) : 0;
+    thr_dst[tid] = L > 0 ? rule::log_threshold(p.log2_tau, __log2f(static_cast<float>(L))) : INFINITY;
+  }
+}
+template <int BQ>
+__device__ __forceinline__ void bwd_load_dsum(const BwdParams& p, const BwdWork& w, int h, int r0, int valid,
+                                              uint32_t dst) {
+  const int tid = threadIdx.x;
+  if (tid < BQ) {
+    const bool ok = tid < valid;
+    const float* src = ok ? p.dsum + h * p.rows_q_cap + w.qrow0 + r0 + tid : p.dsum;
+    bwd_cp_async_4(dst + tid * 4, src, ok);
+  }
+}
+
+// The optional outputs of one decision (tile mask, slot counters) for iteration t.
+template <int BQ, int BK>
+__device__ __forceinline__ void bwd_record(const BwdParams& p, const BwdWork& w, int t, bool keep) {
+  const int h = w.head(t), i = w.q_tile(t), tid = threadIdx.x;
+  if (p.tile_mask != nullptr && tid == 0)
+    p.tile_mask[((static_cast<int64_t>(w.b) * p.heads_q + h) * p.n_q_tiles + i) * p.n_k_tiles + w.j] = keep ? 2 : 1;
+  if (keep && p.bwd_slots != nullptr && tid < BQ) {
+    const int r = i * BQ + tid;
+    if (r < w.qlen && rule::visible_keys(r, w.qlen, w.klen, p.causal) > 0)
+      atomicAdd(p.bwd_slots + w.row_index(p, h, r), BK);
+  }
+}
+
+// The CTA vote of tau > 0 on iteration t: `allow` = every legal entry of this thread allows the skip.
+// Each warp ORs its vote into vote_s[st] and arrives on mbarrier st (of two, used alternately).  A
+// warp that retains knows the outcome (one retaining entry keeps the tile) and does not wait; only
+// warps that would skip wait for the 8 arrivals, so on inputs where nearly every tile is kept the
+// vote costs no barrier.  vote_s[st ^ 1] is reset by thread 0 after each top barrier.
+__device__ __forceinline__ bool bwd_vote(bool allow, uint32_t* vote_s, uint32_t mbar_s, int st, int t) {
+  const bool warp_retain = __any_sync(0xffffffffu, !allow);
+  if ((threadIdx.x & 31) == 0) {
+    if (warp_retain) atomicOr(&vote_s[st], 1u);
+    bwd_mbar_arrive(mbar_s + st * 8);
+  }
+  if (warp_retain) return true;
+  bwd_mbar_wait(mbar_s + st * 8, (t >> 1) & 1);
+  return *reinterpret_cast<volatile uint32_t*>(&vote_s[st]) != 0u;
+}
+
+// The loads a retained tile t issues (the pipeline both main kernels share; Q stages nqs, LA = nqs - 1
+// tiles of Q lookahead): dO_t unless it was prefetched, dO_{t+1} speculatively (right when the next
+// tile is retained too, as on dense inputs), Q_{t+2} with three Q stages.  Returns the number of
+// cp.async groups issued after dO_t, for bwd_wait_do.
+template <typename LoadDo, typename LoadQ>
+__device__ __forceinline__ int bwd_issue_retained(int t, int n_iter, int nqs, bool do_ready, LoadDo&& load_do,
+                                                  LoadQ&& load_q) {
+  const bool spec = t + 1 < n_iter, q_late = nqs == 3 && t + 2 < n_iter;
+  if (!do_ready) {
+    load_do(t, t & 1);
+    cp_async_commit();
+  }
+  if (spec) {
+    load_do(t + 1, (t + 1) & 1);
+    cp_async_commit();
+  }
+  if (q_late) {
+    load_q(t + 2, (t + 2) % nqs);
+    cp_async_commit();
+  }
+  return (spec ? 1 : 0) + (q_late ? 1 : 0);
+}
+// Waits for a dO_t that was not prefetched (`newer` groups were issued after it).
+__device__ __forceinline__ void bwd_wait_do(int newer) {
+  if (newer == 2)
+    cp_async_wait<2>();
+  else if (newer == 1)
+    cp_async_wait<1>();
+  else
+    cp_async_wait<0>();
+}
+
+// dK (scaled) and dV of key row r (< kn) of the tile, NF pairs of head-dim columns col0 + 8n, +1:
+// into the fp32 workspace (query-head group split over CTAs) or straight to the outputs.  frag(n)
+// gives {dk, dk, dv, dv} of pair n (each kernel has its own fragment layout).
+template <typename T, int D, int NF, typename Frag>
+__device__ __forceinline__ void bwd_store_dkdv_row(const BwdParams& p, const BwdWork& w, int r, int col0, Frag&& frag) {
+  if (p.dk_acc != nullptr) {
+    const int64_t at = (w.hk * p.rows_k_cap + w.krow0 + w.kb + r) * D + col0;
+    float* dka = p.dk_acc + at;
+    float* dva = p.dv_acc + at;
+#pragma unroll
+    for (int n = 0; n < NF; ++n) {
+      const float4 v = frag(n);
+      bwd_red_add2(dka + n * 8, v.x * p.scale, v.y * p.scale);
+      bwd_red_add2(dva + n * 8, v.z, v.w);
+    }
+  } else {
+    T* dkp = static_cast<T*>(p.dk) + (w.varlen ? w.krow0 * p.dk_r : w.b * p.dk_b) +
+             static_cast<int64_t>(w.kb + r) * p.dk_r + w.hk * p.dk_h + col0;
+    T* dvp = static_cast<T*>(p.dv) + (w.varlen ? w.krow0 * p.dv_r : w.b * p.dv_b) +
+             static_cast<int64_t>(w.kb + r) * p.dv_r + w.hk * p.dv_h + col0;
+#pragma unroll
+    for (int n = 0; n < NF; ++n) {
+      const float4 v = frag(n);
+      *reinterpret_cast<uint32_t*>(dkp + n * 8) = pack2<T>(v.x * p.scale, v.y * p.scale);
+      *reinterpret_cast<uint32_t*>(dvp + n * 8) = pack2<T>(v.z, v.w);
+    }
+  }
 }
 
 template <typename T, int D>
@@ -135,33 +304,12 @@ __global__ void __launch_bounds__(256, 1) bwd_main_kernel(const BwdParams p) {
   extern __shared__ __align__(128) unsigned char smem[];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
 
-  // CTA -> (key tile, batch, kv head, head split).  Key tiles with more query tiles come first.
-  const int per_j = p.batch * p.heads_kv * p.head_splits;
-  const int j = blockIdx.x / per_j;
-  int rest = blockIdx.x % per_j;
-  const int hs = rest % p.head_splits;
-  rest /= p.head_splits;
-  const int hk = rest % p.heads_kv;
-  const int b = rest / p.heads_kv;
-
-  const bool varlen = p.cu_q != nullptr;
-  int qlen = p.seqlen_q, klen = p.seqlen_k;
-  int64_t qrow0 = static_cast<int64_t>(b) * p.seqlen_q, krow0 = static_cast<int64_t>(b) * p.seqlen_k;
-  if (varlen) {
-    qrow0 = p.cu_q[b];
-    qlen = p.cu_q[b + 1] - p.cu_q[b];
-    krow0 = p.cu_k[b];
-    klen = p.cu_k[b + 1] - p.cu_k[b];
-  }
-  const int kb = j * BK;
-  if (kb >= klen) return;
-  const int kn = min(BK, klen - kb);
-  int i_start = 0;
-  if (p.causal) i_start = max(kb - (klen - qlen), 0) / BQ;  // first row seeing key kb (< qlen)
-  const int n_iq = max(rule::ceil_div(qlen, BQ) - i_start, 0);
-  const int n_iter = p.heads_per_cta * n_iq;
-  const int h0 = hk * p.group + hs * p.heads_per_cta;
-  const int64_t total_q = varlen ? static_cast<int64_t>(p.cu_q[p.batch]) : 0;
+  const BwdWork w = bwd_cta_work<BQ, BK>(p);
+  if (w.kb >= w.klen) return;
+  const int hk = w.hk, b = w.b, qlen = w.qlen, klen = w.klen, kb = w.kb, kn = w.kn, n_iter = w.n_iter, h0 = w.h0,
+            n_iq = w.n_iq, i_start = w.i_start;
+  const bool varlen = w.varlen;
+  const int64_t qrow0 = w.qrow0, krow0 = w.krow0;
 
   const T* q_base = static_cast<const T*>(p.q) + (varlen ? qrow0 * p.q_r : b * p.q_b);
   const T* do_base = static_cast<const T*>(p.dout) + (varlen ? qrow0 * p.do_r : b * p.do_b);
@@ -180,36 +328,18 @@ __global__ void __launch_bounds__(256, 1) bwd_main_kernel(const BwdParams p) {
   KTile::template load_async<256>(sV, v_ptr, p.v_r, kn, tid);
   cp_async_commit();
 
-  auto lse_index = [&](int h, int row) -> int64_t {
-    return varlen ? h * total_q + qrow0 + row
-                  : (static_cast<int64_t>(b) * p.heads_q + h) * p.seqlen_q + row;
-  };
   auto load_q = [&](int t, int stage) {
-    const int h = h0 + t / n_iq, i = i_start + t % n_iq;
-    const int r0 = i * BQ, valid = min(BQ, qlen - r0);
+    const int h = h0 + t / n_iq, r0 = (i_start + t % n_iq) * BQ, valid = min(BQ, qlen - r0);
     QTile::template load_async<256>(sQ + stage * QTile::kBytes, q_base + static_cast<int64_t>(r0) * p.q_r + h * p.q_h,
                                     p.q_r, valid, tid);
-    if (tid < BQ) {
-      const bool ok = tid < valid;
-      const float* lse2 = p.lse2 + h * p.rows_q_cap + qrow0 + r0 + tid;  // log2 units, finite
-      bwd_cp_async_4(sbase + KC::kOffLse + (stage * BQ + tid) * 4, ok ? lse2 : p.lse2, ok);
-      // Visible by the next top barrier (the tile is read after it).  A row without legal keys gets
-      // +inf (it never constrains; see rule::row_allows_skip_finite_norm).
-      const int L = ok ? rule::visible_keys(r0 + tid, qlen, klen, p.causal) : 0;
-      reinterpret_cast<float*>(smem + KC::kOffThr)[stage * BQ + tid] =
-          L > 0 ? rule::log_threshold(p.log2_tau, __log2f(static_cast<float>(L))) : INFINITY;
-    }
+    bwd_load_lse_thr<BQ>(p, w, h, r0, valid, sbase + KC::kOffLse + stage * BQ * 4,
+                               reinterpret_cast<float*>(smem + KC::kOffThr) + stage * BQ);
   };
   auto load_do = [&](int t, int stage) {
-    const int h = h0 + t / n_iq, i = i_start + t % n_iq;
-    const int r0 = i * BQ, valid = min(BQ, qlen - r0);
+    const int h = h0 + t / n_iq, r0 = (i_start + t % n_iq) * BQ, valid = min(BQ, qlen - r0);
     QTile::template load_async<256>(sDO + stage * QTile::kBytes,
                                     do_base + static_cast<int64_t>(r0) * p.do_r + h * p.do_h, p.do_r, valid, tid);
-    if (tid < BQ) {
-      const bool ok = tid < valid;
-      const float* src = ok ? p.dsum + h * p.rows_q_cap + qrow0 + r0 + tid : p.dsum;
-      bwd_cp_async_4(sbase + KC::kOffDsum + (stage * BQ + tid) * 4, src, ok);
-    }
+    bwd_load_dsum<BQ>(p, w, h, r0, valid, sbase + KC::kOffDsum + stage * BQ * 4);
   };
 
   const int kw = warp % KC::kKeyWarps;  // key slab of this warp
@@ -305,20 +435,11 @@ __global__ void __launch_bounds__(256, 1) bwd_main_kernel(const BwdParams p) {
   // spills (measured with ptxas -v: 32 -> 8 bytes at d = 128).
   bool last_retain = false;
   const bool recording = !TAU0 && (p.tile_mask != nullptr || p.bwd_slots != nullptr);
-  auto record = [&](int tt, bool keep) {
-    const int rh = h0 + tt / n_iq, ri = i_start + tt % n_iq;
-    if (p.tile_mask != nullptr && tid == 0)
-      p.tile_mask[((static_cast<int64_t>(b) * p.heads_q + rh) * p.n_q_tiles + ri) * p.n_k_tiles + j] = keep ? 2 : 1;
-    if (keep && p.bwd_slots != nullptr && tid < BQ) {
-      const int r = ri * BQ + tid;
-      if (r < qlen && rule::visible_keys(r, qlen, klen, p.causal) > 0) atomicAdd(p.bwd_slots + lse_index(rh, r), BK);
-    }
-  };
+  auto record = [&](int tt, bool keep) { bwd_record<BQ, BK>(p, w, tt, keep); };
 
   for (int t = 0; t < n_iter; ++t) {
     const int st = t & 1, qs = t % nqs;
-    const int h = h0 + t / n_iq, i = i_start + t % n_iq;
-    const int q0 = i * BQ;
+    const int h = h0 + t / n_iq, q0 = (i_start + t % n_iq) * BQ;
     if (LA == 2 && t + 1 < n_iter)
       cp_async_wait<1>();  // Q_{t+1} may stay in flight
     else
@@ -392,21 +513,7 @@ __global__ void __launch_bounds__(256, 1) bwd_main_kernel(const BwdParams p) {
     }
     bool retain = true;
     if (!TAU0) {
-      // Vote through an mbarrier: each warp ORs its vote into vote_s[st] and arrives on mbarrier st.
-      // A warp that retains knows the outcome (one retaining entry keeps the tile) and does not
-      // wait; only warps that would skip wait for the 8 arrivals.  On inputs where nearly every tile
-      // is kept the vote thus costs no barrier and the warps keep drifting like the tau = 0 kernel.
-      const bool warp_retain = __any_sync(0xffffffffu, !allow);
-      if (lane == 0) {
-        if (warp_retain) atomicOr(&vote_s[st], 1u);
-        bwd_mbar_arrive(mbar_s + st * 8);
-      }
-      if (warp_retain) {
-        retain = true;
-      } else {
-        bwd_mbar_wait(mbar_s + st * 8, (t >> 1) & 1);
-        retain = *reinterpret_cast<volatile uint32_t*>(&vote_s[st]) != 0u;
-      }
+      retain = bwd_vote(allow, vote_s, mbar_s, st, t);
     }
     const bool q_late = LA == 2 && t + 2 < n_iter;
     if (TAU0) record(t, true);  // (no scores-live pressure problem without the test)
@@ -421,18 +528,7 @@ __global__ void __launch_bounds__(256, 1) bwd_main_kernel(const BwdParams p) {
     }
     // ---- 3. retained: dO, P, dP, dS, dV, dK, dQ -----------------------------------------------------
     const bool spec = t + 1 < n_iter;
-    if (!do_ready) {
-      load_do(t, st);
-      cp_async_commit();
-    }
-    if (spec) {
-      load_do(t + 1, st ^ 1);
-      cp_async_commit();
-    }
-    if (q_late) {
-      load_q(t + 2, (t + 2) % nqs);
-      cp_async_commit();
-    }
+    bwd_issue_retained(t, n_iter, nqs, do_ready, load_do, load_q);
     // P = exp2(S - lse) (masked entries are -inf; rows without legal keys may have lse = -inf)
 #pragma unroll
     for (int n = 0; n < NT; ++n)
@@ -442,14 +538,8 @@ __global__ void __launch_bounds__(256, 1) bwd_main_kernel(const BwdParams p) {
         s[n][c] = exp2f(s[n][c] - l2);
         s[n][c + 2] = exp2f(s[n][c + 2] - l2);
       }
-    if (!do_ready) {  // a prefetched dO_t arrived before the top barrier
-      const int newer = (spec ? 1 : 0) + (q_late ? 1 : 0);  // groups issued after dO_t
-      if (newer == 2)
-        cp_async_wait<2>();
-      else if (newer == 1)
-        cp_async_wait<1>();
-      else
-        cp_async_wait<0>();
+    if (!do_ready) {  // (a prefetched dO_t arrived before the top barrier)
+      bwd_wait_do((spec ? 1 : 0) + (q_late ? 1 : 0));
       __syncthreads();
     }
     do_ready = spec;
@@ -533,38 +623,34 @@ __global__ void __launch_bounds__(256, 1) bwd_main_kernel(const BwdParams p) {
   for (int hh = 0; hh < 2; ++hh) {
     const int r = key0 + g + hh * 8;
     if (r >= kn) continue;
-    if (p.dk_acc != nullptr) {
-      float* dka = p.dk_acc + (hk * p.rows_k_cap + krow0 + kb + r) * D + dwi * KC::DW + 2 * tq;
-      float* dva = p.dv_acc + (hk * p.rows_k_cap + krow0 + kb + r) * D + dwi * KC::DW + 2 * tq;
-#pragma unroll
-      for (int n = 0; n < NDW; ++n) {
-        bwd_red_add2(dka + n * 8, dk[n][2 * hh] * p.scale, dk[n][2 * hh + 1] * p.scale);
-        bwd_red_add2(dva + n * 8, dv[n][2 * hh], dv[n][2 * hh + 1]);
-      }
-    } else {
-      T* dkp = static_cast<T*>(p.dk) + (varlen ? krow0 * p.dk_r : b * p.dk_b) +
-               static_cast<int64_t>(kb + r) * p.dk_r + hk * p.dk_h + dwi * KC::DW + 2 * tq;
-      T* dvp = static_cast<T*>(p.dv) + (varlen ? krow0 * p.dv_r : b * p.dv_b) +
-               static_cast<int64_t>(kb + r) * p.dv_r + hk * p.dv_h + dwi * KC::DW + 2 * tq;
-#pragma unroll
-      for (int n = 0; n < NDW; ++n) {
-        *reinterpret_cast<uint32_t*>(dkp + n * 8) = pack2<T>(dk[n][2 * hh] * p.scale, dk[n][2 * hh + 1] * p.scale);
-        *reinterpret_cast<uint32_t*>(dvp + n * 8) = pack2<T>(dv[n][2 * hh], dv[n][2 * hh + 1]);
-      }
-    }
+    bwd_store_dkdv_row<T, D, NDW>(p, w, r, dwi * KC::DW + 2 * tq, [&](int n) {
+      return make_float4(dk[n][2 * hh], dk[n][2 * hh + 1], dv[n][2 * hh], dv[n][2 * hh + 1]);
+    });
   }
 }
 
-// The wgmma kernel for sm_90 at d = 128, tau = 0 (bwd_kernel_sm90.cuh, included by the d = 128
-// instantiation files).
-inline bool bwd_use_sm90(const BwdParams& p);
+// The wgmma kernel for sm_90 at d = 128 (bwd_kernel_sm90.cuh, included by the d = 128 instantiation
+// files) is used on an sm_90 device unless MALA_BWD_WGMMA=0 (the switch lets the benchmark and the
+// tests compare both kernels on one device).
+inline bool bwd_use_sm90() {
+  static const bool ok = [] {
+    int dev = 0, major = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) {
+      cudaGetLastError();
+      return false;
+    }
+    const char* e = getenv("MALA_BWD_WGMMA");
+    return major == 9 && !(e != nullptr && e[0] == '0');
+  }();
+  return ok;
+}
 template <typename T>
 cudaError_t launch_bwd_main_sm90(const BwdParams& p, cudaStream_t stream);
 
 template <typename T, int D>
 cudaError_t launch_bwd_main(const BwdParams& p, cudaStream_t stream) {
   if constexpr (D == 128) {
-    if (bwd_use_sm90(p)) return launch_bwd_main_sm90<T>(p, stream);
+    if (bwd_use_sm90()) return launch_bwd_main_sm90<T>(p, stream);
   }
   using KC = BwdKernel<T, D>;
   const int smem = KC::smem_bytes(p.q_stages);

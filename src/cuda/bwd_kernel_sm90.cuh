@@ -19,8 +19,6 @@
 // fence.proxy.async before the barrier.
 #pragma once
 
-#include <stdlib.h>
-
 #include <type_traits>
 
 #include "cuda/bwd_kernel.cuh"
@@ -90,32 +88,11 @@ __global__ void __launch_bounds__(256, 1) bwd_main_kernel_sm90(const BwdParams p
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = warp >> 2, wl = warp & 3;
   const int gid = lane >> 2, tig = lane & 3;
 
-  // CTA -> (key tile, batch, kv head, head split), as bwd_main_kernel.
-  const int per_j = p.batch * p.heads_kv * p.head_splits;
-  const int j = blockIdx.x / per_j;
-  int rest = blockIdx.x % per_j;
-  const int hs = rest % p.head_splits;
-  rest /= p.head_splits;
-  const int hk = rest % p.heads_kv;
-  const int b = rest / p.heads_kv;
-  const bool varlen = p.cu_q != nullptr;
-  int qlen = p.seqlen_q, klen = p.seqlen_k;
-  int64_t qrow0 = static_cast<int64_t>(b) * p.seqlen_q, krow0 = static_cast<int64_t>(b) * p.seqlen_k;
-  if (varlen) {
-    qrow0 = p.cu_q[b];
-    qlen = p.cu_q[b + 1] - p.cu_q[b];
-    krow0 = p.cu_k[b];
-    klen = p.cu_k[b + 1] - p.cu_k[b];
-  }
-  const int kb = j * BK;
-  if (kb >= klen) return;
-  const int kn = min(BK, klen - kb);
-  int i_start = 0;
-  if (p.causal) i_start = max(kb - (klen - qlen), 0) / BQ;
-  const int n_iq = max(rule::ceil_div(qlen, BQ) - i_start, 0);
-  const int n_iter = p.heads_per_cta * n_iq;
-  const int h0 = hk * p.group + hs * p.heads_per_cta;
-  const int64_t total_q = varlen ? static_cast<int64_t>(p.cu_q[p.batch]) : 0;
+  const BwdWork w = bwd_cta_work<BQ, BK>(p);
+  if (w.kb >= w.klen) return;
+  const int hk = w.hk, b = w.b, qlen = w.qlen, klen = w.klen, kb = w.kb, kn = w.kn, n_iter = w.n_iter;
+  const bool varlen = w.varlen;
+  const int64_t qrow0 = w.qrow0, krow0 = w.krow0;
 
   const T* q_base = static_cast<const T*>(p.q) + (varlen ? qrow0 * p.q_r : b * p.q_b);
   const T* do_base = static_cast<const T*>(p.dout) + (varlen ? qrow0 * p.do_r : b * p.do_b);
@@ -129,36 +106,18 @@ __global__ void __launch_bounds__(256, 1) bwd_main_kernel_sm90(const BwdParams p
   const float* thr_s = reinterpret_cast<const float*>(smem + KC::kOffThr);
   const float* dsum_s = reinterpret_cast<const float*>(smem + KC::kOffDsum);
 
-  auto lse_index = [&](int h, int row) -> int64_t {
-    return varlen ? h * total_q + qrow0 + row : (static_cast<int64_t>(b) * p.heads_q + h) * p.seqlen_q + row;
-  };
-  // Q_t with its lse (and log2(tau / L_q), written directly: read after the next top barrier).
   auto load_q = [&](int t, int stage) {
-    const int h = h0 + t / n_iq, i = i_start + t % n_iq;
-    const int r0 = i * BQ, valid = min(BQ, qlen - r0);
+    const int h = w.head(t), r0 = w.q_tile(t) * BQ, valid = min(BQ, qlen - r0);
     QTile::load_async<KC::kThreads>(sQ + stage * QTile::kBytes, q_base + static_cast<int64_t>(r0) * p.q_r + h * p.q_h,
                                     p.q_r, valid, tid);
-    if (tid < BQ) {
-      const bool ok = tid < valid;
-      const float* l2 = p.lse2 + h * p.rows_q_cap + qrow0 + r0 + tid;
-      bwd_cp_async_4(sbase + KC::kOffLse + (stage * BQ + tid) * 4, ok ? l2 : p.lse2, ok);
-      if (!TAU0) {
-        const int L = ok ? rule::visible_keys(r0 + tid, qlen, klen, p.causal) : 0;
-        reinterpret_cast<float*>(smem + KC::kOffThr)[stage * BQ + tid] =
-            L > 0 ? rule::log_threshold(p.log2_tau, __log2f(static_cast<float>(L))) : INFINITY;
-      }
-    }
+    bwd_load_lse_thr<BQ>(p, w, h, r0, valid, sbase + KC::kOffLse + stage * BQ * 4,
+                               reinterpret_cast<float*>(smem + KC::kOffThr) + stage * BQ);
   };
   auto load_do = [&](int t, int stage) {
-    const int h = h0 + t / n_iq, i = i_start + t % n_iq;
-    const int r0 = i * BQ, valid = min(BQ, qlen - r0);
+    const int h = w.head(t), r0 = w.q_tile(t) * BQ, valid = min(BQ, qlen - r0);
     QTile::load_async<KC::kThreads>(sDO + stage * QTile::kBytes,
                                     do_base + static_cast<int64_t>(r0) * p.do_r + h * p.do_h, p.do_r, valid, tid);
-    if (tid < BQ) {
-      const bool ok = tid < valid;
-      const float* ds = p.dsum + h * p.rows_q_cap + qrow0 + r0 + tid;
-      bwd_cp_async_4(sbase + KC::kOffDsum + (stage * BQ + tid) * 4, ok ? ds : p.dsum, ok);
-    }
+    bwd_load_dsum<BQ>(p, w, h, r0, valid, sbase + KC::kOffDsum + stage * BQ * 4);
   };
 
   KTile::load_async<KC::kThreads>(sK, k_ptr, p.k_r, kn, tid);
@@ -195,15 +154,7 @@ __global__ void __launch_bounds__(256, 1) bwd_main_kernel_sm90(const BwdParams p
     }
   };
   const bool recording = p.tile_mask != nullptr || p.bwd_slots != nullptr;
-  auto record = [&](int tt, bool keep) {
-    const int rh = h0 + tt / n_iq, ri = i_start + tt % n_iq;
-    if (p.tile_mask != nullptr && tid == 0)
-      p.tile_mask[((static_cast<int64_t>(b) * p.heads_q + rh) * p.n_q_tiles + ri) * p.n_k_tiles + j] = keep ? 2 : 1;
-    if (keep && p.bwd_slots != nullptr && tid < BQ) {
-      const int r = ri * BQ + tid;
-      if (r < qlen && rule::visible_keys(r, qlen, klen, p.causal) > 0) atomicAdd(p.bwd_slots + lse_index(rh, r), BK);
-    }
-  };
+  auto record = [&](int tt, bool keep) { bwd_record<BQ, BK>(p, w, tt, keep); };
   // The vote of tau > 0 (as bwd_main_kernel): two mbarriers + two flags.
   uint32_t* vote_s = reinterpret_cast<uint32_t*>(smem + KC::kOffVote);
   const uint32_t mbar_s = sbase + KC::kOffMbar;
@@ -233,8 +184,7 @@ __global__ void __launch_bounds__(256, 1) bwd_main_kernel_sm90(const BwdParams p
   const int krow = 64 * wg + 16 * wl + gid;  // this thread's first key row in the tile (+8: second)
   for (int t = 0; t < n_iter; ++t) {
     const int st = t & 1, qs = t % NQS;
-    const int h = h0 + t / n_iq, i = i_start + t % n_iq;
-    const int q0 = i * BQ;
+    const int h = w.head(t), q0 = w.q_tile(t) * BQ;
     if (t + 1 < n_iter)
       cp_async_wait<1>();  // Q_{t+1} may stay in flight
     else
@@ -317,17 +267,9 @@ __global__ void __launch_bounds__(256, 1) bwd_main_kernel_sm90(const BwdParams p
             const int col = n * 8 + 2 * tig + c;
             allow &= rule::row_allows_skip_finite_norm(fmaxf(s[4 * n + c], s[4 * n + 2 + c]), lse_t[col], thr_t[col]);
           }
-        const bool warp_retain = __any_sync(0xffffffffu, !allow);
-        if (lane == 0) {
-          if (warp_retain) atomicOr(&vote_s[st], 1u);
-          bwd_mbar_arrive(mbar_s + st * 8);
-        }
-        if (!warp_retain) {
-          bwd_mbar_wait(mbar_s + st * 8, (t >> 1) & 1);
-          retain = *reinterpret_cast<volatile uint32_t*>(&vote_s[st]) != 0u;
-        }
-      }
-      const bool q_late = t + 2 < n_iter;
+        retain = bwd_vote(allow, vote_s, mbar_s, st, t);
+    }
+    const bool q_late = t + 2 < n_iter;
       last_retain = retain;
       if (!retain) {
         if constexpr (dp_early) wgmma_wait<0>();  // its reads of V and dO_t end before the next loads
@@ -338,31 +280,11 @@ __global__ void __launch_bounds__(256, 1) bwd_main_kernel_sm90(const BwdParams p
         do_ready = false;
         return;
       }
-      const bool spec = t + 1 < n_iter;
-      const bool had_do = do_ready;
+      const bool had_do = TAU0 || do_ready;  // (tau = 0: every tile is retained, dO always prefetched)
+      const int newer = bwd_issue_retained(t, n_iter, NQS, had_do, load_do, load_q);
       if (!TAU0) {
-        if (!had_do) {
-          load_do(t, st);
-          cp_async_commit();
-        }
-      }
-      if (spec) {
-        load_do(t + 1, st ^ 1);
-        cp_async_commit();
-      }
-      if (q_late) {
-        load_q(t + 2, (t + 2) % NQS);
-        cp_async_commit();
-      }
-      if (!TAU0) {
-        if (!had_do) {  // dO_t was not prefetched: wait for it (groups issued after it: spec, q_late)
-          const int newer = (spec ? 1 : 0) + (q_late ? 1 : 0);
-          if (newer == 2)
-            cp_async_wait<2>();
-          else if (newer == 1)
-            cp_async_wait<1>();
-          else
-            cp_async_wait<0>();
+        if (!had_do) {  // dO_t was not prefetched
+          bwd_wait_do(newer);
           fence_proxy_async_smem();
           __syncthreads();
         }
@@ -371,7 +293,7 @@ __global__ void __launch_bounds__(256, 1) bwd_main_kernel_sm90(const BwdParams p
           issue_dp();
         }
       }
-      do_ready = spec;
+      do_ready = t + 1 < n_iter;
       // P = exp2(S - lse) while dP^T is computed.
 #pragma unroll
       for (int n = 0; n < 8; ++n)
@@ -448,43 +370,11 @@ __global__ void __launch_bounds__(256, 1) bwd_main_kernel_sm90(const BwdParams p
   for (int hh = 0; hh < 2; ++hh) {
     const int r = krow + hh * 8;
     if (r >= kn) continue;
-    if (p.dk_acc != nullptr) {
-      float* dka = p.dk_acc + (hk * p.rows_k_cap + krow0 + kb + r) * D + 2 * tig;
-      float* dva = p.dv_acc + (hk * p.rows_k_cap + krow0 + kb + r) * D + 2 * tig;
-#pragma unroll
-      for (int n = 0; n < 16; ++n) {
-        bwd_red_add2(dka + n * 8, dk[4 * n + 2 * hh] * p.scale, dk[4 * n + 2 * hh + 1] * p.scale);
-        bwd_red_add2(dva + n * 8, dv[4 * n + 2 * hh], dv[4 * n + 2 * hh + 1]);
-      }
-    } else {
-      T* dkp = static_cast<T*>(p.dk) + (varlen ? krow0 * p.dk_r : b * p.dk_b) + static_cast<int64_t>(kb + r) * p.dk_r +
-               hk * p.dk_h + 2 * tig;
-      T* dvp = static_cast<T*>(p.dv) + (varlen ? krow0 * p.dv_r : b * p.dv_b) + static_cast<int64_t>(kb + r) * p.dv_r +
-               hk * p.dv_h + 2 * tig;
-#pragma unroll
-      for (int n = 0; n < 16; ++n) {
-        *reinterpret_cast<uint32_t*>(dkp + n * 8) = pack2<T>(dk[4 * n + 2 * hh] * p.scale, dk[4 * n + 2 * hh + 1] * p.scale);
-        *reinterpret_cast<uint32_t*>(dvp + n * 8) = pack2<T>(dv[4 * n + 2 * hh], dv[4 * n + 2 * hh + 1]);
-      }
-    }
+    bwd_store_dkdv_row<T, D, 16>(p, w, r, 2 * tig, [&](int n) {
+      return make_float4(dk[4 * n + 2 * hh], dk[4 * n + 2 * hh + 1], dv[4 * n + 2 * hh], dv[4 * n + 2 * hh + 1]);
+    });
   }
 #endif
-}
-
-// Whether launch_bwd_main should use bwd_main_kernel_sm90: an sm_90 device (d = 128) and
-// MALA_BWD_WGMMA not set to 0 (the switch lets the benchmark and tests compare both kernels).
-inline bool bwd_use_sm90(const BwdParams& p) {
-  static const bool ok = [] {
-    int dev = 0, major = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) {
-      cudaGetLastError();
-      return false;
-    }
-    const char* e = getenv("MALA_BWD_WGMMA");
-    return major == 9 && !(e != nullptr && e[0] == '0');
-  }();
-  (void)p;
-  return ok;
 }
 
 template <typename T>
