@@ -126,10 +126,11 @@ __device__ __forceinline__ BwdWork bwd_cta_work(const BwdParams& p) {
 }
 
 // The per-row scalars of query tile (head h, rows r0 .., `valid` of them): lse in log2 units (with Q,
-// by cp.async) and log2(tau / L_q) (a plain store: read after the next top barrier; rows without
-// legal keys get +inf, which never constrains; unused at tau = 0, where leaving it out made ptxas
-// spill 44 bytes in the d = 256 mma.sync kernel); D = rowsum(dO * O) (with dO).
-template <int BQ>
+// by cp.async) and, when THR, log2(tau / L_q) (a plain store: read after the next top barrier; rows
+// without legal keys get +inf, which never constrains); D = rowsum(dO * O) (with dO).  The mma.sync
+// kernel writes the threshold at tau = 0 too, unused: leaving it out made ptxas spill 44 bytes in
+// its d = 256 instance.
+template <int BQ, bool THR>
 __device__ __forceinline__ void bwd_load_lse_thr(const BwdParams& p, const BwdWork& w, int h, int r0, int valid,
                                                  uint32_t lse_dst, float* thr_dst) {
   const int tid = threadIdx.x;
@@ -137,8 +138,10 @@ __device__ __forceinline__ void bwd_load_lse_thr(const BwdParams& p, const BwdWo
     const bool ok = tid < valid;
     const float* l2 = p.lse2 + h * p.rows_q_cap + w.qrow0 + r0 + tid;  // finite (preprocess kernel)
     bwd_cp_async_4(lse_dst + tid * 4, ok ? l2 : p.lse2, ok);
-    const int L = ok ? rule::visible_keys(r0 + tid, w.qlen, w.klen, p.causal) : 0;
-    thr_dst[tid] = L > 0 ? rule::log_threshold(p.log2_tau, __log2f(static_cast<float>(L))) : INFINITY;
+    if (THR) {
+      const int L = ok ? rule::visible_keys(r0 + tid, w.qlen, w.klen, p.causal) : 0;
+      thr_dst[tid] = L > 0 ? rule::log_threshold(p.log2_tau, __log2f(static_cast<float>(L))) : INFINITY;
+    }
   }
 }
 template <int BQ>
@@ -183,10 +186,10 @@ __device__ __forceinline__ bool bwd_vote(bool allow, uint32_t* vote_s, uint32_t 
 
 // The loads a retained tile t issues (the pipeline both main kernels share; Q stages nqs, LA = nqs - 1
 // tiles of Q lookahead): dO_t unless it was prefetched, dO_{t+1} speculatively (right when the next
-// tile is retained too, as on dense inputs), Q_{t+2} with three Q stages.  Returns the number of
-// cp.async groups issued after dO_t, for bwd_wait_do.
+// tile is retained too, as on dense inputs), Q_{t+2} with three Q stages.  A dO_t issued here is
+// followed by (t + 1 < n_iter) + (q_late) groups: bwd_wait_do's count.
 template <typename LoadDo, typename LoadQ>
-__device__ __forceinline__ int bwd_issue_retained(int t, int n_iter, int nqs, bool do_ready, LoadDo&& load_do,
+__device__ __forceinline__ void bwd_issue_retained(int t, int n_iter, int nqs, bool do_ready, LoadDo&& load_do,
                                                   LoadQ&& load_q) {
   const bool spec = t + 1 < n_iter, q_late = nqs == 3 && t + 2 < n_iter;
   if (!do_ready) {
@@ -201,7 +204,6 @@ __device__ __forceinline__ int bwd_issue_retained(int t, int n_iter, int nqs, bo
     load_q(t + 2, (t + 2) % nqs);
     cp_async_commit();
   }
-  return (spec ? 1 : 0) + (q_late ? 1 : 0);
 }
 // Waits for a dO_t that was not prefetched (`newer` groups were issued after it).
 __device__ __forceinline__ void bwd_wait_do(int newer) {
@@ -332,7 +334,7 @@ __global__ void __launch_bounds__(256, 1) bwd_main_kernel(const BwdParams p) {
     const int h = h0 + t / n_iq, r0 = (i_start + t % n_iq) * BQ, valid = min(BQ, qlen - r0);
     QTile::template load_async<256>(sQ + stage * QTile::kBytes, q_base + static_cast<int64_t>(r0) * p.q_r + h * p.q_h,
                                     p.q_r, valid, tid);
-    bwd_load_lse_thr<BQ>(p, w, h, r0, valid, sbase + KC::kOffLse + stage * BQ * 4,
+    bwd_load_lse_thr<BQ, true>(p, w, h, r0, valid, sbase + KC::kOffLse + stage * BQ * 4,
                                reinterpret_cast<float*>(smem + KC::kOffThr) + stage * BQ);
   };
   auto load_do = [&](int t, int stage) {
