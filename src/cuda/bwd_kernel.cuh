@@ -125,6 +125,24 @@ __device__ __forceinline__ BwdWork bwd_cta_work(const BwdParams& p) {
   return w;
 }
 
+// The CTA's input rows: this sequence's first Q and dO row, this key tile's first K and V row (of KV
+// head hk).
+template <typename T>
+struct BwdRows {
+  const T *q, *dout, *k, *v;
+};
+template <typename T>
+__device__ __forceinline__ BwdRows<T> bwd_rows(const BwdParams& p, const BwdWork& w) {
+  BwdRows<T> r;
+  r.q = static_cast<const T*>(p.q) + (w.varlen ? w.qrow0 * p.q_r : w.b * p.q_b);
+  r.dout = static_cast<const T*>(p.dout) + (w.varlen ? w.qrow0 * p.do_r : w.b * p.do_b);
+  r.k = static_cast<const T*>(p.k) + (w.varlen ? w.krow0 * p.k_r : w.b * p.k_b) + static_cast<int64_t>(w.kb) * p.k_r +
+        w.hk * p.k_h;
+  r.v = static_cast<const T*>(p.v) + (w.varlen ? w.krow0 * p.v_r : w.b * p.v_b) + static_cast<int64_t>(w.kb) * p.v_r +
+        w.hk * p.v_h;
+  return r;
+}
+
 // The per-row scalars of query tile (head h, rows r0 .., `valid` of them): lse in log2 units (with Q,
 // by cp.async) and, when THR, log2(tau / L_q) (a plain store: read after the next top barrier; rows
 // without legal keys get +inf, which never constrains); D = rowsum(dO * O) (with dO).  The mma.sync
@@ -308,17 +326,12 @@ __global__ void __launch_bounds__(256, 1) bwd_main_kernel(const BwdParams p) {
 
   const BwdWork w = bwd_cta_work<BQ, BK>(p);
   if (w.kb >= w.klen) return;
-  const int hk = w.hk, b = w.b, qlen = w.qlen, klen = w.klen, kb = w.kb, kn = w.kn, n_iter = w.n_iter, h0 = w.h0,
-            n_iq = w.n_iq, i_start = w.i_start;
-  const bool varlen = w.varlen;
-  const int64_t qrow0 = w.qrow0, krow0 = w.krow0;
+  const int qlen = w.qlen, klen = w.klen, kb = w.kb, kn = w.kn, n_iter = w.n_iter, h0 = w.h0, n_iq = w.n_iq,
+            i_start = w.i_start;
+  const int64_t qrow0 = w.qrow0;
 
-  const T* q_base = static_cast<const T*>(p.q) + (varlen ? qrow0 * p.q_r : b * p.q_b);
-  const T* do_base = static_cast<const T*>(p.dout) + (varlen ? qrow0 * p.do_r : b * p.do_b);
-  const T* k_ptr = static_cast<const T*>(p.k) + (varlen ? krow0 * p.k_r : b * p.k_b) +
-                   static_cast<int64_t>(kb) * p.k_r + hk * p.k_h;
-  const T* v_ptr = static_cast<const T*>(p.v) + (varlen ? krow0 * p.v_r : b * p.v_b) +
-                   static_cast<int64_t>(kb) * p.v_r + hk * p.v_h;
+  const BwdRows<T> rows = bwd_rows<T>(p, w);
+  const T *q_base = rows.q, *do_base = rows.dout, *k_ptr = rows.k, *v_ptr = rows.v;
 
   const uint32_t sbase = smem_addr(smem);
   const uint32_t sK = sbase + KC::kOffK, sV = sbase + KC::kOffV, sQ = sbase + KC::kOffQ,

@@ -90,16 +90,11 @@ __global__ void __launch_bounds__(256, 1) bwd_main_kernel_sm90(const BwdParams p
 
   const BwdWork w = bwd_cta_work<BQ, BK>(p);
   if (w.kb >= w.klen) return;
-  const int hk = w.hk, b = w.b, qlen = w.qlen, klen = w.klen, kb = w.kb, kn = w.kn, n_iter = w.n_iter;
-  const bool varlen = w.varlen;
-  const int64_t qrow0 = w.qrow0, krow0 = w.krow0;
+  const int qlen = w.qlen, klen = w.klen, kb = w.kb, kn = w.kn, n_iter = w.n_iter;
+  const int64_t qrow0 = w.qrow0;
 
-  const T* q_base = static_cast<const T*>(p.q) + (varlen ? qrow0 * p.q_r : b * p.q_b);
-  const T* do_base = static_cast<const T*>(p.dout) + (varlen ? qrow0 * p.do_r : b * p.do_b);
-  const T* k_ptr = static_cast<const T*>(p.k) + (varlen ? krow0 * p.k_r : b * p.k_b) +
-                   static_cast<int64_t>(kb) * p.k_r + hk * p.k_h;
-  const T* v_ptr = static_cast<const T*>(p.v) + (varlen ? krow0 * p.v_r : b * p.v_b) +
-                   static_cast<int64_t>(kb) * p.v_r + hk * p.v_h;
+  const BwdRows<T> rows = bwd_rows<T>(p, w);
+  const T *q_base = rows.q, *do_base = rows.dout, *k_ptr = rows.k, *v_ptr = rows.v;
   const uint32_t sK = sbase + KC::kOffK, sV = sbase + KC::kOffV, sQ = sbase + KC::kOffQ, sDO = sbase + KC::kOffDO,
                  sDS = sbase + KC::kOffDS;
   const float* lse_s = reinterpret_cast<const float*>(smem + KC::kOffLse);
