@@ -1,7 +1,8 @@
-// The backward main kernel on Hopper tensor cores (wgmma), head dim 128, tau = 0 (sm_90a; the
-// mma.sync kernel in bwd_kernel.cuh serves everything else).  Same work split and outputs as that
-// kernel -- one CTA per (key tile of 128 keys, sequence, KV head, head split), query tiles of 64 rows
-// ascending from the first legal one, dK/dV in registers, dQ added to the fp32 workspace -- but the
+// The backward main kernel on Hopper tensor cores (wgmma), head dim 128, tau = 0 and tau > 0 (sm_90a;
+// the mma.sync kernel in bwd_kernel.cuh serves the other head dims and devices).  Same work split,
+// offline test, vote and outputs as that kernel -- one CTA per (key tile of 128 keys, sequence, KV
+// head, head split), query tiles of 64 rows ascending from the first legal one, dK/dV in registers,
+// dQ added to the fp32 workspace -- but the
 // five products are warpgroup MMAs whose B operand (and A, for S, dP and dQ) is read by the tensor
 // cores straight from shared memory, once per warpgroup instead of once per warp: the mma.sync
 // kernel is bound by that shared-memory traffic (docs/kernels.md, profile of the backward).
@@ -14,9 +15,10 @@
 //   dK_g  += dS^T Q         likewise with dS^T and Q
 //   dS^T -> shared memory; at the next iteration (after its top barrier, so no extra barrier):
 //   dQ[:, 64g..64g+63] += dS K   m64n64, A = dS (MN-major: dS^T is stored [key][q]), B = K (MN-major)
-// Shared-memory tiles use the 128-byte swizzle wgmma reads (GmmaTile); loads are cp.async (Q_{t+1},
-// dO_{t+1} issued at the top of iteration t), made visible to the tensor cores' async proxy by
-// fence.proxy.async before the barrier.
+// A tile skipped by the test (tau > 0) stops after S^T.  Shared-memory tiles use the 128-byte swizzle
+// wgmma reads (GmmaTile); loads are cp.async with the mma.sync kernel's pipeline (3 Q stages, dO only
+// for retained tiles plus a speculative dO of the next), made visible to the tensor cores' async proxy
+// by fence.proxy.async before the barrier.
 #pragma once
 
 #include <type_traits>
