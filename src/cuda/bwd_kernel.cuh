@@ -1,6 +1,6 @@
 // The fused MALA backward kernel (offline rule), hand-written mma.sync m16n8k16, one source for
 // sm_80 and sm_90a.  Instantiated by src/cuda/instantiations/bwd_*.cu, launched by backward.cu.
-// On sm_90 devices at d = 128 the wgmma kernel of bwd_kernel_sm90.cuh runs instead (same work split
+// On sm_90 devices at d = 64 and 128 the wgmma kernel of bwd_kernel_sm90.cuh runs instead (same work split
 // and rule; the pieces both use are defined here once, below the barrier helpers).
 //
 // One CTA (8 warps) owns one key tile J_j (BK keys) of one KV head of one sequence, and a set of
@@ -646,7 +646,7 @@ __global__ void __launch_bounds__(256, 1) bwd_main_kernel(const BwdParams p) {
   }
 }
 
-// The wgmma kernel for sm_90 at d = 128 (bwd_kernel_sm90.cuh, included by the d = 128 instantiation
+// The wgmma kernel for sm_90 at d = 64 and 128 (bwd_kernel_sm90.cuh, included by those instantiation
 // files) is used on an sm_90 device unless MALA_BWD_WGMMA=0 (the switch lets the benchmark and the
 // tests compare both kernels on one device).
 inline bool bwd_use_sm90() {
@@ -661,13 +661,13 @@ inline bool bwd_use_sm90() {
   }();
   return ok;
 }
-template <typename T>
+template <typename T, int D>
 cudaError_t launch_bwd_main_sm90(const BwdParams& p, cudaStream_t stream);
 
 template <typename T, int D>
 cudaError_t launch_bwd_main(const BwdParams& p, cudaStream_t stream) {
-  if constexpr (D == 128) {
-    if (bwd_use_sm90()) return launch_bwd_main_sm90<T>(p, stream);
+  if constexpr (D == 64 || D == 128) {
+    if (bwd_use_sm90()) return launch_bwd_main_sm90<T, D>(p, stream);
   }
   using KC = BwdKernel<T, D>;
   const int smem = KC::smem_bytes(p.q_stages);

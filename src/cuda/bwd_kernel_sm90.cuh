@@ -1,5 +1,5 @@
-// The backward main kernel on Hopper tensor cores (wgmma), head dim 128, tau = 0 and tau > 0 (sm_90a;
-// the mma.sync kernel in bwd_kernel.cuh serves the other head dims and devices).  Same work split,
+// The backward main kernel on Hopper tensor cores (wgmma), head dims 64 and 128, tau = 0 and tau > 0
+// (sm_90a; the mma.sync kernel in bwd_kernel.cuh serves d = 256 and other devices).  Same work split,
 // offline test, vote and outputs as that kernel -- one CTA per (key tile of 128 keys, sequence, KV
 // head, head split), query tiles of 64 rows ascending from the first legal one, dK/dV in registers,
 // dQ added to the fp32 workspace -- but the
@@ -15,6 +15,7 @@
 //   dK_g  += dS^T Q         likewise with dS^T and Q
 //   dS^T -> shared memory; at the next iteration (after its top barrier, so no extra barrier):
 //   dQ[:, 64g..64g+63] += dS K   m64n64, A = dS (MN-major: dS^T is stored [key][q]), B = K (MN-major)
+//   (d = 64: warpgroup g adds dS[:, its keys] K[its keys] to all 64 columns instead)
 // A tile skipped by the test (tau > 0) stops after S^T.  Shared-memory tiles use the 128-byte swizzle
 // wgmma reads (GmmaTile); loads are cp.async with the mma.sync kernel's pipeline (3 Q stages, dO only
 // for retained tiles plus a speculative dO of the next), made visible to the tensor cores' async proxy
@@ -56,10 +57,12 @@ struct GmmaTile {
   }
 };
 
+template <int D_>
 struct BwdSm90 {
-  static constexpr int D = 128, BQ = 64, BK = 128, kThreads = 256, kWarps = 8, kQStages = 3;
-  using KTile = GmmaTile<BK, D>;   // K, V: 32 KB
-  using QTile = GmmaTile<BQ, D>;   // Q, dO stage: 16 KB
+  static constexpr int D = D_, BQ = 64, BK = 128, kThreads = 256, kWarps = 8, kQStages = 3;
+  static_assert(D == 64 || D == 128, "wgmma backward: head dim 64 or 128");
+  using KTile = GmmaTile<BK, D>;   // K, V: 32 KB at d = 128
+  using QTile = GmmaTile<BQ, D>;   // Q, dO stage: 16 KB at d = 128
   using STile = GmmaTile<BK, BQ>;  // dS^T [key][query]: 16 KB
   static constexpr int kOffK = 0;
   static constexpr int kOffV = kOffK + KTile::kBytes;
@@ -75,14 +78,14 @@ struct BwdSm90 {
   static constexpr int kSmem = kBytes + 1024;  // slack to align the base to 1024 bytes
 };
 
-template <typename T, bool TAU0>
+template <typename T, int D, bool TAU0>
 __global__ void __launch_bounds__(256, 1) bwd_main_kernel_sm90(const BwdParams p) {
 #ifdef MALA_WGMMA_ENABLED
-  using KC = BwdSm90;
-  constexpr int D = KC::D, BQ = KC::BQ, BK = KC::BK, NQS = KC::kQStages;
-  using KTile = KC::KTile;
-  using QTile = KC::QTile;
-  using STile = KC::STile;
+  using KC = BwdSm90<D>;
+  constexpr int BQ = KC::BQ, BK = KC::BK, NQS = KC::kQStages;
+  using KTile = typename KC::KTile;
+  using QTile = typename KC::QTile;
+  using STile = typename KC::STile;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   const uint32_t sraw = smem_addr(smem_raw);
   const uint32_t sbase = (sraw + 1023u) & ~1023u;
@@ -121,26 +124,32 @@ __global__ void __launch_bounds__(256, 1) bwd_main_kernel_sm90(const BwdParams p
   KTile::load_async<KC::kThreads>(sV, v_ptr, p.v_r, kn, tid);
   cp_async_commit();
 
-  float dk[64], dv[64];
+  float dk[D / 2], dv[D / 2];  // m64nD accumulators: keys 64wg.., all D dims
 #pragma unroll
-  for (int i = 0; i < 64; ++i) dk[i] = dv[i] = 0.f;
+  for (int i = 0; i < D / 2; ++i) dk[i] = dv[i] = 0.f;
 
-  // dQ[q0.., 64wg..64wg+63] += dS K for the tile whose dS^T is in buffer `buf`.
+  // dQ[q0.., 64 columns] += dS K (m64n64 per warpgroup) for the tile whose dS^T is in buffer `buf`.
+  // d = 128: warpgroup g takes dims 64g.. over all 128 keys.  d = 64: warpgroup g takes all 64 dims
+  // over its own keys 64g.. and both add their partial dQ to the workspace.
+  constexpr bool kDqSplitKeys = D == 64;
+  constexpr int kDqKeys = kDqSplitKeys ? 64 : BK;
+  const int dq_key0 = kDqSplitKeys ? 64 * wg : 0, dq_col0 = kDqSplitKeys ? 0 : 64 * wg;
   auto do_dq = [&](int h, int q0, int buf) {
     float dq[32];
 #pragma unroll
     for (int i = 0; i < 32; ++i) dq[i] = 0.f;
     wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < BK / 16; ++kk) {
-      const uint64_t da = wgmma_desc(sDS + buf * STile::kBytes + kk * 2048, STile::kBlockBytes, 1024);
-      const uint64_t db = wgmma_desc(sK + wg * KTile::kBlockBytes + kk * 2048, KTile::kBlockBytes, 1024);
+    for (int kk = 0; kk < kDqKeys / 16; ++kk) {
+      const uint32_t krow_off = (dq_key0 + kk * 16) * 128;
+      const uint64_t da = wgmma_desc(sDS + buf * STile::kBytes + krow_off, STile::kBlockBytes, 1024);
+      const uint64_t db = wgmma_desc(sK + (dq_col0 / 64) * KTile::kBlockBytes + krow_off, KTile::kBlockBytes, 1024);
       WgmmaSS<64, 1, 1, T>::run(dq, da, db);
     }
     wgmma_commit();
     wgmma_wait<0>();
     wgmma_fence_operands(dq);
-    float* dqa = p.dq_acc + (h * p.rows_q_cap + qrow0 + q0) * D + wg * 64 + 2 * tig;
+    float* dqa = p.dq_acc + (h * p.rows_q_cap + qrow0 + q0) * D + dq_col0 + 2 * tig;
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
       const int r = wl * 16 + gid + hh * 8;
@@ -364,10 +373,10 @@ __global__ void __launch_bounds__(256, 1) bwd_main_kernel_sm90(const BwdParams p
       wgmma_fence();
 #pragma unroll
       for (int kq = 0; kq < 4; ++kq)
-        WgmmaRS<128, 1, T>::run(dv, pa[kq], wgmma_desc(sDOs + kq * 2048, QTile::kBlockBytes, 1024));
+        WgmmaRS<D, 1, T>::run(dv, pa[kq], wgmma_desc(sDOs + kq * 2048, QTile::kBlockBytes, 1024));
 #pragma unroll
       for (int kq = 0; kq < 4; ++kq)
-        WgmmaRS<128, 1, T>::run(dk, da[kq], wgmma_desc(sQs + kq * 2048, QTile::kBlockBytes, 1024));
+        WgmmaRS<D, 1, T>::run(dk, da[kq], wgmma_desc(sQs + kq * 2048, QTile::kBlockBytes, 1024));
       wgmma_commit();
       wgmma_wait<0>();
       wgmma_fence_operands(dv);
@@ -392,21 +401,22 @@ __global__ void __launch_bounds__(256, 1) bwd_main_kernel_sm90(const BwdParams p
   for (int hh = 0; hh < 2; ++hh) {
     const int r = krow + hh * 8;
     if (r >= kn) continue;
-    bwd_store_dkdv_row<T, D, 16>(p, w, r, 2 * tig, [&](int n) {
+    bwd_store_dkdv_row<T, D, D / 8>(p, w, r, 2 * tig, [&](int n) {
       return make_float4(dk[4 * n + 2 * hh], dk[4 * n + 2 * hh + 1], dv[4 * n + 2 * hh], dv[4 * n + 2 * hh + 1]);
     });
   }
 #endif
 }
 
-template <typename T>
+template <typename T, int D>
 cudaError_t launch_bwd_main_sm90(const BwdParams& p, cudaStream_t stream) {
-  auto kernel = p.tau_zero ? bwd_main_kernel_sm90<T, true> : bwd_main_kernel_sm90<T, false>;
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, BwdSm90::kSmem);
+  using KC = BwdSm90<D>;
+  auto kernel = p.tau_zero ? bwd_main_kernel_sm90<T, D, true> : bwd_main_kernel_sm90<T, D, false>;
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, KC::kSmem);
   if (err != cudaSuccess) return err;
   const int64_t grid = static_cast<int64_t>(p.n_k_tiles) * p.batch * p.heads_kv * p.head_splits;
   if (grid <= 0) return cudaSuccess;
-  kernel<<<static_cast<unsigned>(grid), BwdSm90::kThreads, BwdSm90::kSmem, stream>>>(p);
+  kernel<<<static_cast<unsigned>(grid), KC::kThreads, KC::kSmem, stream>>>(p);
   return cudaGetLastError();
 }
 

@@ -1,3 +1,3 @@
-// Fused MALA backward, bf16, head dim 64 (see src/cuda/bwd_kernel.cuh).
-#include "cuda/bwd_kernel.cuh"
+// Fused MALA backward, bf16, head dim 64 (src/cuda/bwd_kernel.cuh; on sm_90, bwd_kernel_sm90.cuh).
+#include "cuda/bwd_kernel_sm90.cuh"
 MALA_INSTANTIATE_BWD(__nv_bfloat16, 64)
