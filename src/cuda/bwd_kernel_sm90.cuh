@@ -25,14 +25,15 @@
 #include <type_traits>
 
 #include "cuda/bwd_kernel.cuh"
+#include "cuda/gmma_layout.h"
 #include "cuda/wgmma.cuh"
 
 namespace mala {
 namespace cuda {
 
-// ROWS x COLS 16-bit elements in the layout of wgmma's 128-byte swizzle: COLS/64 blocks of ROWS rows
-// x 128 bytes; 16-byte chunk c of row r of a block is stored at chunk c ^ (r % 8).  Block bases are
-// 1024-byte aligned (the swizzle repeats every 8 rows), so descriptors need no base offset.
+// ROWS x COLS 16-bit elements in the layout of wgmma's 128-byte swizzle (gmma::tile_offset,
+// cuda/gmma_layout.h): COLS/64 blocks of ROWS rows x 128 bytes, block bases 1024-byte aligned, so
+// descriptors need no base offset.
 //   K-major operand (rows = M or N, cols = K): sbo = 1024 (8 rows); a k16 step is +32 bytes inside a
 //   block.  MN-major operand (rows = K, cols = M or N): sbo = 1024, lbo = kBlockBytes (next 64
 //   columns); a k16 step is +2048 bytes (16 rows).
@@ -41,9 +42,7 @@ struct GmmaTile {
   static_assert(COLS % 64 == 0 && ROWS % 8 == 0, "GmmaTile shape");
   static constexpr int kBlockBytes = ROWS * 128;
   static constexpr int kBytes = (COLS / 64) * kBlockBytes;
-  __device__ __forceinline__ static uint32_t offset(int r, int c) {
-    return static_cast<uint32_t>((c >> 6) * kBlockBytes + r * 128 + ((((c & 63) >> 3) ^ (r & 7)) << 4) + (c & 7) * 2);
-  }
+  __device__ __forceinline__ static uint32_t offset(int r, int c) { return gmma::tile_offset<ROWS>(r, c); }
   // Rows >= valid are zero-filled.  src: row 0, ld: elements between rows.
   template <int NT, typename T>
   __device__ __forceinline__ static void load_async(uint32_t dst, const T* src, int64_t ld, int valid, int tid) {
