@@ -107,9 +107,10 @@ template <int TB> struct WgmmaRS<{n}, TB, {ctype}> {{
 '''
 
 out = [HEADER]
+# The shapes the backward uses: ss m64n64 (S, dP, dQ); rs m64n64 / m64n128 (dV, dK at d = 64 / 128).
 for dtype, ctype in (("bf16", "__nv_bfloat16"), ("f16", "__half")):
+    out.append(ss(64, dtype, ctype))
     for n in (64, 128):
-        out.append(ss(n, dtype, ctype))
         out.append(rs(n, dtype, ctype))
 out.append("\n}  // namespace cuda\n}  // namespace mala\n")
 path = os.path.join(os.path.dirname(__file__), "..", "src", "cuda", "wgmma.cuh")

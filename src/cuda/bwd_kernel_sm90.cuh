@@ -273,18 +273,18 @@ __global__ void __launch_bounds__(256, 1) bwd_main_kernel_sm90(const BwdParams p
             allow &= rule::row_allows_skip_finite_norm(fmaxf(s[4 * n + c], s[4 * n + 2 + c]), lse_t[col], thr_t[col]);
           }
         // bwd_vote, written out: calling the shared function (and bwd_issue_retained below) measured
-      // 2.9% slower on random inputs at 32K (H100, 17.14 vs 16.66 ms, A/B in one call); inline 16.77.
-      const bool warp_retain = __any_sync(0xffffffffu, !allow);
-      if (lane == 0) {
-        if (warp_retain) atomicOr(&vote_s[st], 1u);
-        bwd_mbar_arrive(mbar_s + st * 8);
+        // 2.9% slower on random inputs at 32K (H100, 17.14 vs 16.66 ms, A/B in one call); inline 16.77.
+        const bool warp_retain = __any_sync(0xffffffffu, !allow);
+        if (lane == 0) {
+          if (warp_retain) atomicOr(&vote_s[st], 1u);
+          bwd_mbar_arrive(mbar_s + st * 8);
+        }
+        if (!warp_retain) {
+          bwd_mbar_wait(mbar_s + st * 8, (t >> 1) & 1);
+          retain = *reinterpret_cast<volatile uint32_t*>(&vote_s[st]) != 0u;
+        }
       }
-      if (!warp_retain) {
-        bwd_mbar_wait(mbar_s + st * 8, (t >> 1) & 1);
-        retain = *reinterpret_cast<volatile uint32_t*>(&vote_s[st]) != 0u;
-      }
-    }
-    const bool q_late = t + 2 < n_iter;
+      const bool q_late = t + 2 < n_iter;
       last_retain = retain;
       if (!retain) {
         if constexpr (dp_early) wgmma_wait<0>();  // its reads of V and dO_t end before the next loads
