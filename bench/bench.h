@@ -36,6 +36,10 @@ struct Options {
   std::vector<int64_t> decode_batch = {1, 8};            // decode only
   std::string variant;                                   // kernel variant (tuning builds only)
   bool check = false;                                    // also compare with the CPU (small N only)
+  // Forward: time the taus of one input in alternation (tau_a, tau_b, tau_a, ... per iteration)
+  // instead of one after the other, so GPU clock drift (power limit, heating) does not favour
+  // whichever tau runs first.
+  bool interleave = false;
 };
 
 #define BENCH_CUDA(expr)                                                                         \
@@ -81,6 +85,9 @@ void upload_converted(const float* host, size_t n, mala::DType dtype, void* dev)
 // Median milliseconds of fn(stream) over opt.iters timed calls after opt.warmup untimed ones, each
 // preceded (outside the timed region) by an L2 flush when opt.flush_l2.  Defined in bench_forward.cu.
 double time_median_ms(const Options& opt, const std::function<void(cudaStream_t)>& fn);
+// Medians of several calls timed in alternation: each iteration runs every fn once, in order.
+std::vector<double> time_medians_interleaved(const Options& opt,
+                                             const std::vector<std::function<void(cudaStream_t)>>& fns);
 
 // Dense causal (or full) forward FLOPs: 4 * sum over rows of visible keys * d * Hq * batch.
 inline double forward_flops(int64_t batch, int64_t nq, int64_t nk, int64_t hq, int64_t d, bool causal) {
@@ -122,6 +129,7 @@ inline int64_t parse_len(const std::string& s) {  // "4096", "4K", "128k"
 //   --op fwd|bwd|decode|all   --n 1K,4K,...   --tau 0,1   --regime random,synthetic
 //   --sharpness 1,4,16   --batch B   --hq H   --hkv H   --d D   --dtype bf16|fp16   --noncausal
 //   --iters N   --warmup N   --no-flush   --seed S   --decode-batch 1,8   --variant NAME   --check
+//   --interleave
 inline Options parse_options(int argc, char** argv) {
   Options o;
   for (int i = 1; i < argc; ++i) {
@@ -145,6 +153,7 @@ inline Options parse_options(int argc, char** argv) {
     else if (a == "--decode-batch") { o.decode_batch.clear(); for (auto& x : split_list(next())) o.decode_batch.push_back(std::stoll(x)); }
     else if (a == "--variant") o.variant = next();
     else if (a == "--check") o.check = true;
+    else if (a == "--interleave") o.interleave = true;
   }
   return o;
 }

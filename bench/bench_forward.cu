@@ -3,8 +3,10 @@
 // For each N, input regime (random; synthetic at each sharpness) and tau: one untimed call with
 // lse/fwd_slots/tile_mask to measure the realized work (mean post-score slots per query, retained
 // fraction of legal tiles, omitted mass vs our tau = 0 lse), then the timed calls (no optional
-// outputs).  TFLOP/s use the dense causal count 4 * sum_q L_q * d * Hq (the same count for every tau,
-// so they are "effective" TFLOP/s for tau > 0); speedup is against our tau = 0 on the same inputs.
+// outputs; with --interleave the taus of one input alternate within each timed iteration, so clock
+// drift at the power limit does not favour the tau timed first).  TFLOP/s use the dense causal
+// count 4 * sum_q L_q * d * Hq (the same count for every tau, so they are "effective" TFLOP/s for
+// tau > 0); speedup is against our tau = 0 on the same inputs.
 //
 // Tuning builds (-DMALA_BENCH_TUNE, never in CMake) add --variant to time other tile configurations
 // of the same kernel template (d = 128, bf16, contiguous, no optional outputs).
@@ -164,7 +166,8 @@ bool make_device_workload(const Options& opt, const std::string& regime, double 
   return true;
 }
 
-double time_median_ms(const Options& opt, const std::function<void(cudaStream_t)>& fn) {
+std::vector<double> time_medians_interleaved(const Options& opt,
+                                             const std::vector<std::function<void(cudaStream_t)>>& fns) {
   static cudaStream_t stream = nullptr;
   static cudaEvent_t e0 = nullptr, e1 = nullptr;
   if (!stream) {
@@ -174,29 +177,41 @@ double time_median_ms(const Options& opt, const std::function<void(cudaStream_t)
   }
   size_t fb = 0;
   float* flush = flush_buffer(&fb);
-  for (int i = 0; i < opt.warmup; ++i) fn(stream);
+  for (const auto& fn : fns)
+    for (int i = 0; i < opt.warmup; ++i) fn(stream);
   BENCH_CUDA(cudaStreamSynchronize(stream));
-  std::vector<float> ms;
+  std::vector<std::vector<float>> ms(fns.size());
   for (int i = 0; i < std::max(opt.iters, 1); ++i) {
-    if (opt.flush_l2) BENCH_CUDA(cudaMemsetAsync(flush, i & 0xff, fb, stream));
-    BENCH_CUDA(cudaEventRecord(e0, stream));
-    fn(stream);
-    BENCH_CUDA(cudaEventRecord(e1, stream));
-    BENCH_CUDA(cudaEventSynchronize(e1));
-    float t = 0;
-    BENCH_CUDA(cudaEventElapsedTime(&t, e0, e1));
-    ms.push_back(t);
+    for (size_t f = 0; f < fns.size(); ++f) {
+      if (opt.flush_l2) BENCH_CUDA(cudaMemsetAsync(flush, i & 0xff, fb, stream));
+      BENCH_CUDA(cudaEventRecord(e0, stream));
+      fns[f](stream);
+      BENCH_CUDA(cudaEventRecord(e1, stream));
+      BENCH_CUDA(cudaEventSynchronize(e1));
+      float t = 0;
+      BENCH_CUDA(cudaEventElapsedTime(&t, e0, e1));
+      ms[f].push_back(t);
+    }
   }
   BENCH_CUDA(cudaGetLastError());
-  std::sort(ms.begin(), ms.end());
-  return ms[ms.size() / 2];
+  std::vector<double> med;
+  for (auto& v : ms) {
+    std::sort(v.begin(), v.end());
+    med.push_back(v[v.size() / 2]);
+  }
+  return med;
+}
+
+double time_median_ms(const Options& opt, const std::function<void(cudaStream_t)>& fn) {
+  return time_medians_interleaved(opt, {fn})[0];
 }
 
 int run_forward_bench(const Options& opt) {
   const int64_t B = opt.batch, hq = opt.heads_q, hkv = opt.heads_kv, d = opt.head_dim;
-  std::printf("\n== forward: B=%lld Hq=%lld Hkv=%lld d=%lld %s %s, median of %d (warm-up %d), L2 %s\n",
+  std::printf("\n== forward: B=%lld Hq=%lld Hkv=%lld d=%lld %s %s, median of %d (warm-up %d)%s, L2 %s\n",
               (long long)B, (long long)hq, (long long)hkv, (long long)d, mala::dtype_name(opt.dtype),
-              opt.causal ? "causal" : "non-causal", opt.iters, opt.warmup, opt.flush_l2 ? "flushed" : "warm");
+              opt.causal ? "causal" : "non-causal", opt.iters, opt.warmup,
+              opt.interleave ? ", taus interleaved" : "", opt.flush_l2 ? "flushed" : "warm");
   if (!opt.variant.empty()) std::printf("   kernel variant: %s\n", opt.variant.c_str());
   std::printf("%6s %-10s %5s %5s %6s %10s %8s %8s %9s %8s %10s %10s\n", "N", "regime", "sharp", "tau", "tiles",
               "ms", "TFLOP/s", "vs_tau0", "slots/q", "retain%", "omit_mean", "omit_max");
@@ -234,7 +249,16 @@ int run_forward_bench(const Options& opt) {
       std::vector<float> lse_dense((size_t)B * hq * n);
       BENCH_CUDA(cudaMemcpy(lse_dense.data(), lse0.p, lse_dense.size() * 4, cudaMemcpyDeviceToHost));
 
-      double t_tau0 = -1;
+      // Per tau: realized work first (untimed), then the timings (one after the other, or
+      // alternating with --interleave), then the rows.
+      struct Row {
+        float tau;
+        int bq, bk;
+        mala::Distribution sd, om;
+        double ret;
+        std::function<void(cudaStream_t)> call;
+      };
+      std::vector<Row> rows;
       for (float tau : opt.tau) {
         int bq = 0, bk = 0;
         mala::ForwardArgs ar = a;
@@ -263,22 +287,35 @@ int run_forward_bench(const Options& opt) {
         const double ret = mala::retained_fraction(hm.data(), (int64_t)hm.size());
         const mala::Distribution om = mala::omitted_mass(hl.data(), lse_dense.data(), (int64_t)hl.size());
 
-        const double ms = time_median_ms(opt, [&](cudaStream_t s) {
-          mala::ForwardArgs at = ar;
-          at.stream = s;
-          int x, y;
-          run_fwd(opt, at, &x, &y);
-        });
-        if (tau == 0.f) t_tau0 = ms;
+        rows.push_back({tau, bq, bk, sd, om, ret, [&opt, ar](cudaStream_t s) {
+                          mala::ForwardArgs at = ar;
+                          at.stream = s;
+                          int x, y;
+                          run_fwd(opt, at, &x, &y);
+                        }});
+      }
+      std::vector<double> times;
+      if (opt.interleave) {
+        std::vector<std::function<void(cudaStream_t)>> calls;
+        for (const Row& r : rows) calls.push_back(r.call);
+        times = time_medians_interleaved(opt, calls);
+      } else {
+        for (const Row& r : rows) times.push_back(time_median_ms(opt, r.call));
+      }
+      double t_tau0 = -1;
+      for (size_t i = 0; i < rows.size(); ++i) {
+        const Row& r = rows[i];
+        const double ms = times[i];
+        if (r.tau == 0.f) t_tau0 = ms;
         char ratio[32] = "-";
         if (t_tau0 > 0) std::snprintf(ratio, sizeof ratio, "%.3fx", t_tau0 / ms);
         char tiles[16];
-        std::snprintf(tiles, sizeof tiles, "%dx%d", bq, bk);
+        std::snprintf(tiles, sizeof tiles, "%dx%d", r.bq, r.bk);
         std::printf("%6s %-10s %5.1f %5.2f %6s %10.3f %8.1f %8s %9.1f %8.2f %10.2e %10.2e\n", fmt_n(n).c_str(),
-                    in.first.c_str(), in.second, tau, tiles, ms, flops / (ms * 1e-3) / 1e12, ratio, sd.mean,
-                    100.0 * ret, om.mean, om.max);
-        std::fflush(stdout);
+                    in.first.c_str(), in.second, r.tau, tiles, ms, flops / (ms * 1e-3) / 1e12, ratio, r.sd.mean,
+                    100.0 * r.ret, r.om.mean, r.om.max);
       }
+      std::fflush(stdout);
     }
   }
   return 0;

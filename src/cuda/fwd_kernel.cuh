@@ -9,9 +9,11 @@
 //   MALA tile test (tau > 0 only; rule::row_allows_skip via tile_test.cuh, voted over the warp) ->
 //   retained: online-softmax update and O += P V;  skipped: nothing (m, l, acc untouched).
 // V (kLazyV, the default): prefetched with K when tau = 0 or when some warp retained the previous
-// tile, otherwise loaded on demand only if some warp of the CTA retains the tile (__syncthreads_or
-// after the test).  Measured on H100 at 128K (synthetic, 0.26% retained): 1.865x vs 1.778x over
-// tau = 0 for always-prefetched V; no difference on random inputs.
+// tile (learnt from the end-of-tile __syncthreads_or), otherwise loaded on demand only if some warp
+// of the CTA retains the tile (a __syncthreads_or after the test, only on such tiles).  Measured on
+// H100 at 128K (synthetic, 0.26% retained): 1.93x vs 1.84x over tau = 0 for always-prefetched V.
+// Taking the retention vote at the end-of-tile barrier instead of after every test moved random
+// inputs from 0.94-0.95x to 0.96-0.97x of tau = 0 (8K-128K) for 2% on the sparse case.
 // Decision tile = (16*kMT rows of one warp) x kBk keys; tile_mask/fwd_slots use exactly those.
 // The per-row test inputs (log2 threshold, m + log2 l) live in shared memory: at d = 128 the
 // 128 fp32 accumulators + 64 scores per thread leave no registers for them (no spills now).
@@ -170,7 +172,9 @@ __global__ void __launch_bounds__(FwdKernelTraits<T, D, Cfg>::kThreads, FwdKerne
   // V of tile j is either prefetched with K (v_ready) or loaded on demand after the tile test when
   // some warp retains the tile.  Prefetch policy: always when the test is off (tau = 0: dense
   // pipeline), otherwise when the previous tile was retained by some warp (retention is bursty:
-  // random inputs keep the dense pipeline, sparse inputs skip most V loads).
+  // random inputs keep the dense pipeline, sparse inputs skip most V loads).  Whether some warp
+  // retained a tile comes from the end-of-tile barrier (__syncthreads_or), so a tile whose V was
+  // prefetched needs no barrier between its test and its P V; only an on-demand V load does.
   bool v_ready = true;  // the prologue loads V of the first tile
   bool last_any = true;
   int buf = 0;
@@ -261,13 +265,11 @@ __global__ void __launch_bounds__(FwdKernelTraits<T, D, Cfg>::kThreads, FwdKerne
       if (mask_row && lane == 0) mask_row[j] = skip ? kTileSkipped : kTileRetained;
     }
 
-    // V on demand: only when some warp of the CTA retains this tile.
+    // V on demand: only when it was not prefetched and some warp of the CTA retains this tile.
     bool load_v = false;
     if constexpr (Tr::kLazyV) {
-      if (test_on) {
-        const bool any = __syncthreads_or(retain) != 0;
-        load_v = any && !v_ready;
-        last_any = any;
+      if (test_on && !v_ready) {
+        load_v = __syncthreads_or(retain) != 0;
         if (load_v) {
           KVTile::template load_async<NTH>(sV, vp + (int64_t)j * BK * p.v_sr, p.v_sr, Nk - j * BK, tid);
           cp_async_commit();
@@ -281,6 +283,9 @@ __global__ void __launch_bounds__(FwdKernelTraits<T, D, Cfg>::kThreads, FwdKerne
       __syncthreads();
     }
     if (retain) {
+      // The quad leader rewrites s_norm after all four lanes read it for the test (the vote does
+      // not order memory, __syncwarp does); the next tile reads it after the end-of-tile barrier.
+      __syncwarp();
       if (test_on && (lane & 3) == 0) {
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
@@ -288,7 +293,6 @@ __global__ void __launch_bounds__(FwdKernelTraits<T, D, Cfg>::kThreads, FwdKerne
           for (int hh = 0; hh < 2; ++hh)
             s_norm[warp * RW + mt * 16 + (lane >> 2) + hh * 8] = m[mt][hh] + __log2f(l[mt][hh]);
       }
-      __syncwarp();
       // ---- O += P V ----
       uint32_t pa[BK / 16][MT][4];  // P packed to 16-bit at once: half the registers of fp32 S
 #pragma unroll
@@ -310,7 +314,10 @@ __global__ void __launch_bounds__(FwdKernelTraits<T, D, Cfg>::kThreads, FwdKerne
       }
       ++retained;
     }
-    __syncthreads();  // everyone is done with `buf` before the next iteration refills it
+    // Everyone is done with `buf` before the next iteration refills it; the same barrier tells
+    // every warp whether some warp retained this tile (the next tile's V prefetch decision).
+    if constexpr (Tr::kLazyV) last_any = __syncthreads_or(retain) != 0;
+    else __syncthreads();
     buf ^= 1;
     v_ready = pref_v;
   }
