@@ -230,6 +230,22 @@ float time_enqueue(Env& env, F&& enqueue) {
   return median(t);
 }
 
+// The same timing around a CUDA graph replay of what `enqueue` launches (captured once), as a
+// serving loop replays its decode step: no per-call host launch work between the two events.
+template <typename F>
+float time_graph(Env& env, F&& enqueue) {
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  BENCH_CHECK(cudaStreamBeginCapture(env.stream, cudaStreamCaptureModeThreadLocal));
+  enqueue();
+  BENCH_CHECK(cudaStreamEndCapture(env.stream, &graph));
+  BENCH_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  const float t = time_enqueue(env, [&] { BENCH_CHECK(cudaGraphLaunch(exec, env.stream)); });
+  BENCH_CHECK(cudaGraphExecDestroy(exec));
+  BENCH_CHECK(cudaGraphDestroy(graph));
+  return t;
+}
+
 // Median time (microseconds) of one decode call with a cold L2.
 float time_decode(Env& env, const mala::DecodeArgs& a) {
   bool checked = false;
@@ -404,7 +420,8 @@ void trace_probe(const Problem& pb, Env& env, Bufs& bf) {
 // --overhead: where a batch-1 decode's time goes beyond its bytes.  The same timing (cold L2, CUDA
 // events, median) around: one empty kernel; an empty kernel plus a dependent one launched the way
 // decode launches its combine; a plain kernel streaming the same K and V bytes; decode at tau = 0
-// with several split counts (num_splits = 1 has no combine).
+// eager and replayed from a CUDA graph; decode at tau = 0 with several split counts (num_splits = 1
+// has no combine).
 void overhead_probe(const Problem& pb, Env& env, Bufs& bf) {
   std::vector<int32_t> lens(pb.batch, static_cast<int32_t>(pb.n));
   BENCH_CHECK(cudaMemcpy(bf.lens, lens.data(), lens.size() * 4, cudaMemcpyHostToDevice));
@@ -448,6 +465,22 @@ void overhead_probe(const Problem& pb, Env& env, Bufs& bf) {
               "(%.0f GB/s; floor at copy bandwidth %.2f us)\n",
               (long long)pb.n, (long long)pb.batch, t_empty, t_pair, t_stream, kv_bytes / (t_stream * 1e3),
               kv_bytes / env.copy_bw * 1e6);
+  {
+    mala::DecodeArgs a = make_args(pb, env, bf.lens, 0.f, bf.ws, bf.ws_bytes, 0);
+    a.o = bf.o;
+    const float t_eager = time_decode(env, a);
+    const float t_graph = time_graph(env, [&] {
+      mala::Status st = mala::decode(a);
+      if (!st) {
+        std::fprintf(stderr, "decode failed: %s\n", st.message.c_str());
+        std::exit(1);
+      }
+    });
+    const float t_empty_graph = time_graph(env, [&] { empty_kernel<<<1, 32, 0, env.stream>>>(); });
+    std::printf("overhead N=%-6lld B=%lld: decode tau=0 default splits: eager %.2f us | CUDA graph replay %.2f us "
+                "(empty kernel in a graph %.2f us) | floor(K+V) %.2f us\n",
+                (long long)pb.n, (long long)pb.batch, t_eager, t_graph, t_empty_graph, kv_bytes / env.copy_bw * 1e6);
+  }
   trace_probe(pb, env, bf);
   for (int ns : {1, 8, 33, 66, 132, 264}) {
     mala::DecodeArgs a = make_args(pb, env, bf.lens, 0.f, bf.ws, bf.ws_bytes, ns);

@@ -53,6 +53,11 @@ run)
       rc=$?
       tail -3 "$out/sanitizer_$tool.log"
       [ $rc = 0 ] || { echo "compute-sanitizer $tool: exit $rc"; status=1; }
+      # racecheck reports hazards it only suspects as warnings, which do not set the exit code
+      if grep -q "hazards displayed" "$out/sanitizer_$tool.log" &&
+         ! grep -q "0 hazards displayed (0 errors, 0 warnings)" "$out/sanitizer_$tool.log"; then
+        echo "compute-sanitizer $tool: hazards reported"; status=1
+      fi
     done
   fi
   echo "== benchmark"
