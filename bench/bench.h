@@ -40,6 +40,9 @@ struct Options {
   // instead of one after the other, so GPU clock drift (power limit, heating) does not favour
   // whichever tau runs first.
   bool interleave = false;
+  // Forward: captured real inputs instead of the generated regimes (tools/real/capture_qkv.py):
+  // one file prefix per input, PREFIX_{q,k,v}.npy.
+  std::vector<std::string> real;
 };
 
 #define BENCH_CUDA(expr)                                                                         \
@@ -129,7 +132,7 @@ inline int64_t parse_len(const std::string& s) {  // "4096", "4K", "128k"
 //   --op fwd|bwd|decode|all   --n 1K,4K,...   --tau 0,1   --regime random,synthetic
 //   --sharpness 1,4,16   --batch B   --hq H   --hkv H   --d D   --dtype bf16|fp16   --noncausal
 //   --iters N   --warmup N   --no-flush   --seed S   --decode-batch 1,8   --variant NAME   --check
-//   --interleave
+//   --interleave   --real PREFIX,...
 inline Options parse_options(int argc, char** argv) {
   Options o;
   for (int i = 1; i < argc; ++i) {
@@ -154,6 +157,7 @@ inline Options parse_options(int argc, char** argv) {
     else if (a == "--variant") o.variant = next();
     else if (a == "--check") o.check = true;
     else if (a == "--interleave") o.interleave = true;
+    else if (a == "--real") o.real = split_list(next());
   }
   return o;
 }

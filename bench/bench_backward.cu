@@ -3,6 +3,7 @@
 // (regime, sharpness, N, tau); ratios are to our own tau = 0 backward on the same inputs in the same
 // run.  O and lse come from our CUDA forward at the same tau (the backward tests against them).
 //   mala_bench --op bwd --n 1K,32K,128K --tau 0,1 --regime random,synthetic --sharpness 4 --iters 10
+//   mala_bench --op bwd --real real-data/gpl3/layer05   (captured inputs, tools/real/; shape from the files)
 // Self-contained timing (CUDA events, warm-up, median, 256 MB L2 flush before each timed call) so it
 // does not depend on the forward bench's helpers.
 #include <cuda_bf16.h>
@@ -17,6 +18,7 @@
 #include <vector>
 
 #include "bench.h"
+#include "npy.h"
 
 namespace {
 
@@ -61,139 +63,190 @@ double median_ms(const Options& opt, int iters, void* flush, size_t flush_bytes,
 
 int run_backward_bench(int argc, char** argv) {
   const Options opt = mala_bench::parse_options(argc, argv);
-  const int64_t B = opt.batch, hq = opt.heads_q, hkv = opt.heads_kv, d = opt.head_dim;
   const size_t flush_bytes = size_t(256) << 20;
   DevMem flush(flush_bytes);
   cudaEvent_t e0, e1;
   BENCH_CUDA(cudaEventCreate(&e0));
   BENCH_CUDA(cudaEventCreate(&e1));
   std::printf("== backward: %s B=%lld Hq=%lld Hkv=%lld d=%lld %s, %s (device %s)\n", mala::dtype_name(opt.dtype),
-              (long long)B, (long long)hq, (long long)hkv, (long long)d, opt.causal ? "causal" : "non-causal",
+              (long long)opt.batch, (long long)opt.heads_q, (long long)opt.heads_kv, (long long)opt.head_dim,
+              opt.causal ? "causal" : "non-causal",
               "median of --iters, L2 flushed", mala::device_name().c_str());
   std::printf("%-10s %5s %6s %4s %10s %8s %10s %9s %9s\n", "regime", "sharp", "N", "tau", "bwd ms", "TFLOP/s",
               "slots/q", "retained", "vs tau0");
+  // The inputs: generated (regime x sharpness x N) or captured real layers (--real PREFIX,...).
+  struct Input {
+    std::string regime;
+    double sharp;
+    int64_t n;
+    std::string prefix;  // real only
+  };
+  std::vector<Input> inputs;
+  if (!opt.real.empty()) {
+    for (const std::string& p : opt.real) inputs.push_back({"real", 0.0, 0, p});
+  } else {
+    for (const std::string& regime : opt.regimes) {
+      const std::vector<double> sharps = regime == "synthetic" ? opt.sharpness : std::vector<double>{0.0};
+      for (double sharp : sharps)
+        for (int64_t n : opt.n) inputs.push_back({regime, sharp, n, ""});
+    }
+  }
   int rc = 0;
-  for (const std::string& regime : opt.regimes) {
-    const std::vector<double> sharps = regime == "synthetic" ? opt.sharpness : std::vector<double>{0.0};
-    for (double sharp : sharps)
-      for (int64_t n : opt.n) {
-        const size_t nq_el = static_cast<size_t>(B * n * hq * d), nk_el = static_cast<size_t>(B * n * hkv * d);
-        std::vector<float> q(nq_el), k(nk_el), v(nk_el), dout(nq_el);
-        mala::WorkloadSpec w;
-        w.regime = regime;
-        w.batch = B;
-        w.seqlen = n;
-        w.heads_q = hq;
-        w.heads_kv = hkv;
-        w.head_dim = d;
-        w.sharpness = sharp;
-        w.seed = opt.seed;
-        mala::Status s = mala::make_workload(w, q.data(), k.data(), v.data(), dout.data());
-        if (!s) {
-          std::printf("workload: %s\n", s.message.c_str());
+  for (const Input& in : inputs) {
+    const std::string& regime = in.regime;
+    const double sharp = in.sharp;
+    int64_t n = in.n, B = opt.batch, hq = opt.heads_q, hkv = opt.heads_kv, d = opt.head_dim;
+    std::vector<float> q, k, v, dout;
+    if (!in.prefix.empty()) {
+      mala::npy::Array a[3];
+      const char* names[3] = {"_q.npy", "_k.npy", "_v.npy"};
+      for (int i = 0; i < 3; ++i) {
+        mala::Status st = mala::npy::read(in.prefix + names[i], &a[i]);
+        if (!st.ok || a[i].shape.size() != 3) {
+          std::printf("--real %s%s: %s\n", in.prefix.c_str(), names[i],
+                      st.ok ? "expected [N, H, d]" : st.message.c_str());
           return 1;
         }
-        DevMem gq(nq_el * 2), gk(nk_el * 2), gv(nk_el * 2), gdo(nq_el * 2), go(nq_el * 2), gdq(nq_el * 2),
-            gdk(nk_el * 2), gdv(nk_el * 2);
-        DevMem glse(static_cast<size_t>(B * hq * n) * 4), gslots(static_cast<size_t>(B * hq * n) * 4);
-        {
-          auto hb = to_bits(q, opt.dtype);
-          BENCH_CUDA(cudaMemcpy(gq.p, hb.data(), nq_el * 2, cudaMemcpyHostToDevice));
-          hb = to_bits(dout, opt.dtype);
-          BENCH_CUDA(cudaMemcpy(gdo.p, hb.data(), nq_el * 2, cudaMemcpyHostToDevice));
-          hb = to_bits(k, opt.dtype);
-          BENCH_CUDA(cudaMemcpy(gk.p, hb.data(), nk_el * 2, cudaMemcpyHostToDevice));
-          hb = to_bits(v, opt.dtype);
-          BENCH_CUDA(cudaMemcpy(gv.p, hb.data(), nk_el * 2, cudaMemcpyHostToDevice));
-        }
-        q.clear(); q.shrink_to_fit();
-        dout.clear(); dout.shrink_to_fit();
-        const double flops = 2.5 * mala_bench::forward_flops(B, n, n, hq, d, opt.causal);
-        double t0_ms = 0;
-        // One workspace for every tau of this shape: the fp32 dQ accumulator in it takes red.global.add
-        // traffic, and its placement alone moved the backward by up to 12% on the H100 (48K: 37 vs 42
-        // ms, alternating between consecutive allocations), so tau = 0 and tau > 0 share it.
-        DevMem ws;
-        for (float tau : opt.tau) {
-          mala::ForwardArgs f;
-          f.device = mala::Device::cuda;
-          f.dtype = opt.dtype;
-          f.q = gq.p;
-          f.k = gk.p;
-          f.v = gv.p;
-          f.o = go.p;
-          f.lse = glse.as<float>();
-          f.batch = B;
-          f.seqlen_q = f.seqlen_k = n;
-          f.heads_q = hq;
-          f.heads_kv = hkv;
-          f.head_dim = d;
-          f.causal = opt.causal;
-          f.tau = tau;
-          s = mala::forward(f);
-          if (!s) {
-            std::printf("forward (needed for O, lse): %s\n", s.message.c_str());
-            return 1;
-          }
-          mala::BackwardArgs a;
-          a.device = mala::Device::cuda;
-          a.dtype = opt.dtype;
-          a.q = gq.p;
-          a.k = gk.p;
-          a.v = gv.p;
-          a.o = go.p;
-          a.dout = gdo.p;
-          a.lse = glse.as<float>();
-          a.dq = gdq.p;
-          a.dk = gdk.p;
-          a.dv = gdv.p;
-          a.batch = B;
-          a.seqlen_q = a.seqlen_k = n;
-          a.heads_q = hq;
-          a.heads_kv = hkv;
-          a.head_dim = d;
-          a.causal = opt.causal;
-          a.tau = tau;
-          const size_t ws_need = mala::backward_workspace_size(a);
-          if (ws.bytes < ws_need) ws.alloc(ws_need);
-          a.workspace = ws.p;
-          a.workspace_bytes = ws.bytes;
-          // Realized work (untimed call with the counters on).
-          const mala::Tiles t = mala::backward_tiles(a);
-          const int64_t nqt = (n + t.block_q - 1) / t.block_q, nkt = (n + t.block_k - 1) / t.block_k;
-          const int64_t mask_n = B * hq * nqt * nkt;
-          DevMem gmask(static_cast<size_t>(mask_n));
-          mala::BackwardArgs ac = a;
-          ac.bwd_slots = gslots.as<int32_t>();
-          ac.tile_mask = gmask.as<uint8_t>();
-          s = mala::backward(ac);
-          if (!s) {
-            std::printf("backward: %s\n", s.message.c_str());
-            return 1;
-          }
-          BENCH_CUDA(cudaDeviceSynchronize());
-          std::vector<int32_t> slots(static_cast<size_t>(B * hq * n));
-          std::vector<uint8_t> mask(static_cast<size_t>(mask_n));
-          BENCH_CUDA(cudaMemcpy(slots.data(), gslots.p, slots.size() * 4, cudaMemcpyDeviceToHost));
-          BENCH_CUDA(cudaMemcpy(mask.data(), gmask.p, mask.size(), cudaMemcpyDeviceToHost));
-          const mala::Distribution sd = mala::slot_stats(slots.data(), B, hq, n, n, opt.causal);
-          const double kept = mala::retained_fraction(mask.data(), mask_n);
-          const int iters = std::max(3, n >= 65536 ? std::min(opt.iters, 10) : opt.iters);
-          const double ms = median_ms(opt, iters, flush.p, flush_bytes, e0, e1, [&]() {
-            mala::Status st = mala::backward(a);
-            if (!st) {
-              std::printf("backward: %s\n", st.message.c_str());
-              std::exit(1);
-            }
-          });
-          if (tau == 0.f) t0_ms = ms;
-          char ratio[32] = "-";
-          if (t0_ms > 0 && tau != 0.f) std::snprintf(ratio, sizeof ratio, "%.2fx", t0_ms / ms);
-          std::printf("%-10s %5.1f %6s %4g %10.3f %8.1f %10.1f %8.2f%% %9s\n", regime.c_str(), sharp,
-                      mala_bench::fmt_n(n).c_str(), tau, ms, flops / (ms * 1e-3) / 1e12, sd.mean, 100.0 * kept, ratio);
-          std::fflush(stdout);
-        }
       }
+      n = a[0].shape[0], B = 1, hq = a[0].shape[1], hkv = a[1].shape[1], d = a[0].shape[2];
+      if (a[1].shape != a[2].shape || a[1].shape[0] != n || a[1].shape[2] != d || hq % hkv) {
+        std::printf("--real %s: inconsistent shapes\n", in.prefix.c_str());
+        return 1;
+      }
+      std::printf("real input %s: N=%lld Hq=%lld Hkv=%lld d=%lld, dO ~ N(0, 1) (seed %llu)\n", in.prefix.c_str(),
+                  (long long)n, (long long)hq, (long long)hkv, (long long)d, (unsigned long long)opt.seed);
+      q = mala::npy::to_float(a[0]), k = mala::npy::to_float(a[1]), v = mala::npy::to_float(a[2]);
+      // dO from the random regime's generator (the backward's test reads only the lse)
+      mala::WorkloadSpec w;
+      w.regime = "random", w.batch = 1, w.seqlen = n, w.heads_q = hq, w.heads_kv = hkv, w.head_dim = d;
+      w.seed = opt.seed;
+      std::vector<float> rq(q.size()), rk(k.size()), rv(k.size());
+      dout.resize(q.size());
+      mala::Status st = mala::make_workload(w, rq.data(), rk.data(), rv.data(), dout.data());
+      if (!st) {
+        std::printf("workload: %s\n", st.message.c_str());
+        return 1;
+      }
+    } else {
+      q.resize(static_cast<size_t>(B * n * hq * d)), dout.resize(q.size());
+      k.resize(static_cast<size_t>(B * n * hkv * d)), v.resize(k.size());
+      mala::WorkloadSpec w;
+      w.regime = regime;
+      w.batch = B;
+      w.seqlen = n;
+      w.heads_q = hq;
+      w.heads_kv = hkv;
+      w.head_dim = d;
+      w.sharpness = sharp;
+      w.seed = opt.seed;
+      mala::Status st = mala::make_workload(w, q.data(), k.data(), v.data(), dout.data());
+      if (!st) {
+        std::printf("workload: %s\n", st.message.c_str());
+        return 1;
+      }
+    }
+    const size_t nq_el = q.size(), nk_el = k.size();
+    mala::Status s;
+    DevMem gq(nq_el * 2), gk(nk_el * 2), gv(nk_el * 2), gdo(nq_el * 2), go(nq_el * 2), gdq(nq_el * 2),
+        gdk(nk_el * 2), gdv(nk_el * 2);
+    DevMem glse(static_cast<size_t>(B * hq * n) * 4), gslots(static_cast<size_t>(B * hq * n) * 4);
+    {
+      auto hb = to_bits(q, opt.dtype);
+      BENCH_CUDA(cudaMemcpy(gq.p, hb.data(), nq_el * 2, cudaMemcpyHostToDevice));
+      hb = to_bits(dout, opt.dtype);
+      BENCH_CUDA(cudaMemcpy(gdo.p, hb.data(), nq_el * 2, cudaMemcpyHostToDevice));
+      hb = to_bits(k, opt.dtype);
+      BENCH_CUDA(cudaMemcpy(gk.p, hb.data(), nk_el * 2, cudaMemcpyHostToDevice));
+      hb = to_bits(v, opt.dtype);
+      BENCH_CUDA(cudaMemcpy(gv.p, hb.data(), nk_el * 2, cudaMemcpyHostToDevice));
+    }
+    q.clear(); q.shrink_to_fit();
+    dout.clear(); dout.shrink_to_fit();
+    const double flops = 2.5 * mala_bench::forward_flops(B, n, n, hq, d, opt.causal);
+    double t0_ms = 0;
+    // One workspace for every tau of this shape: the fp32 dQ accumulator in it takes red.global.add
+    // traffic, and its placement alone moved the backward by up to 12% on the H100 (48K: 37 vs 42
+    // ms, alternating between consecutive allocations), so tau = 0 and tau > 0 share it.
+    DevMem ws;
+    for (float tau : opt.tau) {
+      mala::ForwardArgs f;
+      f.device = mala::Device::cuda;
+      f.dtype = opt.dtype;
+      f.q = gq.p;
+      f.k = gk.p;
+      f.v = gv.p;
+      f.o = go.p;
+      f.lse = glse.as<float>();
+      f.batch = B;
+      f.seqlen_q = f.seqlen_k = n;
+      f.heads_q = hq;
+      f.heads_kv = hkv;
+      f.head_dim = d;
+      f.causal = opt.causal;
+      f.tau = tau;
+      s = mala::forward(f);
+      if (!s) {
+        std::printf("forward (needed for O, lse): %s\n", s.message.c_str());
+        return 1;
+      }
+      mala::BackwardArgs a;
+      a.device = mala::Device::cuda;
+      a.dtype = opt.dtype;
+      a.q = gq.p;
+      a.k = gk.p;
+      a.v = gv.p;
+      a.o = go.p;
+      a.dout = gdo.p;
+      a.lse = glse.as<float>();
+      a.dq = gdq.p;
+      a.dk = gdk.p;
+      a.dv = gdv.p;
+      a.batch = B;
+      a.seqlen_q = a.seqlen_k = n;
+      a.heads_q = hq;
+      a.heads_kv = hkv;
+      a.head_dim = d;
+      a.causal = opt.causal;
+      a.tau = tau;
+      const size_t ws_need = mala::backward_workspace_size(a);
+      if (ws.bytes < ws_need) ws.alloc(ws_need);
+      a.workspace = ws.p;
+      a.workspace_bytes = ws.bytes;
+      // Realized work (untimed call with the counters on).
+      const mala::Tiles t = mala::backward_tiles(a);
+      const int64_t nqt = (n + t.block_q - 1) / t.block_q, nkt = (n + t.block_k - 1) / t.block_k;
+      const int64_t mask_n = B * hq * nqt * nkt;
+      DevMem gmask(static_cast<size_t>(mask_n));
+      mala::BackwardArgs ac = a;
+      ac.bwd_slots = gslots.as<int32_t>();
+      ac.tile_mask = gmask.as<uint8_t>();
+      s = mala::backward(ac);
+      if (!s) {
+        std::printf("backward: %s\n", s.message.c_str());
+        return 1;
+      }
+      BENCH_CUDA(cudaDeviceSynchronize());
+      std::vector<int32_t> slots(static_cast<size_t>(B * hq * n));
+      std::vector<uint8_t> mask(static_cast<size_t>(mask_n));
+      BENCH_CUDA(cudaMemcpy(slots.data(), gslots.p, slots.size() * 4, cudaMemcpyDeviceToHost));
+      BENCH_CUDA(cudaMemcpy(mask.data(), gmask.p, mask.size(), cudaMemcpyDeviceToHost));
+      const mala::Distribution sd = mala::slot_stats(slots.data(), B, hq, n, n, opt.causal);
+      const double kept = mala::retained_fraction(mask.data(), mask_n);
+      const int iters = std::max(3, n >= 65536 ? std::min(opt.iters, 10) : opt.iters);
+      const double ms = median_ms(opt, iters, flush.p, flush_bytes, e0, e1, [&]() {
+        mala::Status st = mala::backward(a);
+        if (!st) {
+          std::printf("backward: %s\n", st.message.c_str());
+          std::exit(1);
+        }
+      });
+      if (tau == 0.f) t0_ms = ms;
+      char ratio[32] = "-";
+      if (t0_ms > 0 && tau != 0.f) std::snprintf(ratio, sizeof ratio, "%.2fx", t0_ms / ms);
+      std::printf("%-10s %5.1f %6s %4g %10.3f %8.1f %10.1f %8.2f%% %9s\n", regime.c_str(), sharp,
+                  mala_bench::fmt_n(n).c_str(), tau, ms, flops / (ms * 1e-3) / 1e12, sd.mean, 100.0 * kept, ratio);
+      std::fflush(stdout);
+    }
   }
   cudaEventDestroy(e0);
   cudaEventDestroy(e1);

@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "bench.h"
+#include "npy.h"
 
 #ifdef MALA_BENCH_TUNE
 #include "cuda/fwd_kernel.cuh"
@@ -206,6 +207,140 @@ double time_median_ms(const Options& opt, const std::function<void(cudaStream_t)
   return time_medians_interleaved(opt, {fn})[0];
 }
 
+// One input (its device workload already uploaded): realized work per tau, timings, rows.
+int run_forward_input(const Options& opt, int64_t n, const std::string& label, double sharp, const Workload& w) {
+  const int64_t B = opt.batch, hq = opt.heads_q, hkv = opt.heads_kv, d = opt.head_dim;
+  const double flops = forward_flops(B, n, n, hq, d, opt.causal);
+  const size_t es = mala::dtype_size(opt.dtype);
+  DevMem o((size_t)B * n * hq * d * es), lse((size_t)B * hq * n * 4), lse0((size_t)B * hq * n * 4),
+      slots((size_t)B * hq * n * 4);
+  mala::ForwardArgs a;
+  a.device = mala::Device::cuda;
+  a.dtype = opt.dtype;
+  a.q = w.q.p, a.k = w.k.p, a.v = w.v.p, a.o = o.p;
+  a.batch = B, a.seqlen_q = n, a.seqlen_k = n, a.heads_q = hq, a.heads_kv = hkv, a.head_dim = d;
+  a.causal = opt.causal;
+
+  // Dense lse for the omitted mass.
+  {
+    mala::ForwardArgs a0 = a;
+    a0.tau = 0.f;
+    a0.lse = lse0.as<float>();
+    int bq, bk;
+    run_fwd(opt, a0, &bq, &bk);
+    BENCH_CUDA(cudaDeviceSynchronize());
+  }
+  std::vector<float> lse_dense((size_t)B * hq * n);
+  BENCH_CUDA(cudaMemcpy(lse_dense.data(), lse0.p, lse_dense.size() * 4, cudaMemcpyDeviceToHost));
+
+  // Per tau: realized work first (untimed), then the timings (one after the other, or
+  // alternating with --interleave), then the rows.
+  struct Row {
+    float tau;
+    int bq, bk;
+    mala::Distribution sd, om;
+    double ret;
+    std::function<void(cudaStream_t)> call;
+  };
+  std::vector<Row> rows;
+  for (float tau : opt.tau) {
+    int bq = 0, bk = 0;
+    mala::ForwardArgs ar = a;
+    ar.tau = tau;
+    // Realized work (untimed call with the optional outputs).
+    {
+      mala::Tiles t = mala::forward_tiles(ar);
+      bq = t.block_q, bk = t.block_k;
+    }
+#ifdef MALA_BENCH_TUNE
+    if (!opt.variant.empty() && !variant_tiles(opt.variant, &bq, &bk)) return 2;
+#endif
+    const int64_t nqt = (n + bq - 1) / bq, nkt = (n + bk - 1) / bk;
+    DevMem mask((size_t)B * hq * nqt * nkt);
+    mala::ForwardArgs aw = ar;
+    aw.lse = lse.as<float>(), aw.fwd_slots = slots.as<int32_t>(), aw.tile_mask = mask.as<uint8_t>();
+    run_fwd(opt, aw, &bq, &bk);
+    BENCH_CUDA(cudaDeviceSynchronize());
+    std::vector<int32_t> hs((size_t)B * hq * n);
+    std::vector<float> hl(hs.size());
+    std::vector<uint8_t> hm(mask.bytes);
+    BENCH_CUDA(cudaMemcpy(hs.data(), slots.p, hs.size() * 4, cudaMemcpyDeviceToHost));
+    BENCH_CUDA(cudaMemcpy(hl.data(), lse.p, hl.size() * 4, cudaMemcpyDeviceToHost));
+    BENCH_CUDA(cudaMemcpy(hm.data(), mask.p, hm.size(), cudaMemcpyDeviceToHost));
+    const mala::Distribution sd = mala::slot_stats(hs.data(), B, hq, n, n, opt.causal);
+    const double ret = mala::retained_fraction(hm.data(), (int64_t)hm.size());
+    const mala::Distribution om = mala::omitted_mass(hl.data(), lse_dense.data(), (int64_t)hl.size());
+
+    rows.push_back({tau, bq, bk, sd, om, ret, [&opt, ar](cudaStream_t s) {
+                      mala::ForwardArgs at = ar;
+                      at.stream = s;
+                      int x, y;
+                      run_fwd(opt, at, &x, &y);
+                    }});
+  }
+  std::vector<double> times;
+  if (opt.interleave) {
+    std::vector<std::function<void(cudaStream_t)>> calls;
+    for (const Row& r : rows) calls.push_back(r.call);
+    times = time_medians_interleaved(opt, calls);
+  } else {
+    for (const Row& r : rows) times.push_back(time_median_ms(opt, r.call));
+  }
+  double t_tau0 = -1;
+  for (size_t i = 0; i < rows.size(); ++i) {
+    const Row& r = rows[i];
+    const double ms = times[i];
+    if (r.tau == 0.f) t_tau0 = ms;
+    char ratio[32] = "-";
+    if (t_tau0 > 0) std::snprintf(ratio, sizeof ratio, "%.3fx", t_tau0 / ms);
+    char tiles[16];
+    std::snprintf(tiles, sizeof tiles, "%dx%d", r.bq, r.bk);
+    std::printf("%6s %-10s %5.1f %5.2f %6s %10.3f %8.1f %8s %9.1f %8.2f %10.2e %10.2e\n", fmt_n(n).c_str(),
+                label.c_str(), sharp, r.tau, tiles, ms, flops / (ms * 1e-3) / 1e12, ratio, r.sd.mean,
+                100.0 * r.ret, r.om.mean, r.om.max);
+  }
+  std::fflush(stdout);
+  return 0;
+}
+
+// --real PREFIX: Q, K, V from PREFIX_q.npy, PREFIX_k.npy, PREFIX_v.npy ([N, H, d], float16 or
+// float32, as tools/real/capture_qkv.py writes them); the shape comes from the files.
+int run_forward_real(const Options& opt, const std::string& prefix) {
+  mala::npy::Array a[3];
+  const char* names[3] = {"_q.npy", "_k.npy", "_v.npy"};
+  for (int i = 0; i < 3; ++i) {
+    mala::Status st = mala::npy::read(prefix + names[i], &a[i]);
+    if (!st.ok) {
+      std::fprintf(stderr, "--real: %s\n", st.message.c_str());
+      return 1;
+    }
+    if (a[i].shape.size() != 3) {
+      std::fprintf(stderr, "--real: %s%s: expected [N, H, d], got %s\n", prefix.c_str(), names[i],
+                   a[i].shape_string().c_str());
+      return 1;
+    }
+  }
+  Options o = opt;
+  const int64_t n = a[0].shape[0];
+  o.batch = 1, o.heads_q = a[0].shape[1], o.heads_kv = a[1].shape[1], o.head_dim = a[0].shape[2];
+  if (a[1].shape != a[2].shape || a[1].shape[0] != n || a[1].shape[2] != o.head_dim || o.heads_q % o.heads_kv) {
+    std::fprintf(stderr, "--real: %s: inconsistent shapes q %s k %s v %s\n", prefix.c_str(),
+                 a[0].shape_string().c_str(), a[1].shape_string().c_str(), a[2].shape_string().c_str());
+    return 1;
+  }
+  std::printf("   real input %s: N=%lld Hq=%lld Hkv=%lld d=%lld\n", prefix.c_str(), (long long)n,
+              (long long)o.heads_q, (long long)o.heads_kv, (long long)o.head_dim);
+  Workload w;
+  const size_t es = mala::dtype_size(o.dtype);
+  DevMem* dst[3] = {&w.q, &w.k, &w.v};
+  for (int i = 0; i < 3; ++i) {
+    std::vector<float> host = mala::npy::to_float(a[i]);
+    dst[i]->alloc(host.size() * es);
+    upload_converted(host.data(), host.size(), o.dtype, dst[i]->p);
+  }
+  return run_forward_input(o, n, "real", 0.0, w);
+}
+
 int run_forward_bench(const Options& opt) {
   const int64_t B = opt.batch, hq = opt.heads_q, hkv = opt.heads_kv, d = opt.head_dim;
   std::printf("\n== forward: B=%lld Hq=%lld Hkv=%lld d=%lld %s %s, median of %d (warm-up %d)%s, L2 %s\n",
@@ -215,6 +350,11 @@ int run_forward_bench(const Options& opt) {
   if (!opt.variant.empty()) std::printf("   kernel variant: %s\n", opt.variant.c_str());
   std::printf("%6s %-10s %5s %5s %6s %10s %8s %8s %9s %8s %10s %10s\n", "N", "regime", "sharp", "tau", "tiles",
               "ms", "TFLOP/s", "vs_tau0", "slots/q", "retain%", "omit_mean", "omit_max");
+  if (!opt.real.empty()) {
+    for (const std::string& prefix : opt.real)
+      if (run_forward_real(opt, prefix) != 0) return 1;
+    return 0;
+  }
   std::vector<std::pair<std::string, double>> inputs;
   for (const auto& r : opt.regimes) {
     if (r == "synthetic")
@@ -223,99 +363,10 @@ int run_forward_bench(const Options& opt) {
       inputs.push_back({r, 0.0});
   }
   for (int64_t n : opt.n) {
-    const double flops = forward_flops(B, n, n, hq, d, opt.causal);
     for (const auto& in : inputs) {
       Workload w;
       if (!make_device_workload(opt, in.first, in.second, n, false, &w)) return 1;
-      const size_t es = mala::dtype_size(opt.dtype);
-      DevMem o((size_t)B * n * hq * d * es), lse((size_t)B * hq * n * 4), lse0((size_t)B * hq * n * 4),
-          slots((size_t)B * hq * n * 4);
-      mala::ForwardArgs a;
-      a.device = mala::Device::cuda;
-      a.dtype = opt.dtype;
-      a.q = w.q.p, a.k = w.k.p, a.v = w.v.p, a.o = o.p;
-      a.batch = B, a.seqlen_q = n, a.seqlen_k = n, a.heads_q = hq, a.heads_kv = hkv, a.head_dim = d;
-      a.causal = opt.causal;
-
-      // Dense lse for the omitted mass.
-      {
-        mala::ForwardArgs a0 = a;
-        a0.tau = 0.f;
-        a0.lse = lse0.as<float>();
-        int bq, bk;
-        run_fwd(opt, a0, &bq, &bk);
-        BENCH_CUDA(cudaDeviceSynchronize());
-      }
-      std::vector<float> lse_dense((size_t)B * hq * n);
-      BENCH_CUDA(cudaMemcpy(lse_dense.data(), lse0.p, lse_dense.size() * 4, cudaMemcpyDeviceToHost));
-
-      // Per tau: realized work first (untimed), then the timings (one after the other, or
-      // alternating with --interleave), then the rows.
-      struct Row {
-        float tau;
-        int bq, bk;
-        mala::Distribution sd, om;
-        double ret;
-        std::function<void(cudaStream_t)> call;
-      };
-      std::vector<Row> rows;
-      for (float tau : opt.tau) {
-        int bq = 0, bk = 0;
-        mala::ForwardArgs ar = a;
-        ar.tau = tau;
-        // Realized work (untimed call with the optional outputs).
-        {
-          mala::Tiles t = mala::forward_tiles(ar);
-          bq = t.block_q, bk = t.block_k;
-        }
-#ifdef MALA_BENCH_TUNE
-        if (!opt.variant.empty() && !variant_tiles(opt.variant, &bq, &bk)) return 2;
-#endif
-        const int64_t nqt = (n + bq - 1) / bq, nkt = (n + bk - 1) / bk;
-        DevMem mask((size_t)B * hq * nqt * nkt);
-        mala::ForwardArgs aw = ar;
-        aw.lse = lse.as<float>(), aw.fwd_slots = slots.as<int32_t>(), aw.tile_mask = mask.as<uint8_t>();
-        run_fwd(opt, aw, &bq, &bk);
-        BENCH_CUDA(cudaDeviceSynchronize());
-        std::vector<int32_t> hs((size_t)B * hq * n);
-        std::vector<float> hl(hs.size());
-        std::vector<uint8_t> hm(mask.bytes);
-        BENCH_CUDA(cudaMemcpy(hs.data(), slots.p, hs.size() * 4, cudaMemcpyDeviceToHost));
-        BENCH_CUDA(cudaMemcpy(hl.data(), lse.p, hl.size() * 4, cudaMemcpyDeviceToHost));
-        BENCH_CUDA(cudaMemcpy(hm.data(), mask.p, hm.size(), cudaMemcpyDeviceToHost));
-        const mala::Distribution sd = mala::slot_stats(hs.data(), B, hq, n, n, opt.causal);
-        const double ret = mala::retained_fraction(hm.data(), (int64_t)hm.size());
-        const mala::Distribution om = mala::omitted_mass(hl.data(), lse_dense.data(), (int64_t)hl.size());
-
-        rows.push_back({tau, bq, bk, sd, om, ret, [&opt, ar](cudaStream_t s) {
-                          mala::ForwardArgs at = ar;
-                          at.stream = s;
-                          int x, y;
-                          run_fwd(opt, at, &x, &y);
-                        }});
-      }
-      std::vector<double> times;
-      if (opt.interleave) {
-        std::vector<std::function<void(cudaStream_t)>> calls;
-        for (const Row& r : rows) calls.push_back(r.call);
-        times = time_medians_interleaved(opt, calls);
-      } else {
-        for (const Row& r : rows) times.push_back(time_median_ms(opt, r.call));
-      }
-      double t_tau0 = -1;
-      for (size_t i = 0; i < rows.size(); ++i) {
-        const Row& r = rows[i];
-        const double ms = times[i];
-        if (r.tau == 0.f) t_tau0 = ms;
-        char ratio[32] = "-";
-        if (t_tau0 > 0) std::snprintf(ratio, sizeof ratio, "%.3fx", t_tau0 / ms);
-        char tiles[16];
-        std::snprintf(tiles, sizeof tiles, "%dx%d", r.bq, r.bk);
-        std::printf("%6s %-10s %5.1f %5.2f %6s %10.3f %8.1f %8s %9.1f %8.2f %10.2e %10.2e\n", fmt_n(n).c_str(),
-                    in.first.c_str(), in.second, r.tau, tiles, ms, flops / (ms * 1e-3) / 1e12, ratio, r.sd.mean,
-                    100.0 * r.ret, r.om.mean, r.om.max);
-      }
-      std::fflush(stdout);
+      if (run_forward_input(opt, n, in.first, in.second, w) != 0) return 1;
     }
   }
   return 0;
