@@ -68,8 +68,11 @@ int run_backward_bench(int argc, char** argv) {
   cudaEvent_t e0, e1;
   BENCH_CUDA(cudaEventCreate(&e0));
   BENCH_CUDA(cudaEventCreate(&e1));
-  std::printf("== backward: %s B=%lld Hq=%lld Hkv=%lld d=%lld %s, %s (device %s)\n", mala::dtype_name(opt.dtype),
-              (long long)opt.batch, (long long)opt.heads_q, (long long)opt.heads_kv, (long long)opt.head_dim,
+  char shape[96] = "shapes from the --real files";
+  if (opt.real.empty())
+    std::snprintf(shape, sizeof shape, "B=%lld Hq=%lld Hkv=%lld d=%lld", (long long)opt.batch, (long long)opt.heads_q,
+                  (long long)opt.heads_kv, (long long)opt.head_dim);
+  std::printf("== backward: %s %s %s, %s (device %s)\n", mala::dtype_name(opt.dtype), shape,
               opt.causal ? "causal" : "non-causal",
               "median of --iters, L2 flushed", mala::device_name().c_str());
   std::printf("%-10s %5s %6s %4s %10s %8s %10s %9s %9s\n", "regime", "sharp", "N", "tau", "bwd ms", "TFLOP/s",

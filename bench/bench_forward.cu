@@ -343,8 +343,11 @@ int run_forward_real(const Options& opt, const std::string& prefix) {
 
 int run_forward_bench(const Options& opt) {
   const int64_t B = opt.batch, hq = opt.heads_q, hkv = opt.heads_kv, d = opt.head_dim;
-  std::printf("\n== forward: B=%lld Hq=%lld Hkv=%lld d=%lld %s %s, median of %d (warm-up %d)%s, L2 %s\n",
-              (long long)B, (long long)hq, (long long)hkv, (long long)d, mala::dtype_name(opt.dtype),
+  char shape[96] = "shapes from the --real files";
+  if (opt.real.empty())
+    std::snprintf(shape, sizeof shape, "B=%lld Hq=%lld Hkv=%lld d=%lld", (long long)B, (long long)hq, (long long)hkv,
+                  (long long)d);
+  std::printf("\n== forward: %s %s %s, median of %d (warm-up %d)%s, L2 %s\n", shape, mala::dtype_name(opt.dtype),
               opt.causal ? "causal" : "non-causal", opt.iters, opt.warmup,
               opt.interleave ? ", taus interleaved" : "", opt.flush_l2 ? "flushed" : "warm");
   if (!opt.variant.empty()) std::printf("   kernel variant: %s\n", opt.variant.c_str());
