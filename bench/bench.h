@@ -82,6 +82,13 @@ struct Workload {
 // Defined in bench_forward.cu.  Returns false (and prints why) on failure.
 bool make_device_workload(const Options& opt, const std::string& regime, double sharpness, int64_t seqlen,
                           bool with_dout, Workload* w);
+// A captured real input (--real PREFIX: PREFIX_{q,k,v}.npy, [N, H, d], tools/real/capture_qkv.py),
+// widened to fp32.  Prints the reason and returns false on a missing or inconsistent file.
+struct RealInput {
+  int64_t n = 0, heads_q = 0, heads_kv = 0, head_dim = 0;
+  std::vector<float> q, k, v;
+};
+bool load_real_input(const std::string& prefix, RealInput* out);
 // fp32 host -> dtype device conversion (on the GPU).  Defined in bench_forward.cu.
 void upload_converted(const float* host, size_t n, mala::DType dtype, void* dev);
 

@@ -15,10 +15,10 @@
 #include <cstdio>
 #include <cstring>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "bench.h"
-#include "npy.h"
 
 namespace {
 
@@ -101,24 +101,12 @@ int run_backward_bench(int argc, char** argv) {
     int64_t n = in.n, B = opt.batch, hq = opt.heads_q, hkv = opt.heads_kv, d = opt.head_dim;
     std::vector<float> q, k, v, dout;
     if (!in.prefix.empty()) {
-      mala::npy::Array a[3];
-      const char* names[3] = {"_q.npy", "_k.npy", "_v.npy"};
-      for (int i = 0; i < 3; ++i) {
-        mala::Status st = mala::npy::read(in.prefix + names[i], &a[i]);
-        if (!st.ok || a[i].shape.size() != 3) {
-          std::printf("--real %s%s: %s\n", in.prefix.c_str(), names[i],
-                      st.ok ? "expected [N, H, d]" : st.message.c_str());
-          return 1;
-        }
-      }
-      n = a[0].shape[0], B = 1, hq = a[0].shape[1], hkv = a[1].shape[1], d = a[0].shape[2];
-      if (a[1].shape != a[2].shape || a[1].shape[0] != n || a[1].shape[2] != d || hq % hkv) {
-        std::printf("--real %s: inconsistent shapes\n", in.prefix.c_str());
-        return 1;
-      }
+      mala_bench::RealInput r;
+      if (!mala_bench::load_real_input(in.prefix, &r)) return 1;
+      n = r.n, B = 1, hq = r.heads_q, hkv = r.heads_kv, d = r.head_dim;
       std::printf("real input %s: N=%lld Hq=%lld Hkv=%lld d=%lld, dO ~ N(0, 1) (seed %llu)\n", in.prefix.c_str(),
                   (long long)n, (long long)hq, (long long)hkv, (long long)d, (unsigned long long)opt.seed);
-      q = mala::npy::to_float(a[0]), k = mala::npy::to_float(a[1]), v = mala::npy::to_float(a[2]);
+      q = std::move(r.q), k = std::move(r.k), v = std::move(r.v);
       // dO from the random regime's generator (the backward's test reads only the lse)
       mala::WorkloadSpec w;
       w.regime = "random", w.batch = 1, w.seqlen = n, w.heads_q = hq, w.heads_kv = hkv, w.head_dim = d;

@@ -303,42 +303,45 @@ int run_forward_input(const Options& opt, int64_t n, const std::string& label, d
   return 0;
 }
 
-// --real PREFIX: Q, K, V from PREFIX_q.npy, PREFIX_k.npy, PREFIX_v.npy ([N, H, d], float16 or
-// float32, as tools/real/capture_qkv.py writes them); the shape comes from the files.
-int run_forward_real(const Options& opt, const std::string& prefix) {
+bool load_real_input(const std::string& prefix, RealInput* out) {
   mala::npy::Array a[3];
   const char* names[3] = {"_q.npy", "_k.npy", "_v.npy"};
   for (int i = 0; i < 3; ++i) {
     mala::Status st = mala::npy::read(prefix + names[i], &a[i]);
-    if (!st.ok) {
-      std::fprintf(stderr, "--real: %s\n", st.message.c_str());
-      return 1;
-    }
-    if (a[i].shape.size() != 3) {
-      std::fprintf(stderr, "--real: %s%s: expected [N, H, d], got %s\n", prefix.c_str(), names[i],
-                   a[i].shape_string().c_str());
-      return 1;
+    if (!st.ok || a[i].shape.size() != 3) {
+      std::fprintf(stderr, "--real %s%s: %s\n", prefix.c_str(), names[i],
+                   st.ok ? ("expected [N, H, d], got " + a[i].shape_string()).c_str() : st.message.c_str());
+      return false;
     }
   }
+  out->n = a[0].shape[0], out->heads_q = a[0].shape[1], out->heads_kv = a[1].shape[1], out->head_dim = a[0].shape[2];
+  if (a[1].shape != a[2].shape || a[1].shape[0] != out->n || a[1].shape[2] != out->head_dim ||
+      out->heads_q % out->heads_kv) {
+    std::fprintf(stderr, "--real %s: inconsistent shapes q %s k %s v %s\n", prefix.c_str(), a[0].shape_string().c_str(),
+                 a[1].shape_string().c_str(), a[2].shape_string().c_str());
+    return false;
+  }
+  out->q = mala::npy::to_float(a[0]), out->k = mala::npy::to_float(a[1]), out->v = mala::npy::to_float(a[2]);
+  return true;
+}
+
+// --real PREFIX: the forward on a captured input; the shape comes from the files.
+int run_forward_real(const Options& opt, const std::string& prefix) {
+  RealInput r;
+  if (!load_real_input(prefix, &r)) return 1;
   Options o = opt;
-  const int64_t n = a[0].shape[0];
-  o.batch = 1, o.heads_q = a[0].shape[1], o.heads_kv = a[1].shape[1], o.head_dim = a[0].shape[2];
-  if (a[1].shape != a[2].shape || a[1].shape[0] != n || a[1].shape[2] != o.head_dim || o.heads_q % o.heads_kv) {
-    std::fprintf(stderr, "--real: %s: inconsistent shapes q %s k %s v %s\n", prefix.c_str(),
-                 a[0].shape_string().c_str(), a[1].shape_string().c_str(), a[2].shape_string().c_str());
-    return 1;
-  }
-  std::printf("   real input %s: N=%lld Hq=%lld Hkv=%lld d=%lld\n", prefix.c_str(), (long long)n,
+  o.batch = 1, o.heads_q = r.heads_q, o.heads_kv = r.heads_kv, o.head_dim = r.head_dim;
+  std::printf("   real input %s: N=%lld Hq=%lld Hkv=%lld d=%lld\n", prefix.c_str(), (long long)r.n,
               (long long)o.heads_q, (long long)o.heads_kv, (long long)o.head_dim);
   Workload w;
   const size_t es = mala::dtype_size(o.dtype);
+  const std::vector<float>* src[3] = {&r.q, &r.k, &r.v};
   DevMem* dst[3] = {&w.q, &w.k, &w.v};
   for (int i = 0; i < 3; ++i) {
-    std::vector<float> host = mala::npy::to_float(a[i]);
-    dst[i]->alloc(host.size() * es);
-    upload_converted(host.data(), host.size(), o.dtype, dst[i]->p);
+    dst[i]->alloc(src[i]->size() * es);
+    upload_converted(src[i]->data(), src[i]->size(), o.dtype, dst[i]->p);
   }
-  return run_forward_input(o, n, "real", 0.0, w);
+  return run_forward_input(o, r.n, "real", 0.0, w);
 }
 
 int run_forward_bench(const Options& opt) {
