@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Tables of the real regime from mala_bench logs (--real) and real_stats.py JSON files.
 
-  python3 tools/real/summarize.py bench/results/mala_bench_real_h100.log \
+  python3 tools/real/summarize.py bench/results/real/mala_bench_real_h100.log \
       --stats gpl3=real-data/gpl3/stats.json --stats paper=real-data/paper/stats.json
 
 The log is a concatenation of `mala_bench --op fwd --real ...` and `--op bwd --real ...` outputs,
