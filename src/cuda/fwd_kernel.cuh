@@ -11,9 +11,10 @@
 // V (kLazyV, the default): prefetched with K when tau = 0 or when some warp retained the previous
 // tile (learnt from the end-of-tile __syncthreads_or), otherwise loaded on demand only if some warp
 // of the CTA retains the tile (a __syncthreads_or after the test, only on such tiles).  Measured on
-// H100 at 128K (synthetic, 0.26% retained): 1.93x vs 1.84x over tau = 0 for always-prefetched V.
-// Taking the retention vote at the end-of-tile barrier instead of after every test moved random
-// inputs from 0.94-0.95x to 0.96-0.97x of tau = 0 (8K-128K) for 2% on the sparse case.
+// H100 at 128K (synthetic, 0.26% retained; tuning build, one call): 1.96x over tau = 0 against 1.84x
+// for always-prefetched V.  Taking the retention vote at the end-of-tile barrier instead of after
+// every test moved random inputs from 0.94-0.95x to 0.96-0.97x of tau = 0 (8K-128K, one call) and
+// cost about 2% on that sparse case (1.82-1.87x in the library build).
 // Decision tile = (16*kMT rows of one warp) x kBk keys; tile_mask/fwd_slots use exactly those.
 // The per-row test inputs (log2 threshold, m + log2 l) live in shared memory: at d = 128 the
 // 128 fp32 accumulators + 64 scores per thread leave no registers for them (no spills now).
