@@ -9,12 +9,14 @@
 //   MALA tile test (tau > 0 only; rule::row_allows_skip via tile_test.cuh, voted over the warp) ->
 //   retained: online-softmax update and O += P V;  skipped: nothing (m, l, acc untouched).
 // V (kLazyV, the default): prefetched with K when tau = 0 or when some warp retained the previous
-// tile (learnt from the end-of-tile __syncthreads_or), otherwise loaded on demand only if some warp
+// tile (learnt from the next tile's __syncthreads_or), otherwise loaded on demand only if some warp
 // of the CTA retains the tile (a __syncthreads_or after the test, only on such tiles).  Measured on
 // H100 at 128K (synthetic, 0.26% retained; tuning build, one call): 1.96x over tau = 0 against 1.84x
-// for always-prefetched V.  Taking the retention vote at the end-of-tile barrier instead of after
-// every test moved random inputs from 0.94-0.95x to 0.96-0.97x of tau = 0 (8K-128K, one call) and
-// cost about 2% on that sparse case (1.82-1.87x in the library build).
+// for always-prefetched V.  Taking the retention vote at a barrier the tile has anyway instead of
+// after every test moved random inputs from 0.94-0.95x to 0.96-0.97x of tau = 0 (8K-128K, one call)
+// and cost about 2% on that sparse case.  One barrier per tile (the next tile's loads are issued
+// after it, so no end-of-tile barrier guards the buffers): sparse inputs 1-1.5% faster, dense and
+// random unchanged (two interleaved calls).
 // Decision tile = (16*kMT rows of one warp) x kBk keys; tile_mask/fwd_slots use exactly those.
 // The per-row test inputs (log2 threshold, m + log2 l) live in shared memory: at d = 128 the
 // 128 fp32 accumulators + 64 scores per thread leave no registers for them (no spills now).
@@ -174,12 +176,19 @@ __global__ void __launch_bounds__(FwdKernelTraits<T, D, Cfg>::kThreads, FwdKerne
   // some warp retains the tile.  Prefetch policy: always when the test is off (tau = 0: dense
   // pipeline), otherwise when the previous tile was retained by some warp (retention is bursty:
   // random inputs keep the dense pipeline, sparse inputs skip most V loads).  Whether some warp
-  // retained a tile comes from the end-of-tile barrier (__syncthreads_or), so a tile whose V was
+  // retained a tile comes from the next tile's barrier (__syncthreads_or), so a tile whose V was
   // prefetched needs no barrier between its test and its P V; only an on-demand V load does.
-  bool v_ready = true;  // the prologue loads V of the first tile
-  bool last_any = true;
+  bool v_ready = true;        // the prologue loads V of the first tile
+  bool retained_prev = true;  // this warp retained the previous tile (none before the first: prefetch)
   int buf = 0;
   for (int j = n_tiles - 1; j >= 0; --j) {
+    // One barrier per tile: this thread's copies of tile j have landed; after the barrier every
+    // thread's have, and every warp is done with tile j + 1, whose buffers (buf ^ 1) the next
+    // tile's loads then reuse.  It also or-reduces the warps' retention of tile j + 1.
+    cp_async_wait<0>();
+    bool last_any = true;
+    if constexpr (Tr::kLazyV) last_any = __syncthreads_or(retained_prev) != 0;
+    else __syncthreads();
     const bool pref_v = !Tr::kLazyV || !test_on || last_any;
     if (j > 0) {
       const int jn = j - 1;
@@ -189,8 +198,6 @@ __global__ void __launch_bounds__(FwdKernelTraits<T, D, Cfg>::kThreads, FwdKerne
         KVTile::template load_async<NTH>(sV0 + off, vp + (int64_t)jn * BK * p.v_sr, p.v_sr, Nk - jn * BK, tid);
     }
     cp_async_commit();
-    cp_async_wait<1>();
-    __syncthreads();
 
     if constexpr (Tr::kQInRegs) {
       if (j == n_tiles - 1) {
@@ -280,12 +287,12 @@ __global__ void __launch_bounds__(FwdKernelTraits<T, D, Cfg>::kThreads, FwdKerne
 
     if (retain) softmax_update<MT, NT, DT>(s, mx, p.scale_log2, m, l, acc);
     if (load_v) {
-      cp_async_wait<0>();
+      cp_async_wait<0>();  // (also waits for tile j - 1's loads, issued before this one)
       __syncthreads();
     }
     if (retain) {
       // The quad leader rewrites s_norm after all four lanes read it for the test (the vote does
-      // not order memory, __syncwarp does); the next tile reads it after the end-of-tile barrier.
+      // not order memory, __syncwarp does); the next tile reads it after its barrier.
       __syncwarp();
       if (test_on && (lane & 3) == 0) {
 #pragma unroll
@@ -315,10 +322,7 @@ __global__ void __launch_bounds__(FwdKernelTraits<T, D, Cfg>::kThreads, FwdKerne
       }
       ++retained;
     }
-    // Everyone is done with `buf` before the next iteration refills it; the same barrier tells
-    // every warp whether some warp retained this tile (the next tile's V prefetch decision).
-    if constexpr (Tr::kLazyV) last_any = __syncthreads_or(retain) != 0;
-    else __syncthreads();
+    retained_prev = retain;
     buf ^= 1;
     v_ready = pref_v;
   }
