@@ -40,8 +40,8 @@ struct Options {
   // instead of one after the other, so GPU clock drift (power limit, heating) does not favour
   // whichever tau runs first.
   bool interleave = false;
-  // Forward: captured real inputs instead of the generated regimes (tools/real/capture_qkv.py):
-  // one file prefix per input, PREFIX_{q,k,v}.npy.
+  // Forward and backward: captured real inputs instead of the generated regimes
+  // (tools/real/capture_qkv.py): one file prefix per input, PREFIX_{q,k,v}.npy.
   std::vector<std::string> real;
 };
 

@@ -99,45 +99,33 @@ int run_backward_bench(int argc, char** argv) {
     const std::string& regime = in.regime;
     const double sharp = in.sharp;
     int64_t n = in.n, B = opt.batch, hq = opt.heads_q, hkv = opt.heads_kv, d = opt.head_dim;
-    std::vector<float> q, k, v, dout;
+    mala_bench::RealInput r;
     if (!in.prefix.empty()) {
-      mala_bench::RealInput r;
       if (!mala_bench::load_real_input(in.prefix, &r)) return 1;
       n = r.n, B = 1, hq = r.heads_q, hkv = r.heads_kv, d = r.head_dim;
       std::printf("real input %s: N=%lld Hq=%lld Hkv=%lld d=%lld, dO ~ N(0, 1) (seed %llu)\n", in.prefix.c_str(),
                   (long long)n, (long long)hq, (long long)hkv, (long long)d, (unsigned long long)opt.seed);
-      q = std::move(r.q), k = std::move(r.k), v = std::move(r.v);
-      // dO from the random regime's generator (the backward's test reads only the lse)
-      mala::WorkloadSpec w;
-      w.regime = "random", w.batch = 1, w.seqlen = n, w.heads_q = hq, w.heads_kv = hkv, w.head_dim = d;
-      w.seed = opt.seed;
-      std::vector<float> rq(q.size()), rk(k.size()), rv(k.size());
-      dout.resize(q.size());
-      mala::Status st = mala::make_workload(w, rq.data(), rk.data(), rv.data(), dout.data());
-      if (!st) {
-        std::printf("workload: %s\n", st.message.c_str());
-        return 1;
-      }
-    } else {
-      q.resize(static_cast<size_t>(B * n * hq * d)), dout.resize(q.size());
-      k.resize(static_cast<size_t>(B * n * hkv * d)), v.resize(k.size());
-      mala::WorkloadSpec w;
-      w.regime = regime;
-      w.batch = B;
-      w.seqlen = n;
-      w.heads_q = hq;
-      w.heads_kv = hkv;
-      w.head_dim = d;
-      w.sharpness = sharp;
-      w.seed = opt.seed;
-      mala::Status st = mala::make_workload(w, q.data(), k.data(), v.data(), dout.data());
-      if (!st) {
-        std::printf("workload: %s\n", st.message.c_str());
-        return 1;
-      }
     }
+    // Real inputs take dO from the random regime (the backward's test reads only the lse) and
+    // replace its Q, K, V with the captured ones.
+    std::vector<float> q(static_cast<size_t>(B * n * hq * d)), dout(q.size());
+    std::vector<float> k(static_cast<size_t>(B * n * hkv * d)), v(k.size());
+    mala::WorkloadSpec w;
+    w.regime = in.prefix.empty() ? regime : "random";
+    w.batch = B;
+    w.seqlen = n;
+    w.heads_q = hq;
+    w.heads_kv = hkv;
+    w.head_dim = d;
+    w.sharpness = sharp;
+    w.seed = opt.seed;
+    mala::Status s = mala::make_workload(w, q.data(), k.data(), v.data(), dout.data());
+    if (!s) {
+      std::printf("workload: %s\n", s.message.c_str());
+      return 1;
+    }
+    if (!in.prefix.empty()) q = std::move(r.q), k = std::move(r.k), v = std::move(r.v);
     const size_t nq_el = q.size(), nk_el = k.size();
-    mala::Status s;
     DevMem gq(nq_el * 2), gk(nk_el * 2), gv(nk_el * 2), gdo(nq_el * 2), go(nq_el * 2), gdq(nq_el * 2),
         gdk(nk_el * 2), gdv(nk_el * 2);
     DevMem glse(static_cast<size_t>(B * hq * n) * 4), gslots(static_cast<size_t>(B * hq * n) * 4);

@@ -246,17 +246,18 @@ float time_graph(Env& env, F&& enqueue) {
   return t;
 }
 
+// One decode call; a failed call ends the benchmark.
+void decode_or_exit(const mala::DecodeArgs& a) {
+  mala::Status st = mala::decode(a);
+  if (!st) {
+    std::fprintf(stderr, "decode failed: %s\n", st.message.c_str());
+    std::exit(1);
+  }
+}
+
 // Median time (microseconds) of one decode call with a cold L2.
 float time_decode(Env& env, const mala::DecodeArgs& a) {
-  bool checked = false;
-  return time_enqueue(env, [&] {
-    mala::Status st = mala::decode(a);
-    if (!checked && !st) {
-      std::fprintf(stderr, "decode failed: %s\n", st.message.c_str());
-      std::exit(1);
-    }
-    checked = true;
-  });
+  return time_enqueue(env, [&] { decode_or_exit(a); });
 }
 
 struct Problem {
@@ -317,15 +318,11 @@ Stats realized(const Problem& pb, Env& env, Bufs& bf, float tau, int num_splits)
   const int64_t nkt = (pb.n + bk - 1) / bk;
   a.tile_mask = bf.mask;
   a.lse = bf.lse1;
-  mala::Status st = mala::decode(a);
-  if (!st) {
-    std::fprintf(stderr, "decode failed: %s\n", st.message.c_str());
-    std::exit(1);
-  }
+  decode_or_exit(a);
   mala::DecodeArgs a0 = make_args(pb, env, bf.lens, 0.f, bf.ws, bf.ws_bytes, 0);
   a0.o = bf.o;
   a0.lse = bf.lse0;
-  mala::decode(a0);
+  decode_or_exit(a0);
   BENCH_CHECK(cudaStreamSynchronize(env.stream));
   const int64_t tiles_q = (8 + 15) / 16;
   std::vector<uint8_t> mask(pb.batch * pb.hkv * tiles_q * nkt);
@@ -388,7 +385,7 @@ void trace_probe(const Problem& pb, Env& env, Bufs& bf) {
     mala::cuda_backend::set_decode_trace(tr);
     env.flush_l2_now();
     BENCH_CHECK(cudaEventRecord(env.e0, env.stream));
-    mala::decode(a);
+    decode_or_exit(a);
     BENCH_CHECK(cudaEventRecord(env.e1, env.stream));
     BENCH_CHECK(cudaEventSynchronize(env.e1));
     mala::cuda_backend::set_decode_trace(nullptr);
@@ -469,13 +466,7 @@ void overhead_probe(const Problem& pb, Env& env, Bufs& bf) {
     mala::DecodeArgs a = make_args(pb, env, bf.lens, 0.f, bf.ws, bf.ws_bytes, 0);
     a.o = bf.o;
     const float t_eager = time_decode(env, a);
-    const float t_graph = time_graph(env, [&] {
-      mala::Status st = mala::decode(a);
-      if (!st) {
-        std::fprintf(stderr, "decode failed: %s\n", st.message.c_str());
-        std::exit(1);
-      }
-    });
+    const float t_graph = time_graph(env, [&] { decode_or_exit(a); });
     const float t_empty_graph = time_graph(env, [&] { empty_kernel<<<1, 32, 0, env.stream>>>(); });
     std::printf("overhead N=%-6lld B=%lld: decode tau=0 default splits: eager %.2f us | CUDA graph replay %.2f us "
                 "(empty kernel in a graph %.2f us) | floor(K+V) %.2f us\n",

@@ -49,10 +49,8 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p
                     deterministic: bool = False, return_attn_probs: bool = False, *, tau: float = 1.0):
     """flash_attn.flash_attn_func: q [B, Nq, Hq, d], k/v [B, Nk, Hkv, d] -> out [B, Nq, Hq, d]."""
     _common_checks(dropout_p, window_size, softcap, alibi_slopes, deterministic)
-    if return_attn_probs:
-        out, lse = attention(q, k, v, tau=tau, causal=causal, softmax_scale=softmax_scale, return_lse=True)
-        return out, lse, None
-    return attention(q, k, v, tau=tau, causal=causal, softmax_scale=softmax_scale)
+    res = attention(q, k, v, tau=tau, causal=causal, softmax_scale=softmax_scale, return_lse=return_attn_probs)
+    return (*res, None) if return_attn_probs else res
 
 
 def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
@@ -66,13 +64,9 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     _common_checks(dropout_p, window_size, softcap, alibi_slopes, deterministic)
     if block_table is not None:
         raise NotImplementedError("block_table: paged keys are supported by flash_attn_with_kvcache only")
-    if return_attn_probs:
-        out, lse = attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, tau=tau,
-                                    causal=causal, softmax_scale=softmax_scale, return_lse=True,
-                                    check_inputs=check_inputs)
-        return out, lse, None
-    return attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, tau=tau, causal=causal,
-                            softmax_scale=softmax_scale, check_inputs=check_inputs)
+    res = attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, tau=tau, causal=causal,
+                           softmax_scale=softmax_scale, return_lse=return_attn_probs, check_inputs=check_inputs)
+    return (*res, None) if return_attn_probs else res
 
 
 def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

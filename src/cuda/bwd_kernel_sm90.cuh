@@ -211,23 +211,19 @@ __global__ void __launch_bounds__(256, 1) bwd_main_kernel_sm90(const BwdParams p
       float s[32], dp[32];
 #pragma unroll
       for (int e = 0; e < 32; ++e) s[e] = dp[e] = 0.f;
-      auto issue_dp = [&]() {
+      // acc (this warpgroup's 64 keys x 64 rows) += X_g Y^T over d, X = K or V, Y = Q or dO; committed.
+      auto keys_x_rows = [&](float(&acc)[32], uint32_t sX, uint32_t sY) {
 #pragma unroll
         for (int kk = 0; kk < D / 16; ++kk) {
-          const uint32_t ka = (kk >> 2) * KTile::kBlockBytes + 64 * wg * 128 + (kk & 3) * 32;
-          const uint32_t qa = (kk >> 2) * QTile::kBlockBytes + (kk & 3) * 32;
-          WgmmaSS<64, 0, 0, T>::run(dp, wgmma_desc(sV + ka, 16, 1024), wgmma_desc(sDOs + qa, 16, 1024));
+          const uint32_t xa = (kk >> 2) * KTile::kBlockBytes + 64 * wg * 128 + (kk & 3) * 32;
+          const uint32_t ya = (kk >> 2) * QTile::kBlockBytes + (kk & 3) * 32;
+          WgmmaSS<64, 0, 0, T>::run(acc, wgmma_desc(sX + xa, 16, 1024), wgmma_desc(sY + ya, 16, 1024));
         }
         wgmma_commit();
       };
+      auto issue_dp = [&]() { keys_x_rows(dp, sV, sDOs); };
       wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk) {
-        const uint32_t ka = (kk >> 2) * KTile::kBlockBytes + 64 * wg * 128 + (kk & 3) * 32;
-        const uint32_t qa = (kk >> 2) * QTile::kBlockBytes + (kk & 3) * 32;
-        WgmmaSS<64, 0, 0, T>::run(s, wgmma_desc(sK + ka, 16, 1024), wgmma_desc(sQs + qa, 16, 1024));
-      }
-      wgmma_commit();
+      keys_x_rows(s, sK, sQs);
       // dP^T goes right behind S^T whenever dO_t is already here: always at tau = 0, and at tau > 0
       // after a retained tile (speculatively, like the dO prefetch: on inputs where tiles are kept it
       // overlaps the mask, the test and the vote; a skipped tile wastes it).

@@ -148,6 +148,7 @@ __device__ __noinline__ void decode_load_tile(uint32_t sdst, const T* base, int6
 // merged through shared memory after one barrier.  (Measured on the H100 with the globaltimer
 // timeline of `mala_bench --op decode --overhead`: the previous combine, a block-wide max and sum of
 // the split lse before the weighted sum, took 2.5 us after its wait at 132 splits, this one 1.7.)
+// It is the whole of its CTA's work (one item per CTA), so it ends without a barrier.
 constexpr int kMergeDims = 32;
 constexpr int kMergeSubs = kDecodeThreads / (kMergeDims / 4);  // 16 split subsets
 constexpr int kMergePre = 16;  // splits per thread loaded up front (more are merged one at a time)
@@ -243,7 +244,6 @@ __device__ void merge_item(const DecodeParams& p, int64_t item, float* sm, int64
       }
     }
   }
-  __syncthreads();  // not needed with one item per CTA (left until a GPU run re-checks without it)
 }
 
 template <typename T, int D, bool kDense, bool kLargeSmem>
