@@ -649,25 +649,15 @@ __global__ void __launch_bounds__(256, 1) bwd_main_kernel(const BwdParams p) {
 // The wgmma kernel for sm_90 at d = 64 and 128 (bwd_kernel_sm90.cuh, included by those instantiation
 // files) is used on an sm_90 device unless MALA_BWD_WGMMA=0 (the switch lets the benchmark and the
 // tests compare both kernels on one device).
-inline bool bwd_use_sm90() {
-  static const bool ok = [] {
-    int dev = 0, major = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) {
-      cudaGetLastError();
-      return false;
-    }
-    const char* e = getenv("MALA_BWD_WGMMA");
-    return major == 9 && !(e != nullptr && e[0] == '0');
-  }();
-  return ok;
-}
+template <typename T, int D>
+bool bwd_use_sm90();  // defined in bwd_kernel_sm90.cuh: wgmma_kernel_usable (arch.cuh), MALA_BWD_WGMMA
 template <typename T, int D>
 cudaError_t launch_bwd_main_sm90(const BwdParams& p, cudaStream_t stream);
 
 template <typename T, int D>
 cudaError_t launch_bwd_main(const BwdParams& p, cudaStream_t stream) {
   if constexpr (D == 64 || D == 128) {
-    if (bwd_use_sm90()) return launch_bwd_main_sm90<T, D>(p, stream);
+    if (bwd_use_sm90<T, D>()) return launch_bwd_main_sm90<T, D>(p, stream);
   }
   using KC = BwdKernel<T, D>;
   const int smem = KC::smem_bytes(p.q_stages);

@@ -24,37 +24,13 @@
 
 #include <type_traits>
 
+#include "cuda/arch.cuh"
 #include "cuda/bwd_kernel.cuh"
 #include "cuda/gmma_layout.h"
 #include "cuda/wgmma.cuh"
 
 namespace mala {
 namespace cuda {
-
-// ROWS x COLS 16-bit elements in the layout of wgmma's 128-byte swizzle (gmma::tile_offset,
-// cuda/gmma_layout.h): COLS/64 blocks of ROWS rows x 128 bytes, block bases 1024-byte aligned, so
-// descriptors need no base offset.
-//   K-major operand (rows = M or N, cols = K): sbo = 1024 (8 rows); a k16 step is +32 bytes inside a
-//   block.  MN-major operand (rows = K, cols = M or N): sbo = 1024, lbo = kBlockBytes (next 64
-//   columns); a k16 step is +2048 bytes (16 rows).
-template <int ROWS, int COLS>
-struct GmmaTile {
-  static_assert(COLS % 64 == 0 && ROWS % 8 == 0, "GmmaTile shape");
-  static constexpr int kBlockBytes = ROWS * 128;
-  static constexpr int kBytes = (COLS / 64) * kBlockBytes;
-  __device__ __forceinline__ static uint32_t offset(int r, int c) { return gmma::tile_offset<ROWS>(r, c); }
-  // Rows >= valid are zero-filled.  src: row 0, ld: elements between rows.
-  template <int NT, typename T>
-  __device__ __forceinline__ static void load_async(uint32_t dst, const T* src, int64_t ld, int valid, int tid) {
-    constexpr int CH = COLS / 8;
-#pragma unroll 4
-    for (int c = tid; c < ROWS * CH; c += NT) {
-      const int r = c / CH, ch = c % CH;
-      const bool ok = r < valid;
-      cp_async_16(dst + offset(r, ch * 8), ok ? src + r * ld + ch * 8 : src, ok);
-    }
-  }
-};
 
 template <int D_>
 struct BwdSm90 {
@@ -107,20 +83,20 @@ __global__ void __launch_bounds__(256, 1) bwd_main_kernel_sm90(const BwdParams p
 
   auto load_q = [&](int t, int stage) {
     const int h = w.head(t), r0 = w.q_tile(t) * BQ, valid = min(BQ, qlen - r0);
-    QTile::load_async<KC::kThreads>(sQ + stage * QTile::kBytes, q_base + static_cast<int64_t>(r0) * p.q_r + h * p.q_h,
+    QTile::load_async_loop<KC::kThreads>(sQ + stage * QTile::kBytes, q_base + static_cast<int64_t>(r0) * p.q_r + h * p.q_h,
                                     p.q_r, valid, tid);
     bwd_load_lse_thr<BQ, !TAU0>(p, w, h, r0, valid, sbase + KC::kOffLse + stage * BQ * 4,
                                reinterpret_cast<float*>(smem + KC::kOffThr) + stage * BQ);
   };
   auto load_do = [&](int t, int stage) {
     const int h = w.head(t), r0 = w.q_tile(t) * BQ, valid = min(BQ, qlen - r0);
-    QTile::load_async<KC::kThreads>(sDO + stage * QTile::kBytes,
+    QTile::load_async_loop<KC::kThreads>(sDO + stage * QTile::kBytes,
                                     do_base + static_cast<int64_t>(r0) * p.do_r + h * p.do_h, p.do_r, valid, tid);
     bwd_load_dsum<BQ>(p, w, h, r0, valid, sbase + KC::kOffDsum + stage * BQ * 4);
   };
 
-  KTile::load_async<KC::kThreads>(sK, k_ptr, p.k_r, kn, tid);
-  KTile::load_async<KC::kThreads>(sV, v_ptr, p.v_r, kn, tid);
+  KTile::load_async_loop<KC::kThreads>(sK, k_ptr, p.k_r, kn, tid);
+  KTile::load_async_loop<KC::kThreads>(sV, v_ptr, p.v_r, kn, tid);
   cp_async_commit();
 
   float dk[D / 2], dv[D / 2];  // m64nD accumulators: keys 64wg.., all D dims
@@ -401,6 +377,13 @@ __global__ void __launch_bounds__(256, 1) bwd_main_kernel_sm90(const BwdParams p
     });
   }
 #endif
+}
+
+template <typename T, int D>
+bool bwd_use_sm90() {
+  static const bool ok =
+      wgmma_kernel_usable(reinterpret_cast<const void*>(bwd_main_kernel_sm90<T, D, true>), "MALA_BWD_WGMMA");
+  return ok;
 }
 
 template <typename T, int D>

@@ -25,6 +25,7 @@
 #include <cuda_runtime.h>
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #include "common/rule.h"
 #include "mala/mala.h"
@@ -45,6 +46,78 @@ namespace cuda {
 // Cfg::kLazyV (optional, default true): load V on demand for tiles some warp retains.
 template <typename Cfg, typename = void> struct FwdLazyV { static constexpr bool value = true; };
 template <typename Cfg> struct FwdLazyV<Cfg, decltype(void(Cfg::kLazyV))> { static constexpr bool value = Cfg::kLazyV; };
+
+// The sequence one CTA works on: lengths (varlen or padded) and the row-0 pointers of its head.
+template <typename T>
+struct FwdSeq {
+  int Nq, Nk, q_off;
+  const T *q, *k, *v;
+  T* o;
+};
+template <typename T>
+__device__ __forceinline__ FwdSeq<T> fwd_seq(const FwdParams& p, int b, int h) {
+  FwdSeq<T> sq;
+  sq.Nq = p.seqlen_q;
+  sq.Nk = p.seqlen_k;
+  sq.q_off = 0;
+  int64_t q_base, k_base, v_base, o_base;
+  const int hk = h / p.group;
+  if (p.cu_q) {
+    sq.q_off = p.cu_q[b];
+    sq.Nq = p.cu_q[b + 1] - sq.q_off;
+    q_base = sq.q_off * p.q_sr;
+    o_base = sq.q_off * p.o_sr;
+  } else {
+    q_base = b * p.q_sb;
+    o_base = b * p.o_sb;
+  }
+  if (p.cu_k) {
+    int k_off = p.cu_k[b];
+    sq.Nk = p.cu_k[b + 1] - k_off;
+    k_base = k_off * p.k_sr;
+    v_base = k_off * p.v_sr;
+  } else {
+    k_base = b * p.k_sb;
+    v_base = b * p.v_sb;
+  }
+  sq.q = static_cast<const T*>(p.q) + q_base + h * p.q_sh;
+  sq.k = static_cast<const T*>(p.k) + k_base + hk * p.k_sh;
+  sq.v = static_cast<const T*>(p.v) + v_base + hk * p.v_sh;
+  sq.o = static_cast<T*>(p.o) + o_base + h * p.o_sh;
+  return sq;
+}
+
+// Epilogue of a warp's block of 16*MT rows starting at row_w: O = acc / l, lse = m + log l (natural
+// log), slots = the keys of the retained decision tiles (0 for rows with L = 0, as the CPU counts).
+template <typename T, int MT, int DT>
+__device__ __forceinline__ void fwd_epilogue(const FwdParams& p, const FwdSeq<T>& sq, int b, int h, int row_w,
+                                             int lane, const float (&m)[MT][2], const float (&l)[MT][2],
+                                             float (&acc)[MT][DT][4], int slots) {
+  float lse[MT][2];
+  softmax_finalize<MT, DT>(m, l, acc, lse);
+  const int g = lane >> 2, t = lane & 3;
+  int lim[MT][2];
+  row_limits<MT>(lim, row_w, lane, sq.Nq, sq.Nk, p.causal);
+  int64_t lse_base = 0;
+  if (p.lse || p.slots) {
+    lse_base = p.cu_q ? (int64_t)h * p.cu_q[p.batch] + sq.q_off : ((int64_t)b * p.heads_q + h) * p.seqlen_q;
+  }
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const int r = row_w + mt * 16 + g + hh * 8;
+      if (r >= sq.Nq) continue;
+      T* orow = sq.o + (int64_t)r * p.o_sr;
+#pragma unroll
+      for (int dt = 0; dt < DT; ++dt)
+        *reinterpret_cast<uint32_t*>(orow + dt * 8 + 2 * t) = pack2<T>(acc[mt][dt][2 * hh], acc[mt][dt][2 * hh + 1]);
+      if (t == 0) {
+        if (p.lse) p.lse[lse_base + r] = lse[mt][hh];
+        if (p.slots) p.slots[lse_base + r] = lim[mt][hh] > 0 ? slots : 0;
+      }
+    }
+}
 
 template <typename T, int D, typename Cfg = FwdConfig<D>>
 struct FwdKernelTraits {
@@ -83,32 +156,9 @@ __global__ void __launch_bounds__(FwdKernelTraits<T, D, Cfg>::kThreads, FwdKerne
   // Causal: the last query tiles see the most keys; launch them first.
   const int qtile = p.causal ? (int)gridDim.x - 1 - (int)blockIdx.x : (int)blockIdx.x;
 
-  int Nq = p.seqlen_q, Nk = p.seqlen_k;
-  int64_t q_base, k_base, v_base, o_base;
-  int q_off = 0;
-  const int hk = h / p.group;
-  if (p.cu_q) {
-    q_off = p.cu_q[b];
-    Nq = p.cu_q[b + 1] - q_off;
-    q_base = q_off * p.q_sr;
-    o_base = q_off * p.o_sr;
-  } else {
-    q_base = b * p.q_sb;
-    o_base = b * p.o_sb;
-  }
-  if (p.cu_k) {
-    int k_off = p.cu_k[b];
-    Nk = p.cu_k[b + 1] - k_off;
-    k_base = k_off * p.k_sr;
-    v_base = k_off * p.v_sr;
-  } else {
-    k_base = b * p.k_sb;
-    v_base = b * p.v_sb;
-  }
-  const T* qp = static_cast<const T*>(p.q) + q_base + h * p.q_sh;
-  const T* kp = static_cast<const T*>(p.k) + k_base + hk * p.k_sh;
-  const T* vp = static_cast<const T*>(p.v) + v_base + hk * p.v_sh;
-  T* op = static_cast<T*>(p.o) + o_base + h * p.o_sh;
+  const FwdSeq<T> sq = fwd_seq<T>(p, b, h);
+  const int Nq = sq.Nq, Nk = sq.Nk;
+  const T *qp = sq.q, *kp = sq.k, *vp = sq.v;
 
   const int row_cta = qtile * BQ;
   const int row_w = row_cta + warp * RW;
@@ -327,31 +377,7 @@ __global__ void __launch_bounds__(FwdKernelTraits<T, D, Cfg>::kThreads, FwdKerne
     v_ready = pref_v;
   }
 
-  // ---- epilogue: O = acc / l, lse = m + log l, slots ----
-  float lse[MT][2];
-  softmax_finalize<MT, DT>(m, l, acc, lse);
-  const int g = lane >> 2, t = lane & 3;
-  int lim[MT][2];
-  row_limits<MT>(lim, row_w, lane, Nq, Nk, p.causal);
-  int64_t lse_base = 0;
-  if (p.lse || p.slots) {
-    lse_base = p.cu_q ? (int64_t)h * p.cu_q[p.batch] + q_off : ((int64_t)b * p.heads_q + h) * p.seqlen_q;
-  }
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      const int r = row_w + mt * 16 + g + hh * 8;
-      if (r >= Nq) continue;
-      T* orow = op + (int64_t)r * p.o_sr;
-#pragma unroll
-      for (int dt = 0; dt < DT; ++dt)
-        *reinterpret_cast<uint32_t*>(orow + dt * 8 + 2 * t) = pack2<T>(acc[mt][dt][2 * hh], acc[mt][dt][2 * hh + 1]);
-      if (t == 0) {
-        if (p.lse) p.lse[lse_base + r] = lse[mt][hh];
-        if (p.slots) p.slots[lse_base + r] = lim[mt][hh] > 0 ? retained * BK : 0;  // as the CPU: L = 0 rows do no work
-      }
-    }
+  fwd_epilogue<T, MT, DT>(p, sq, b, h, row_w, lane, m, l, acc, retained * BK);
 }
 
 // Host-side launch of one instantiation (defined in the instantiation files).
@@ -379,8 +405,34 @@ int fwd_blocks_per_sm() {
   return n;
 }
 
+// On sm_90 devices at d = 128 the wgmma kernel (fwd_kernel_sm90.cuh, included by that instantiation
+// file) runs at tau = 0 and for keys up to kFwdWgmmaMaxKeysAtTau, where it is the faster one; this
+// kernel at tau > 0 on longer keys, where its skipped tiles are cheaper (H100: at 32K synthetic
+// s = 16, 3.45 against 3.92 ms, random a tie; at 16K every input was faster on the wgmma kernel,
+// random 1.68 against 2.00 ms, s = 16 1.02 against 1.09; docs/kernels.md).
+// Both make the same decisions (tiles of FwdConfig), so the choice changes no result beyond rounding.
+// MALA_FWD_WGMMA=0 selects this kernel always, MALA_FWD_WGMMA=1 the wgmma kernel at every tau
+// (tests and benchmarks).
+constexpr int kFwdWgmmaMaxKeysAtTau = 16384;
+template <typename T, int D>
+bool fwd_sm90_usable();
+template <typename T, int D>
+cudaError_t launch_fwd_sm90(const FwdParams& p, cudaStream_t stream);
+inline bool fwd_wgmma_every_tau() {
+  static const bool on = [] {
+    const char* e = getenv("MALA_FWD_WGMMA");
+    return e != nullptr && e[0] == '1';
+  }();
+  return on;
+}
+
 template <typename T, int D>
 cudaError_t launch_fwd(const FwdParams& p, cudaStream_t stream) {
+  if constexpr (D == 128) {
+    const bool wgmma = p.log2_tau == -INFINITY || p.seqlen_k <= kFwdWgmmaMaxKeysAtTau || fwd_wgmma_every_tau();
+    if (wgmma && fwd_sm90_usable<T, D>())
+      return launch_fwd_sm90<T, D>(p, stream);
+  }
   return launch_fwd_cfg<T, D, FwdConfig<D>>(p, stream);
 }
 

@@ -1,4 +1,5 @@
-// Shared-memory tiles for the mma.sync kernels: swizzled layout, cp.async global->shared loads with
+// Shared-memory tiles: SmemTile for the mma.sync kernels (ldmatrix), GmmaTile (end of file) for the
+// wgmma kernels.  SmemTile: swizzled layout, cp.async global->shared loads with
 // zero-fill for rows past the end, and the ldmatrix lane addresses for the m16n8k16 fragments.
 //
 // Layout.  A tile is ROWS x D elements of a 16-bit type (bf16/fp16), row-major, D*2 bytes per row,
@@ -18,6 +19,7 @@
 
 #include <stdint.h>
 
+#include "cuda/gmma_layout.h"
 #include "cuda/ptx.cuh"
 
 namespace mala {
@@ -111,6 +113,51 @@ struct SmemTile {
     int row = k0 + (lane & 7) + ((lane >> 3) & 1) * 8;
     int col = n0 + (lane >> 4) * 8;
     return base + offset(row, col >> 3);
+  }
+};
+
+// ROWS x COLS 16-bit elements in the layout of wgmma's 128-byte swizzle (gmma::tile_offset,
+// cuda/gmma_layout.h): COLS/64 blocks of ROWS rows x 128 bytes, block bases 1024-byte aligned, so
+// descriptors need no base offset.
+//   K-major operand (rows = M or N, cols = K): sbo = 1024 (8 rows); a k16 step is +32 bytes inside a
+//   block.  MN-major operand (rows = K, cols = M or N): sbo = 1024, lbo = kBlockBytes (next 64
+//   columns); a k16 step is +2048 bytes (16 rows).
+template <int ROWS, int COLS>
+struct GmmaTile {
+  static_assert(COLS % 64 == 0 && ROWS % 8 == 0, "GmmaTile shape");
+  static constexpr int kBlockBytes = ROWS * 128;
+  static constexpr int kBytes = (COLS / 64) * kBlockBytes;
+  __device__ __forceinline__ static uint32_t offset(int r, int c) { return gmma::tile_offset<ROWS>(r, c); }
+  // Rows >= valid are zero-filled.  src: row 0, ld: elements between rows.
+  // The loop form the wgmma backward uses: with the unrolled form below its tau > 0 kernel spills
+  // (16 bytes, ptxas), so it keeps this one until the change is measured there.
+  template <int NT, typename T>
+  __device__ __forceinline__ static void load_async_loop(uint32_t dst, const T* src, int64_t ld, int valid, int tid) {
+    constexpr int CH = COLS / 8;
+#pragma unroll 4
+    for (int c = tid; c < ROWS * CH; c += NT) {
+      const int r = c / CH, ch = c % CH;
+      const bool ok = r < valid;
+      cp_async_16(dst + offset(r, ch * 8), ok ? src + r * ld + ch * 8 : src, ok);
+    }
+  }
+  // Thread tid copies chunk tid % CH of rows tid / CH + i * (NT / CH): a fixed trip count, fully
+  // unrolled (a loop over c = tid, tid + NT, ... compiled to a generic loop with remainder handling,
+  // about 190 instructions per 16 KB tile).
+  template <int NT, typename T>
+  __device__ __forceinline__ static void load_async(uint32_t dst, const T* src, int64_t ld, int valid, int tid) {
+    constexpr int CH = COLS / 8;
+    static_assert(NT % CH == 0 && (ROWS * CH) % NT == 0, "GmmaTile::load_async: chunks must divide evenly");
+    constexpr int kRowStep = NT / CH;
+    const int ch = tid % CH, r0 = tid / CH;
+    const T* s = src + static_cast<int64_t>(r0) * ld + ch * 8;
+#pragma unroll
+    for (int i = 0; i < ROWS * CH / NT; ++i) {
+      const int r = r0 + i * kRowStep;
+      const bool ok = r < valid;
+      cp_async_16(dst + offset(r, ch * 8), ok ? s : src, ok);
+      s += kRowStep * ld;
+    }
   }
 };
 

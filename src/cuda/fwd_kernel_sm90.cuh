@@ -1,0 +1,339 @@
+// The forward kernel on Hopper tensor cores (wgmma), head dim 128, sm_90a.  launch_fwd
+// (fwd_kernel.cuh) runs it at tau = 0 and on keys up to 16K; the mma.sync kernel serves tau > 0 on
+// longer keys, d = 64 and 256, and other devices.  (At d = 64 this kernel measured slower than the
+// mma.sync one -- H100, dense, 32K: 219 against 283 TFLOP/s -- so it is not instantiated there.)
+// Same decisions as the mma.sync kernel: the decision tile is 32 query rows x 64 keys (FwdConfig),
+// key tiles are visited from the diagonal down, the online test reads the running normaliser, and V
+// is loaded lazily -- so the tile mask, the slots and the outputs are those of the mma.sync kernel.
+//
+// A CTA is two warpgroups (256 threads) over 128 query rows; warpgroup g owns rows 64g..64g+63, its
+// warp w rows 16w..16w+15 of those, and the warp pair w/2 one decision tile's 32 rows.  Per key tile:
+//   S = Q K^T       m64n64 per warpgroup, A = Q from registers (loaded once), B = K (K-major)
+//   mask, row max, test per warp; the pair's decision from the two warps' votes (shared flags and
+//   the warpgroup's named barrier; no vote at tau = 0)
+//   retained pair: online-softmax update, P = exp2(S - m);  skipped pair: P = 0, m, l, O untouched
+//   O += P V        m64nD, A = P from registers, B = V (MN-major); only if a pair of the warpgroup
+//                   retains (P V is one warpgroup instruction: a skipped pair's zero rows add
+//                   nothing to its O, since 0 * v = 0 for finite v)
+// Pipelined by one tile: iteration j issues S_{j-1} and then tile j's P V, so the tensor cores run
+// them back to back, then tests S_{j-1} and computes its P.  The accumulator layout of wgmma is the
+// mma.sync C layout per warp (wgmma.cuh), so masks, the test, the online softmax and the epilogue
+// are the mma.sync kernel's fragment functions with MT = 1.  K (4 buffers, loaded 3 iterations
+// ahead) and V (2 buffers, lazily) live in 128-byte-swizzled tiles (GmmaTile) loaded with cp.async
+// by all threads and made visible to the tensor cores' async proxy by fence.proxy.async before the
+// iteration's one barrier (which, as in the mma.sync kernel, also or-reduces the retention of the
+// tile whose V is prefetched next).
+#pragma once
+
+#include "cuda/arch.cuh"
+#include "cuda/fwd_kernel.cuh"
+#include "cuda/wgmma.cuh"
+
+namespace mala {
+namespace cuda {
+
+template <int D_, int WG_ = 2>
+struct FwdSm90 {
+  static constexpr int D = D_, kWarpgroups = WG_;
+  static_assert(D == 64 || D == 128, "wgmma forward: head dim 64 or 128 (64 compiles, not used)");
+  static constexpr int kThreads = 128 * WG_, BQ = 64 * WG_, BK = FwdConfig<D>::kBk, kPairRows = 16 * FwdConfig<D>::kMT;
+  static_assert(BK == 64 && kPairRows == 32, "the decision tile is a warp pair's 32 rows x 64 keys");
+  using QTile = SmemTile<BQ, D>;    // row-major, read once into registers with ldmatrix
+  using KVTile = GmmaTile<BK, D>;   // K (K-major B of Q K^T), V (MN-major B of P V)
+  static constexpr int kKLead = 3;   // K is loaded this many iterations before its S is issued
+  static constexpr int kKBufs = 4;   // >= kKLead + 1, a power of two
+  static constexpr int kOffK = 0;                                    // kKBufs buffers
+  static constexpr int kOffV = kOffK + kKBufs * KVTile::kBytes;      // 2 buffers
+  static constexpr int kOffQ = kOffV + 2 * KVTile::kBytes;
+  static constexpr int kOffVote = kOffQ + QTile::kBytes;        // [8] per-warp retention flags
+  static constexpr int kBytes = kOffVote + 8 * 4;
+  static constexpr int kSmem = kBytes + 1024;  // slack to align the base to 1024 bytes
+  // One CTA of two warpgroups per SM (d = 64 at two would need 128 registers per thread: it
+  // spills).  CTAs of one warpgroup (64 rows, two per SM: independent barriers, twice the K/V
+  // traffic) measured slower: 32K dense 260 against 279 TFLOP/s at the time.
+  static constexpr int kMinBlocks = WG_ == 1 ? 2 : 1;
+};
+
+// Barrier of one warpgroup (ids 1 and 2; 0 is __syncthreads).  Immediate ids, so ptxas reserves
+// only the barriers used.  (Letting a warp that retains only arrive -- it knows the outcome it
+// needs -- measured slower: 32K synthetic s = 16, 4.10 against 3.92 ms.)
+__device__ __forceinline__ void warpgroup_barrier_sync(int wg) {
+  if (wg == 0)
+    asm volatile("bar.sync 1, 128;\n" ::: "memory");
+  else
+    asm volatile("bar.sync 2, 128;\n" ::: "memory");
+}
+
+template <typename T, int D, int WG>
+__global__ void __launch_bounds__(FwdSm90<D, WG>::kThreads, FwdSm90<D, WG>::kMinBlocks)
+    mala_fwd_kernel_sm90(const FwdParams p) {
+#ifdef MALA_WGMMA_ENABLED
+  using C = FwdSm90<D, WG>;
+  constexpr int BQ = C::BQ, BK = C::BK, NT = BK / 8, DT = D / 8, KS = D / 16, NTH = C::kThreads;
+  using QTile = typename C::QTile;
+  using KVTile = typename C::KVTile;
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  const uint32_t sraw = smem_addr(smem_raw);
+  const uint32_t sbase = (sraw + 1023u) & ~1023u;
+  unsigned char* smem = smem_raw + (sbase - sraw);
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, wg = warp >> 2, wl = warp & 3, pair = wl >> 1;
+  const int b = blockIdx.z, h = blockIdx.y;
+  const int qtile = p.causal ? (int)gridDim.x - 1 - (int)blockIdx.x : (int)blockIdx.x;
+
+  const FwdSeq<T> sq = fwd_seq<T>(p, b, h);
+  const int Nq = sq.Nq, Nk = sq.Nk;
+
+  const int row_cta = qtile * BQ;
+  const int row_wg = row_cta + 64 * wg;
+  const int row_pair = row_wg + 32 * pair;
+  const int row_w = row_wg + 16 * wl;
+  auto max_L = [&](int r0, int rows) {
+    int last = min(r0 + rows, Nq) - 1;
+    return last >= r0 ? rule::visible_keys(last, Nq, Nk, p.causal) : 0;
+  };
+  const int n_tiles = rule::ceil_div(max_L(row_cta, BQ), BK);
+  const int wg_hi = rule::ceil_div(max_L(row_wg, 64), BK) - 1;     // last tile with a legal key for the warpgroup
+  const int pair_hi = rule::ceil_div(max_L(row_pair, 32), BK) - 1; // ... for the decision tile
+  const int min_L_w = row_w + 16 <= Nq ? rule::visible_keys(row_w, Nq, Nk, p.causal) : 0;
+
+  const bool test_on = p.log2_tau > -INFINITY;
+  uint32_t* s_vote = reinterpret_cast<uint32_t*>(smem + C::kOffVote);
+  // Test inputs of this lane's two rows, in registers (every lane of a quad holds the full row sums).
+  float log_thr[1][2], log_norm[1][2];
+  {
+    int lim[1][2];
+    row_limits<1>(lim, row_w, lane, Nq, Nk, p.causal);
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      log_thr[0][hh] = rule::log_threshold(p.log2_tau, __log2f((float)lim[0][hh]));
+      log_norm[0][hh] = -INFINITY;  // nothing retained yet
+    }
+  }
+
+  uint8_t* mask_row = nullptr;
+  if (p.tile_mask && (wl & 1) == 0) {  // the pair's first warp records its decisions
+    const int qt = row_pair / C::kPairRows;
+    if (qt < p.n_q_tiles_mask) {
+      mask_row = p.tile_mask + (((int64_t)b * p.heads_q + h) * p.n_q_tiles_mask + qt) * p.n_k_tiles_mask;
+      for (int kt = pair_hi + 1 + lane; kt < p.n_k_tiles_mask; kt += 32) mask_row[kt] = kTileIllegal;
+    }
+  }
+
+  float m[1][2], l[1][2], acc[1][DT][4];
+  softmax_init<1, DT>(m, l, acc);
+  float(&acc_flat)[D / 2] = *reinterpret_cast<float(*)[D / 2]>(&acc[0][0][0]);
+  int retained = 0;
+
+  const uint32_t sK0 = sbase + C::kOffK, sV0 = sbase + C::kOffV, sQ = sbase + C::kOffQ;
+  // Tile t's K and V live in buffer t & 1.  Pipeline: while tile j's P V runs, tile j - 1's scores
+  // are computed and tested, so K runs two tiles ahead of V: the loads issued at iteration j are
+  // K_{j-2} and V_{j-1}.
+  auto load_k = [&](int t) {
+    KVTile::template load_async<NTH>(sK0 + (t & (C::kKBufs - 1)) * KVTile::kBytes, sq.k + (int64_t)t * BK * p.k_sr,
+                                     p.k_sr, Nk - t * BK, tid);
+  };
+  auto load_v = [&](int t) {
+    KVTile::template load_async<NTH>(sV0 + (t & 1) * KVTile::kBytes, sq.v + (int64_t)t * BK * p.v_sr, p.v_sr,
+                                     Nk - t * BK, tid);
+  };
+
+  uint32_t qreg[KS][4];
+  float s[1][NT][4], mx[1][2];
+  float(&s_flat)[BK / 2] = *reinterpret_cast<float(*)[BK / 2]>(&s[0][0][0]);
+  uint32_t pa[BK / 16][4];  // P of the tile whose P V is next (zeros on a skipped pair's rows)
+  // S_t = Q K_t^T, issued (K_t must be in shared memory; the caller commits).
+  auto issue_s = [&](int t) {
+#pragma unroll
+    for (int e = 0; e < BK / 2; ++e) s_flat[e] = 0.f;
+    wgmma_fence();
+    const uint32_t sK = sK0 + (t & (C::kKBufs - 1)) * KVTile::kBytes;
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks)
+      WgmmaRS<BK, 0, T>::run(s_flat, qreg[ks], wgmma_desc(sK + (ks >> 2) * KVTile::kBlockBytes + (ks & 3) * 32, 16, 1024));
+  };
+  // Decision for tile t whose scores are in s (have_s; false: no legal key for the warpgroup):
+  // mask, row max, test, the pair's vote.  cta_vote: V_t was not prefetched, so the CTA agrees on
+  // whether to load it (returned in need_v).  Every thread calls it (it has barriers when test_on).
+  bool pair_retain = false, wg_any = false;
+  auto decide = [&](int t, bool have_s, bool cta_vote, bool& need_v) {
+    bool warp_retain = false;
+    if (have_s) {
+      if (t * BK + BK > min_L_w) {
+        int lim[1][2];
+        row_limits<1>(lim, row_w, lane, Nq, Nk, p.causal);
+        apply_mask<1, NT>(s, lim, t * BK, lane);
+      }
+      tile_row_max<1, NT>(s, mx);
+      if (test_on) {
+        float tmax[1][2];
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) tmax[0][hh] = mx[0][hh] * p.scale_log2;
+        warp_retain = !warp_vote_skip(lane_rows_allow_skip<1>(tmax, log_norm, log_thr));
+      }
+    }
+    need_v = false;
+    if (test_on) {
+      if (lane == 0) s_vote[warp] = warp_retain ? 1u : 0u;
+      if (cta_vote || WG == 1)
+        __syncthreads();
+      else
+        warpgroup_barrier_sync(wg);
+      const uint4 f = *reinterpret_cast<const uint4*>(s_vote + 4 * wg);
+      pair_retain = (pair ? (f.z | f.w) : (f.x | f.y)) != 0u;
+      wg_any = (f.x | f.y | f.z | f.w) != 0u;
+      if (cta_vote) {
+        need_v = wg_any;
+        if constexpr (WG == 2) {
+          const uint4 o = *reinterpret_cast<const uint4*>(s_vote + 4 * (wg ^ 1));
+          need_v = need_v || (o.x | o.y | o.z | o.w) != 0u;
+        }
+      }
+      // (The flags are next written after the next iteration's top barrier.)
+    } else {
+      pair_retain = t <= pair_hi;
+      wg_any = t <= wg_hi;
+    }
+    if (mask_row && lane == 0 && t <= pair_hi) mask_row[t] = pair_retain ? kTileRetained : kTileSkipped;
+  };
+  // P of the decided tile: exponentials (retained pair), rescale factors for acc.
+  float alpha[1][2];
+  auto scores_to_p = [&]() {
+    if (pair_retain) {
+      softmax_scores<1, NT>(s, mx, p.scale_log2, m, l, alpha);
+      if (test_on) {
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) log_norm[0][hh] = m[0][hh] + __log2f(l[0][hh]);
+      }
+    }
+  };
+  auto pack_p = [&]() {
+#pragma unroll
+    for (int kk = 0; kk < BK / 16; ++kk) {
+      if (pair_retain) {
+        p_to_a<T, 1, NT>(s, 0, kk, pa[kk]);
+      } else {
+        pa[kk][0] = pa[kk][1] = pa[kk][2] = pa[kk][3] = 0u;
+      }
+    }
+  };
+
+  // Prologue: Q, K and V of the first tile, K of the next kKLead; the first tile's scores and decision.
+  const int top = n_tiles - 1;
+  bool cur_retain = false, cur_wg_any = false;  // decisions of the tile whose P V is next
+  bool v_on_demand = false;                     // a V load was issued after the last top barrier
+  if (n_tiles > 0) {
+    QTile::template load_async<NTH>(sQ, sq.q + (int64_t)row_cta * p.q_sr, p.q_sr, Nq - row_cta, tid);
+    load_k(top);
+    load_v(top);
+    cp_async_commit();
+    for (int t = top - 1; t >= top - C::kKLead; --t) {
+      if (t >= 0) load_k(t);
+      cp_async_commit();
+    }
+    cp_async_wait<C::kKLead>();  // Q, K and V of the first tile
+    fence_proxy_async_smem();
+    __syncthreads();
+    const uint32_t q_lane = QTile::lane_off_a(lane);
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks) ldmatrix_x4(qreg[ks], QTile::frag_addr(sQ, q_lane, 64 * wg + 16 * wl, ks * 16));
+    const bool have_s = top <= wg_hi;
+    issue_s(top);
+    wgmma_commit();
+    wgmma_wait<0>();
+    wgmma_fence_operands(s_flat);
+    bool unused;
+    decide(top, have_s, false, unused);
+    scores_to_p();
+    if (pair_retain) softmax_rescale<1, DT>(alpha, acc);
+    pack_p();
+    cur_retain = pair_retain;
+    cur_wg_any = wg_any;
+  }
+
+  // The top of iteration j: K_{j-1} and V_j have landed (this thread's copies; after the barrier
+  // everyone's), and every warp is done with K_j and V_{j+1}, whose buffers the loads below reuse.
+  // The barrier also or-reduces the retention of tile j: V_{j-1} is prefetched when some warp
+  // retained it.  Returns whether it was.
+  auto tile_top = [&](int j) {
+    // Groups committed since V_j: K_{j-kKLead} (in flight, may stay), or also an on-demand V_j.
+    if (v_on_demand)
+      cp_async_wait<0>();
+    else
+      cp_async_wait<1>();
+    fence_proxy_async_smem();
+    const bool any_j = __syncthreads_or(cur_retain) != 0;
+    const bool pref_v = !test_on || any_j;
+    if (j >= 1 && pref_v) load_v(j - 1);
+    cp_async_commit();
+    if (j - 1 - C::kKLead >= 0) load_k(j - 1 - C::kKLead);
+    cp_async_commit();
+    v_on_demand = false;
+    if (cur_retain) ++retained;
+    return pref_v;
+  };
+  // O += P V for tile j; completes inside its branch (see below).
+  auto pv_tile = [&](int j) {
+    if (cur_wg_any) {
+      wgmma_fence();
+      const uint32_t sV = sV0 + (j & 1) * KVTile::kBytes;
+#pragma unroll
+      for (int kk = 0; kk < BK / 16; ++kk)
+        WgmmaRS<D, 1, T>::run(acc_flat, pa[kk], wgmma_desc(sV + kk * 2048, KVTile::kBlockBytes, 1024));
+      wgmma_commit();
+      wgmma_wait<0>();
+      wgmma_fence_operands(acc_flat);
+    }
+  };
+  // ptxas serializes every wgmma of the kernel when a wgmma's registers are in flight across the
+  // join of a branch it cannot prove uniform (even one on j), so S_{j-1} is issued unconditionally
+  // (a warpgroup with no legal key in the tile computes and ignores it; the last tile, j = 0, is
+  // peeled off the loop), and the data-dependent P V completes inside its branch, queued behind S.
+  for (int j = top; j >= 1; --j) {
+    const bool pref_v = tile_top(j);
+    issue_s(j - 1);
+    wgmma_commit();
+    pv_tile(j);
+    wgmma_wait<0>();
+    wgmma_fence_operands(s_flat);
+    bool need_v = false;
+    decide(j - 1, j - 1 <= wg_hi, test_on && !pref_v, need_v);
+    if (need_v) {  // V_{j-1} on demand (the next iteration's top barrier waits for it)
+      load_v(j - 1);
+      cp_async_commit();
+      v_on_demand = true;
+    }
+    scores_to_p();
+    if (pair_retain) softmax_rescale<1, DT>(alpha, acc);
+    pack_p();
+    cur_retain = pair_retain;
+    cur_wg_any = wg_any;
+  }
+  if (n_tiles > 0) {
+    tile_top(0);
+    pv_tile(0);
+  }
+
+  fwd_epilogue<T, 1, DT>(p, sq, b, h, row_w, lane, m, l, acc, retained * BK);
+#endif
+}
+
+template <typename T, int D>
+bool fwd_sm90_usable() {
+  static const bool ok =
+      wgmma_kernel_usable(reinterpret_cast<const void*>(mala_fwd_kernel_sm90<T, D, 2>), "MALA_FWD_WGMMA");
+  return ok;
+}
+
+template <typename T, int D>
+cudaError_t launch_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
+  using C = FwdSm90<D>;
+  auto kernel = mala_fwd_kernel_sm90<T, D, C::kWarpgroups>;
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmem);
+  if (err != cudaSuccess) return err;
+  dim3 grid(rule::ceil_div(p.seqlen_q, C::BQ), p.heads_q, p.batch);
+  kernel<<<grid, C::kThreads, C::kSmem, stream>>>(p);
+  return cudaGetLastError();
+}
+
+}  // namespace cuda
+}  // namespace mala
