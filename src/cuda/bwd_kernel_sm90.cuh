@@ -83,20 +83,20 @@ __global__ void __launch_bounds__(256, 1) bwd_main_kernel_sm90(const BwdParams p
 
   auto load_q = [&](int t, int stage) {
     const int h = w.head(t), r0 = w.q_tile(t) * BQ, valid = min(BQ, qlen - r0);
-    QTile::load_async_loop<KC::kThreads>(sQ + stage * QTile::kBytes, q_base + static_cast<int64_t>(r0) * p.q_r + h * p.q_h,
+    QTile::load_async<KC::kThreads>(sQ + stage * QTile::kBytes, q_base + static_cast<int64_t>(r0) * p.q_r + h * p.q_h,
                                     p.q_r, valid, tid);
     bwd_load_lse_thr<BQ, !TAU0>(p, w, h, r0, valid, sbase + KC::kOffLse + stage * BQ * 4,
                                reinterpret_cast<float*>(smem + KC::kOffThr) + stage * BQ);
   };
   auto load_do = [&](int t, int stage) {
     const int h = w.head(t), r0 = w.q_tile(t) * BQ, valid = min(BQ, qlen - r0);
-    QTile::load_async_loop<KC::kThreads>(sDO + stage * QTile::kBytes,
+    QTile::load_async<KC::kThreads>(sDO + stage * QTile::kBytes,
                                     do_base + static_cast<int64_t>(r0) * p.do_r + h * p.do_h, p.do_r, valid, tid);
     bwd_load_dsum<BQ>(p, w, h, r0, valid, sbase + KC::kOffDsum + stage * BQ * 4);
   };
 
-  KTile::load_async_loop<KC::kThreads>(sK, k_ptr, p.k_r, kn, tid);
-  KTile::load_async_loop<KC::kThreads>(sV, v_ptr, p.v_r, kn, tid);
+  KTile::load_async<KC::kThreads>(sK, k_ptr, p.k_r, kn, tid);
+  KTile::load_async<KC::kThreads>(sV, v_ptr, p.v_r, kn, tid);
   cp_async_commit();
 
   float dk[D / 2], dv[D / 2];  // m64nD accumulators: keys 64wg.., all D dims
