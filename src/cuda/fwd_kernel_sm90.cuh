@@ -40,13 +40,14 @@ struct FwdSm90 {
   static_assert(BK == 64 && kPairRows == 32, "the decision tile is a warp pair's 32 rows x 64 keys");
   using QTile = SmemTile<BQ, D>;    // row-major, read once into registers with ldmatrix
   using KVTile = GmmaTile<BK, D>;   // K (K-major B of Q K^T), V (MN-major B of P V)
-  static constexpr int kKLead = 3;   // K is loaded this many iterations before its S is issued
-  static constexpr int kKBufs = 4;   // >= kKLead + 1, a power of two
-  static constexpr int kOffK = 0;                                    // kKBufs buffers
-  static constexpr int kOffV = kOffK + kKBufs * KVTile::kBytes;      // 2 buffers
-  static constexpr int kOffQ = kOffV + 2 * KVTile::kBytes;
-  static constexpr int kOffVote = kOffQ + QTile::kBytes;        // [8] per-warp retention flags
-  static constexpr int kBytes = kOffVote + 8 * 4;
+  // One CTA barrier per two key tiles: the loads for tiles j - 2 and j - 3 are issued at the
+  // barrier of iteration j (every second iteration), so K and V each keep 4 tiles.
+  static constexpr int kKBufs = 4, kVBufs = 4;
+  static constexpr int kOffK = 0;
+  static constexpr int kOffV = kOffK + kKBufs * KVTile::kBytes;
+  static constexpr int kOffQ = kOffV + kVBufs * KVTile::kBytes;
+  static constexpr int kOffVote = kOffQ + QTile::kBytes;        // [2][8] per-warp retention flags
+  static constexpr int kBytes = kOffVote + 16 * 4;
   static constexpr int kSmem = kBytes + 1024;  // slack to align the base to 1024 bytes
   // One CTA of two warpgroups per SM (d = 64 at two would need 128 registers per thread: it
   // spills).  CTAs of one warpgroup (64 rows, two per SM: independent barriers, twice the K/V
@@ -133,7 +134,7 @@ __global__ void __launch_bounds__(FwdSm90<D, WG>::kThreads, FwdSm90<D, WG>::kMin
                                      p.k_sr, Nk - t * BK, tid);
   };
   auto load_v = [&](int t) {
-    KVTile::template load_async<NTH>(sV0 + (t & 1) * KVTile::kBytes, sq.v + (int64_t)t * BK * p.v_sr, p.v_sr,
+    KVTile::template load_async<NTH>(sV0 + (t & (C::kVBufs - 1)) * KVTile::kBytes, sq.v + (int64_t)t * BK * p.v_sr, p.v_sr,
                                      Nk - t * BK, tid);
   };
 
@@ -173,22 +174,23 @@ __global__ void __launch_bounds__(FwdSm90<D, WG>::kThreads, FwdSm90<D, WG>::kMin
     }
     need_v = false;
     if (test_on) {
-      if (lane == 0) s_vote[warp] = warp_retain ? 1u : 0u;
+      uint32_t* vote = s_vote + 8 * (t & 1);  // by parity: a warp may be one iteration ahead
+      if (lane == 0) vote[warp] = warp_retain ? 1u : 0u;
       if (cta_vote || WG == 1)
         __syncthreads();
       else
         warpgroup_barrier_sync(wg);
-      const uint4 f = *reinterpret_cast<const uint4*>(s_vote + 4 * wg);
+      const uint4 f = *reinterpret_cast<const uint4*>(vote + 4 * wg);
       pair_retain = (pair ? (f.z | f.w) : (f.x | f.y)) != 0u;
       wg_any = (f.x | f.y | f.z | f.w) != 0u;
       if (cta_vote) {
         need_v = wg_any;
         if constexpr (WG == 2) {
-          const uint4 o = *reinterpret_cast<const uint4*>(s_vote + 4 * (wg ^ 1));
+          const uint4 o = *reinterpret_cast<const uint4*>(vote + 4 * (wg ^ 1));
           need_v = need_v || (o.x | o.y | o.z | o.w) != 0u;
         }
       }
-      // (The flags are next written after the next iteration's top barrier.)
+      // (These flags are next written two decisions later, after this warpgroup's next vote.)
     } else {
       pair_retain = t <= pair_hi;
       wg_any = t <= wg_hi;
@@ -226,11 +228,13 @@ __global__ void __launch_bounds__(FwdSm90<D, WG>::kThreads, FwdSm90<D, WG>::kMin
     load_k(top);
     load_v(top);
     cp_async_commit();
-    for (int t = top - 1; t >= top - C::kKLead; --t) {
-      if (t >= 0) load_k(t);
-      cp_async_commit();
+    if (top >= 1) {
+      load_k(top - 1);
+      load_v(top - 1);
     }
-    cp_async_wait<C::kKLead>();  // Q, K and V of the first tile
+    if (top >= 2) load_k(top - 2);
+    cp_async_commit();
+    cp_async_wait<1>();  // Q, K and V of the first tile
     fence_proxy_async_smem();
     __syncthreads();
     const uint32_t q_lane = QTile::lane_off_a(lane);
@@ -250,32 +254,40 @@ __global__ void __launch_bounds__(FwdSm90<D, WG>::kThreads, FwdSm90<D, WG>::kMin
     cur_wg_any = wg_any;
   }
 
-  // The top of iteration j: K_{j-1} and V_j have landed (this thread's copies; after the barrier
-  // everyone's), and every warp is done with K_j and V_{j+1}, whose buffers the loads below reuse.
-  // The barrier also or-reduces the retention of tile j: V_{j-1} is prefetched when some warp
-  // retained it.  Returns whether it was.
-  auto tile_top = [&](int j) {
-    // Groups committed since V_j: K_{j-kKLead} (in flight, may stay), or also an on-demand V_j.
-    if (v_on_demand)
-      cp_async_wait<0>();
-    else
-      cp_async_wait<1>();
+  // The barrier of iteration j (every second iteration, from the first): K_{j-1}, K_{j-2}, V_j and
+  // V_{j-1} have landed (this thread's copies; after the barrier everyone's), and every warp is done
+  // with the buffers of tiles j + 1 .. j + 3, which the loads of K_{j-3}, K_{j-4}, V_{j-2} and V_{j-3}
+  // below reuse.  It also or-reduces the retention of tile j: V_{j-2} and V_{j-3} are prefetched
+  // when some warp retained it.  Returns whether they were.
+  auto barrier_top = [&](int j) {
+    cp_async_wait<0>();
     fence_proxy_async_smem();
     const bool any_j = __syncthreads_or(cur_retain) != 0;
     const bool pref_v = !test_on || any_j;
-    if (j >= 1 && pref_v) load_v(j - 1);
-    cp_async_commit();
-    if (j - 1 - C::kKLead >= 0) load_k(j - 1 - C::kKLead);
+    if (pref_v) {
+      if (j >= 2) load_v(j - 2);
+      if (j >= 3) load_v(j - 3);
+    }
+    if (j >= 3) load_k(j - 3);
+    if (j >= 4) load_k(j - 4);
     cp_async_commit();
     v_on_demand = false;
-    if (cur_retain) ++retained;
     return pref_v;
+  };
+  // Between barriers only an on-demand V needs one (its flag is uniform over the CTA).
+  auto on_demand_wait = [&]() {
+    if (v_on_demand) {
+      cp_async_wait<0>();
+      fence_proxy_async_smem();
+      __syncthreads();
+      v_on_demand = false;
+    }
   };
   // O += P V for tile j; completes inside its branch (see below).
   auto pv_tile = [&](int j) {
     if (cur_wg_any) {
       wgmma_fence();
-      const uint32_t sV = sV0 + (j & 1) * KVTile::kBytes;
+      const uint32_t sV = sV0 + (j & (C::kVBufs - 1)) * KVTile::kBytes;
 #pragma unroll
       for (int kk = 0; kk < BK / 16; ++kk)
         WgmmaRS<D, 1, T>::run(acc_flat, pa[kk], wgmma_desc(sV + kk * 2048, KVTile::kBlockBytes, 1024));
@@ -288,16 +300,26 @@ __global__ void __launch_bounds__(FwdSm90<D, WG>::kThreads, FwdSm90<D, WG>::kMin
   // join of a branch it cannot prove uniform (even one on j), so S_{j-1} is issued unconditionally
   // (a warpgroup with no legal key in the tile computes and ignores it; the last tile, j = 0, is
   // peeled off the loop), and the data-dependent P V completes inside its branch, queued behind S.
+  bool pref_cur = true, pref_next = true;  // V prefetched for tiles j, j - 1 / for j - 2, j - 3
   for (int j = top; j >= 1; --j) {
-    const bool pref_v = tile_top(j);
+    bool pref_tile;  // V_{j-1} was prefetched
+    if (((top - j) & 1) == 0) {
+      pref_cur = pref_next;
+      pref_next = barrier_top(j);
+      pref_tile = pref_cur;
+    } else {
+      on_demand_wait();
+      pref_tile = pref_next;
+    }
+    if (cur_retain) ++retained;
     issue_s(j - 1);
     wgmma_commit();
     pv_tile(j);
     wgmma_wait<0>();
     wgmma_fence_operands(s_flat);
     bool need_v = false;
-    decide(j - 1, j - 1 <= wg_hi, test_on && !pref_v, need_v);
-    if (need_v) {  // V_{j-1} on demand (the next iteration's top barrier waits for it)
+    decide(j - 1, j - 1 <= wg_hi, test_on && !pref_tile, need_v);
+    if (need_v) {  // V_{j-1} on demand (waited for at the start of the next iteration)
       load_v(j - 1);
       cp_async_commit();
       v_on_demand = true;
@@ -309,7 +331,11 @@ __global__ void __launch_bounds__(FwdSm90<D, WG>::kThreads, FwdSm90<D, WG>::kMin
     cur_wg_any = wg_any;
   }
   if (n_tiles > 0) {
-    tile_top(0);
+    if ((top & 1) == 0)
+      barrier_top(0);
+    else
+      on_demand_wait();
+    if (cur_retain) ++retained;
     pv_tile(0);
   }
 
