@@ -18,11 +18,13 @@
 // Pipelined by one tile: iteration j issues S_{j-1} and then tile j's P V, so the tensor cores run
 // them back to back, then tests S_{j-1} and computes its P.  The accumulator layout of wgmma is the
 // mma.sync C layout per warp (wgmma.cuh), so masks, the test, the online softmax and the epilogue
-// are the mma.sync kernel's fragment functions with MT = 1.  K (4 buffers, loaded 3 iterations
-// ahead) and V (2 buffers, lazily) live in 128-byte-swizzled tiles (GmmaTile) loaded with cp.async
-// by all threads and made visible to the tensor cores' async proxy by fence.proxy.async before the
-// iteration's one barrier (which, as in the mma.sync kernel, also or-reduces the retention of the
-// tile whose V is prefetched next).
+// are the mma.sync kernel's fragment functions with MT = 1.  K and V (4-tile rings, V lazily) live
+// in 128-byte-swizzled tiles (GmmaTile) loaded with cp.async by all threads, two tiles at a time at
+// a CTA barrier every second iteration, and made visible to the tensor cores' async proxy by
+// fence.proxy.async before it (the barrier also or-reduces the retention of the tile that decides
+// the next V prefetch).  One barrier per two tiles instead of one per tile: the warpgroups drift
+// apart by up to a tile, so one's exponentials overlap the other's products (H100, 32K dense: 368
+// against 358 TFLOP/s).
 #pragma once
 
 #include "cuda/arch.cuh"
