@@ -406,32 +406,18 @@ int fwd_blocks_per_sm() {
 }
 
 // On sm_90 devices at d = 128 the wgmma kernel (fwd_kernel_sm90.cuh, included by that instantiation
-// file) runs at tau = 0 and for keys up to kFwdWgmmaMaxKeysAtTau, where it is the faster one; this
-// kernel at tau > 0 on longer keys, where its skipped tiles are cheaper (H100: at 32K synthetic
-// s = 16, 3.45 against 3.92 ms, random a tie; at 16K every input was faster on the wgmma kernel,
-// random 1.68 against 2.00 ms, s = 16 1.02 against 1.09; docs/kernels.md).
-// Both make the same decisions (tiles of FwdConfig), so the choice changes no result beyond rounding.
-// MALA_FWD_WGMMA=0 selects this kernel always, MALA_FWD_WGMMA=1 the wgmma kernel at every tau
-// (tests and benchmarks).
-constexpr int kFwdWgmmaMaxKeysAtTau = 16384;
+// file) runs at every tau; MALA_FWD_WGMMA=0 selects this kernel there too (tests, benchmarks).  Both
+// make the same decisions (tiles of FwdConfig), so the choice changes no result beyond rounding.
+// (H100, 128K: the wgmma kernel 93 ms dense, 99 ms at tau = 1 on random inputs against this one's
+// 103; on sparse inputs this one is 2-3% faster, s = 16 53.4 against 55.0 ms; docs/kernels.md.)
 template <typename T, int D>
 bool fwd_sm90_usable();
 template <typename T, int D>
 cudaError_t launch_fwd_sm90(const FwdParams& p, cudaStream_t stream);
-inline bool fwd_wgmma_every_tau() {
-  static const bool on = [] {
-    const char* e = getenv("MALA_FWD_WGMMA");
-    return e != nullptr && e[0] == '1';
-  }();
-  return on;
-}
-
 template <typename T, int D>
 cudaError_t launch_fwd(const FwdParams& p, cudaStream_t stream) {
   if constexpr (D == 128) {
-    const bool wgmma = p.log2_tau == -INFINITY || p.seqlen_k <= kFwdWgmmaMaxKeysAtTau || fwd_wgmma_every_tau();
-    if (wgmma && fwd_sm90_usable<T, D>())
-      return launch_fwd_sm90<T, D>(p, stream);
+    if (fwd_sm90_usable<T, D>()) return launch_fwd_sm90<T, D>(p, stream);
   }
   return launch_fwd_cfg<T, D, FwdConfig<D>>(p, stream);
 }

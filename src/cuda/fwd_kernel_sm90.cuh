@@ -1,6 +1,5 @@
-// The forward kernel on Hopper tensor cores (wgmma), head dim 128, sm_90a.  launch_fwd
-// (fwd_kernel.cuh) runs it at tau = 0 and on keys up to 16K; the mma.sync kernel serves tau > 0 on
-// longer keys, d = 64 and 256, and other devices.  (At d = 64 this kernel measured slower than the
+// The forward kernel on Hopper tensor cores (wgmma), head dim 128, sm_90a (launch_fwd in
+// fwd_kernel.cuh; the mma.sync kernel there serves d = 64 and 256 and other devices).  (At d = 64 this kernel measured slower than the
 // mma.sync one -- H100, dense, 32K: 219 against 283 TFLOP/s -- so it is not instantiated there.)
 // Same decisions as the mma.sync kernel: the decision tile is 32 query rows x 64 keys (FwdConfig),
 // key tiles are visited from the diagonal down, the online test reads the running normaliser, and V
@@ -47,7 +46,8 @@ struct FwdSm90 {
   static constexpr int kKBufs = 4, kVBufs = 4;
   static constexpr int kOffK = 0;
   static constexpr int kOffV = kOffK + kKBufs * KVTile::kBytes;
-  static constexpr int kOffQ = kOffV + kVBufs * KVTile::kBytes;
+  static constexpr int kOffVOwn = kOffV + kVBufs * KVTile::kBytes;  // [2]: each warpgroup's on-demand V
+  static constexpr int kOffQ = kOffVOwn + 2 * KVTile::kBytes;
   static constexpr int kOffVote = kOffQ + QTile::kBytes;        // [2][8] per-warp retention flags
   static constexpr int kBytes = kOffVote + 16 * 4;
   static constexpr int kSmem = kBytes + 1024;  // slack to align the base to 1024 bytes
@@ -155,10 +155,10 @@ __global__ void __launch_bounds__(FwdSm90<D, WG>::kThreads, FwdSm90<D, WG>::kMin
       WgmmaRS<BK, 0, T>::run(s_flat, qreg[ks], wgmma_desc(sK + (ks >> 2) * KVTile::kBlockBytes + (ks & 3) * 32, 16, 1024));
   };
   // Decision for tile t whose scores are in s (have_s; false: no legal key for the warpgroup):
-  // mask, row max, test, the pair's vote.  cta_vote: V_t was not prefetched, so the CTA agrees on
-  // whether to load it (returned in need_v).  Every thread calls it (it has barriers when test_on).
+  // mask, row max, test, the pair's vote over the warpgroup.  Every thread calls it (it has a barrier
+  // when test_on).
   bool pair_retain = false, wg_any = false;
-  auto decide = [&](int t, bool have_s, bool cta_vote, bool& need_v) {
+  auto decide = [&](int t, bool have_s) {
     bool warp_retain = false;
     if (have_s) {
       if (t * BK + BK > min_L_w) {
@@ -174,24 +174,16 @@ __global__ void __launch_bounds__(FwdSm90<D, WG>::kThreads, FwdSm90<D, WG>::kMin
         warp_retain = !warp_vote_skip(lane_rows_allow_skip<1>(tmax, log_norm, log_thr));
       }
     }
-    need_v = false;
     if (test_on) {
       uint32_t* vote = s_vote + 8 * (t & 1);  // by parity: a warp may be one iteration ahead
       if (lane == 0) vote[warp] = warp_retain ? 1u : 0u;
-      if (cta_vote || WG == 1)
+      if constexpr (WG == 1)
         __syncthreads();
       else
         warpgroup_barrier_sync(wg);
       const uint4 f = *reinterpret_cast<const uint4*>(vote + 4 * wg);
       pair_retain = (pair ? (f.z | f.w) : (f.x | f.y)) != 0u;
       wg_any = (f.x | f.y | f.z | f.w) != 0u;
-      if (cta_vote) {
-        need_v = wg_any;
-        if constexpr (WG == 2) {
-          const uint4 o = *reinterpret_cast<const uint4*>(vote + 4 * (wg ^ 1));
-          need_v = need_v || (o.x | o.y | o.z | o.w) != 0u;
-        }
-      }
       // (These flags are next written two decisions later, after this warpgroup's next vote.)
     } else {
       pair_retain = t <= pair_hi;
@@ -224,7 +216,7 @@ __global__ void __launch_bounds__(FwdSm90<D, WG>::kThreads, FwdSm90<D, WG>::kMin
   // Prologue: Q, K and V of the first tile, K of the next kKLead; the first tile's scores and decision.
   const int top = n_tiles - 1;
   bool cur_retain = false, cur_wg_any = false;  // decisions of the tile whose P V is next
-  bool v_on_demand = false;                     // a V load was issued after the last top barrier
+  bool cur_v_own = false;  // the V of the tile whose P V is next is in this warpgroup's own buffer
   if (n_tiles > 0) {
     QTile::template load_async<NTH>(sQ, sq.q + (int64_t)row_cta * p.q_sr, p.q_sr, Nq - row_cta, tid);
     load_k(top);
@@ -247,8 +239,7 @@ __global__ void __launch_bounds__(FwdSm90<D, WG>::kThreads, FwdSm90<D, WG>::kMin
     wgmma_commit();
     wgmma_wait<0>();
     wgmma_fence_operands(s_flat);
-    bool unused;
-    decide(top, have_s, false, unused);
+    decide(top, have_s);
     scores_to_p();
     if (pair_retain) softmax_rescale<1, DT>(alpha, acc);
     pack_p();
@@ -273,23 +264,26 @@ __global__ void __launch_bounds__(FwdSm90<D, WG>::kThreads, FwdSm90<D, WG>::kMin
     if (j >= 3) load_k(j - 3);
     if (j >= 4) load_k(j - 4);
     cp_async_commit();
-    v_on_demand = false;
     return pref_v;
   };
-  // Between barriers only an on-demand V needs one (its flag is uniform over the CTA).
-  auto on_demand_wait = [&]() {
-    if (v_on_demand) {
-      cp_async_wait<0>();
-      fence_proxy_async_smem();
+  // V_t when it was not prefetched and this warpgroup retains tile t: loaded by the warpgroup alone
+  // into its own buffer (no CTA barrier, so the warpgroups stay apart on sparse inputs too).
+  const uint32_t sVOwn = sbase + C::kOffVOwn + wg * KVTile::kBytes;
+  auto load_v_own = [&](int t) {
+    KVTile::template load_async<128>(sVOwn, sq.v + (int64_t)t * BK * p.v_sr, p.v_sr, Nk - t * BK, tid & 127);
+    cp_async_commit();
+    cp_async_wait<0>();
+    fence_proxy_async_smem();
+    if constexpr (WG == 1)
       __syncthreads();
-      v_on_demand = false;
-    }
+    else
+      warpgroup_barrier_sync(wg);
   };
   // O += P V for tile j; completes inside its branch (see below).
   auto pv_tile = [&](int j) {
     if (cur_wg_any) {
       wgmma_fence();
-      const uint32_t sV = sV0 + (j & (C::kVBufs - 1)) * KVTile::kBytes;
+      const uint32_t sV = cur_v_own ? sVOwn : sV0 + (j & (C::kVBufs - 1)) * KVTile::kBytes;
 #pragma unroll
       for (int kk = 0; kk < BK / 16; ++kk)
         WgmmaRS<D, 1, T>::run(acc_flat, pa[kk], wgmma_desc(sV + kk * 2048, KVTile::kBlockBytes, 1024));
@@ -310,7 +304,6 @@ __global__ void __launch_bounds__(FwdSm90<D, WG>::kThreads, FwdSm90<D, WG>::kMin
       pref_next = barrier_top(j);
       pref_tile = pref_cur;
     } else {
-      on_demand_wait();
       pref_tile = pref_next;
     }
     if (cur_retain) ++retained;
@@ -319,24 +312,20 @@ __global__ void __launch_bounds__(FwdSm90<D, WG>::kThreads, FwdSm90<D, WG>::kMin
     pv_tile(j);
     wgmma_wait<0>();
     wgmma_fence_operands(s_flat);
-    bool need_v = false;
-    decide(j - 1, j - 1 <= wg_hi, test_on && !pref_tile, need_v);
-    if (need_v) {  // V_{j-1} on demand (waited for at the start of the next iteration)
-      load_v(j - 1);
-      cp_async_commit();
-      v_on_demand = true;
-    }
+    decide(j - 1, j - 1 <= wg_hi);
+    // (Before the load, the vote's barrier has every warp of the warpgroup past its last P V, which
+    // read this buffer.)
+    const bool v_own = test_on && !pref_tile && wg_any;
+    if (v_own) load_v_own(j - 1);
     scores_to_p();
     if (pair_retain) softmax_rescale<1, DT>(alpha, acc);
     pack_p();
     cur_retain = pair_retain;
     cur_wg_any = wg_any;
+    cur_v_own = v_own;
   }
   if (n_tiles > 0) {
-    if ((top & 1) == 0)
-      barrier_top(0);
-    else
-      on_demand_wait();
+    if ((top & 1) == 0) barrier_top(0);
     if (cur_retain) ++retained;
     pv_tile(0);
   }
