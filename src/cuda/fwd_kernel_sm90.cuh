@@ -142,11 +142,15 @@ __global__ void __launch_bounds__(FwdSm90<D, WG>::kThreads, FwdSm90<D, WG>::kMin
   };
 
   uint32_t qreg[KS][4];
-  float s[1][NT][4], mx[1][2];
-  float(&s_flat)[BK / 2] = *reinterpret_cast<float(*)[BK / 2]>(&s[0][0][0]);
+  // Scores of two tiles: an iteration handles two tiles, and the second one's S runs on the tensor
+  // cores while the first one is tested and turned into P.
+  using STile = float[1][NT][4];
+  using SFlat = float[BK / 2];
+  float sA[1][NT][4], sB[1][NT][4], mx[1][2];
   uint32_t pa[BK / 16][4];  // P of the tile whose P V is next (zeros on a skipped pair's rows)
-  // S_t = Q K_t^T, issued (K_t must be in shared memory; the caller commits).
-  auto issue_s = [&](int t) {
+  // S_t = Q K_t^T into s, issued (K_t must be in shared memory; the caller commits).
+  auto issue_s = [&](int t, STile& s) {
+    SFlat& s_flat = *reinterpret_cast<SFlat*>(&s[0][0][0]);
 #pragma unroll
     for (int e = 0; e < BK / 2; ++e) s_flat[e] = 0.f;
     wgmma_fence();
@@ -159,7 +163,7 @@ __global__ void __launch_bounds__(FwdSm90<D, WG>::kThreads, FwdSm90<D, WG>::kMin
   // mask, row max, test, the pair's vote over the warpgroup.  Every thread calls it (it has a barrier
   // when test_on).
   bool pair_retain = false, wg_any = false;
-  auto decide = [&](int t, bool have_s) {
+  auto decide = [&](int t, bool have_s, STile& s) {
     bool warp_retain = false;
     if (have_s) {
       if (t * BK + BK > min_L_w) {
@@ -194,7 +198,7 @@ __global__ void __launch_bounds__(FwdSm90<D, WG>::kThreads, FwdSm90<D, WG>::kMin
   };
   // P of the decided tile: exponentials (retained pair), rescale factors for acc.
   float alpha[1][2];
-  auto scores_to_p = [&]() {
+  auto scores_to_p = [&](STile& s) {
     if (pair_retain) {
       softmax_scores<1, NT>(s, mx, p.scale_log2, m, l, alpha);
       if (test_on) {
@@ -203,7 +207,7 @@ __global__ void __launch_bounds__(FwdSm90<D, WG>::kThreads, FwdSm90<D, WG>::kMin
       }
     }
   };
-  auto pack_p = [&]() {
+  auto pack_p = [&](STile& s) {
 #pragma unroll
     for (int kk = 0; kk < BK / 16; ++kk) {
       if (pair_retain) {
@@ -236,14 +240,14 @@ __global__ void __launch_bounds__(FwdSm90<D, WG>::kThreads, FwdSm90<D, WG>::kMin
 #pragma unroll
     for (int ks = 0; ks < KS; ++ks) ldmatrix_x4(qreg[ks], QTile::frag_addr(sQ, q_lane, 64 * wg + 16 * wl, ks * 16));
     const bool have_s = top <= wg_hi;
-    issue_s(top);
+    issue_s(top, sA);
     wgmma_commit();
     wgmma_wait<0>();
-    wgmma_fence_operands(s_flat);
-    decide(top, have_s);
-    scores_to_p();
+    wgmma_fence_operands(*reinterpret_cast<SFlat*>(&sA[0][0][0]));
+    decide(top, have_s, sA);
+    scores_to_p(sA);
     if (pair_retain) softmax_rescale<1, DT>(alpha, acc);
-    pack_p();
+    pack_p(sA);
     cur_retain = pair_retain;
     cur_wg_any = wg_any;
   }
@@ -294,39 +298,63 @@ __global__ void __launch_bounds__(FwdSm90<D, WG>::kThreads, FwdSm90<D, WG>::kMin
     }
   };
   // ptxas serializes every wgmma of the kernel when a wgmma's registers are in flight across the
-  // join of a branch it cannot prove uniform (even one on j), so S_{j-1} is issued unconditionally
-  // (a warpgroup with no legal key in the tile computes and ignores it; the last tile, j = 0, is
-  // peeled off the loop), and the data-dependent P V completes inside its branch, queued behind S.
-  bool pref_cur = true, pref_next = true;  // V prefetched for tiles j, j - 1 / for j - 2, j - 3
-  for (int j = top; j >= 1; --j) {
-    bool pref_tile;  // V_{j-1} was prefetched
-    if (((top - j) & 1) == 0) {
-      pref_cur = pref_next;
-      pref_next = barrier_top(j);
-      pref_tile = pref_cur;
-    } else {
-      pref_tile = pref_next;
-    }
-    if (cur_retain) ++retained;
-    issue_s(j - 1);
-    wgmma_commit();
-    pv_tile(j);
-    wgmma_wait<0>();
-    wgmma_fence_operands(s_flat);
-    decide(j - 1, j - 1 <= wg_hi);
+  // join of a branch it cannot prove uniform (even one on j), so S is issued unconditionally (a
+  // warpgroup with no legal key in the tile computes and ignores it) and the data-dependent P V
+  // completes inside its branch.
+  // Tile t after its S completed (and the previous tile's P V, whose acc it rescales): the decision,
+  // V on demand into the warpgroup's own buffer, P.  pref_t: V_t was prefetched.
+  auto finish_tile = [&](int t, bool pref_t, STile& s) {
+    decide(t, t <= wg_hi, s);
     // (Before the load, the vote's barrier has every warp of the warpgroup past its last P V, which
     // read this buffer.)
-    const bool v_own = test_on && !pref_tile && wg_any;
-    if (v_own) load_v_own(j - 1);
-    scores_to_p();
+    const bool v_own = test_on && !pref_t && wg_any;
+    if (v_own) load_v_own(t);
+    scores_to_p(s);
     if (pair_retain) softmax_rescale<1, DT>(alpha, acc);
-    pack_p();
+    pack_p(s);
     cur_retain = pair_retain;
     cur_wg_any = wg_any;
     cur_v_own = v_own;
+  };
+  auto s_done = [&](STile& s) { wgmma_fence_operands(*reinterpret_cast<SFlat*>(&s[0][0][0])); };
+  // Two tiles per iteration, one barrier: P V of tile j (P from the previous iteration), then tiles
+  // j - 1 and j - 2 decided in order (the online test of j - 2 sees the normaliser after j - 1),
+  // S_{j-2} computed on the tensor cores while tile j - 1 is tested and exponentiated.  No wgmma is in
+  // flight across the loop's back edge (ptxas would serialize them all).
+  bool pref_cur = true, pref_next = true;  // V prefetched for tiles j, j - 1 / for j - 2, j - 3
+  int j = top;
+  for (; j >= 2; j -= 2) {
+    pref_cur = pref_next;
+    pref_next = barrier_top(j);
+    if (cur_retain) ++retained;
+    issue_s(j - 1, sA);
+    wgmma_commit();
+    pv_tile(j);
+    issue_s(j - 2, sB);
+    wgmma_commit();
+    wgmma_wait<1>();
+    s_done(sA);
+    finish_tile(j - 1, pref_cur, sA);
+    if (cur_retain) ++retained;
+    pv_tile(j - 1);
+    wgmma_wait<0>();
+    s_done(sB);
+    finish_tile(j - 2, pref_next, sB);
   }
-  if (n_tiles > 0) {
-    if ((top & 1) == 0) barrier_top(0);
+  if (j == 1) {
+    pref_cur = pref_next;
+    pref_next = barrier_top(1);
+    if (cur_retain) ++retained;
+    issue_s(0, sA);
+    wgmma_commit();
+    pv_tile(1);
+    wgmma_wait<0>();
+    s_done(sA);
+    finish_tile(0, pref_cur, sA);
+    if (cur_retain) ++retained;
+    pv_tile(0);
+  } else if (n_tiles > 0) {
+    barrier_top(0);
     if (cur_retain) ++retained;
     pv_tile(0);
   }
