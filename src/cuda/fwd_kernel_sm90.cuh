@@ -14,8 +14,8 @@
 //   O += P V        m64nD, A = P from registers, B = V (MN-major); only if a pair of the warpgroup
 //                   retains (P V is one warpgroup instruction: a skipped pair's zero rows add
 //                   nothing to its O, since 0 * v = 0 for finite v)
-// Pipelined by one tile: iteration j issues S_{j-1} and then tile j's P V, so the tensor cores run
-// them back to back, then tests S_{j-1} and computes its P.  The accumulator layout of wgmma is the
+// Two key tiles per iteration: P V of tile j, then tiles j - 1 and j - 2 decided in order, with
+// S_{j-2} running on the tensor cores while tile j - 1 is tested and exponentiated.  The accumulator layout of wgmma is the
 // mma.sync C layout per warp (wgmma.cuh), so masks, the test, the online softmax and the epilogue
 // are the mma.sync kernel's fragment functions with MT = 1.  K and V (4-tile rings, V lazily) live
 // in 128-byte-swizzled tiles (GmmaTile) loaded with cp.async by all threads, two tiles at a time at
