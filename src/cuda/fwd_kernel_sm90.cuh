@@ -1,6 +1,7 @@
 // The forward kernel on Hopper tensor cores (wgmma), head dim 128, sm_90a (launch_fwd in
-// fwd_kernel.cuh; the mma.sync kernel there serves d = 64 and 256 and other devices).  (At d = 64 this kernel measured slower than the
-// mma.sync one -- H100, dense, 32K: 219 against 283 TFLOP/s -- so it is not instantiated there.)
+// fwd_kernel.cuh; the mma.sync kernel there serves d = 64 and 256 and other devices).  At d = 64
+// this kernel is slower than the mma.sync one (H100, dense 32K: 246 against 288 TFLOP/s, s = 16 2.78
+// against 2.04 ms, with the final version of this kernel), so it is not instantiated there.
 // Same decisions as the mma.sync kernel: the decision tile is 32 query rows x 64 keys (FwdConfig),
 // key tiles are visited from the diagonal down, the online test reads the running normaliser, and V
 // is loaded lazily -- so the tile mask, the slots and the outputs are those of the mma.sync kernel.
