@@ -35,11 +35,11 @@
 namespace mala {
 namespace cuda {
 
-template <int D_, int WG_ = 2>
+template <int D_>
 struct FwdSm90 {
-  static constexpr int D = D_, kWarpgroups = WG_;
+  static constexpr int D = D_;
   static_assert(D == 64 || D == 128, "wgmma forward: head dim 64 or 128 (64 compiles, not used)");
-  static constexpr int kThreads = 128 * WG_, BQ = 64 * WG_, BK = FwdConfig<D>::kBk, kPairRows = 16 * FwdConfig<D>::kMT;
+  static constexpr int kThreads = 256, BQ = 128, BK = FwdConfig<D>::kBk, kPairRows = 16 * FwdConfig<D>::kMT;
   static_assert(BK == 64 && kPairRows == 32, "the decision tile is a warp pair's 32 rows x 64 keys");
   using QTile = SmemTile<BQ, D>;    // row-major, read once into registers with ldmatrix
   using KVTile = GmmaTile<BK, D>;   // K (K-major B of Q K^T), V (MN-major B of P V)
@@ -53,10 +53,9 @@ struct FwdSm90 {
   static constexpr int kOffVote = kOffQ + QTile::kBytes;        // [2][8] per-warp retention flags
   static constexpr int kBytes = kOffVote + 16 * 4;
   static constexpr int kSmem = kBytes + 1024;  // slack to align the base to 1024 bytes
-  // One CTA of two warpgroups per SM (d = 64 at two would need 128 registers per thread: it
-  // spills).  CTAs of one warpgroup (64 rows, two per SM: independent barriers, twice the K/V
-  // traffic) measured slower: 32K dense 260 against 279 TFLOP/s at the time.
-  static constexpr int kMinBlocks = WG_ == 1 ? 2 : 1;
+  // One CTA of two warpgroups per SM.  CTAs of one warpgroup (64 rows, two per SM: independent
+  // barriers, twice the K/V traffic) measured slower: 32K dense 260 against 279 TFLOP/s at the time.
+  static constexpr int kMinBlocks = 1;
 };
 
 // Barrier of one warpgroup (ids 1 and 2; 0 is __syncthreads).  Immediate ids, so ptxas reserves
@@ -69,11 +68,11 @@ __device__ __forceinline__ void warpgroup_barrier_sync(int wg) {
     asm volatile("bar.sync 2, 128;\n" ::: "memory");
 }
 
-template <typename T, int D, int WG>
-__global__ void __launch_bounds__(FwdSm90<D, WG>::kThreads, FwdSm90<D, WG>::kMinBlocks)
+template <typename T, int D>
+__global__ void __launch_bounds__(FwdSm90<D>::kThreads, FwdSm90<D>::kMinBlocks)
     mala_fwd_kernel_sm90(const FwdParams p) {
 #ifdef MALA_WGMMA_ENABLED
-  using C = FwdSm90<D, WG>;
+  using C = FwdSm90<D>;
   constexpr int BQ = C::BQ, BK = C::BK, NT = BK / 8, DT = D / 8, KS = D / 16, NTH = C::kThreads;
   using QTile = typename C::QTile;
   using KVTile = typename C::KVTile;
@@ -183,10 +182,7 @@ __global__ void __launch_bounds__(FwdSm90<D, WG>::kThreads, FwdSm90<D, WG>::kMin
     if (test_on) {
       uint32_t* vote = s_vote + 8 * (t & 1);  // by parity: a warp may be one iteration ahead
       if (lane == 0) vote[warp] = warp_retain ? 1u : 0u;
-      if constexpr (WG == 1)
-        __syncthreads();
-      else
-        warpgroup_barrier_sync(wg);
+      warpgroup_barrier_sync(wg);
       const uint4 f = *reinterpret_cast<const uint4*>(vote + 4 * wg);
       pair_retain = (pair ? (f.z | f.w) : (f.x | f.y)) != 0u;
       wg_any = (f.x | f.y | f.z | f.w) != 0u;
@@ -280,10 +276,7 @@ __global__ void __launch_bounds__(FwdSm90<D, WG>::kThreads, FwdSm90<D, WG>::kMin
     cp_async_commit();
     cp_async_wait<0>();
     fence_proxy_async_smem();
-    if constexpr (WG == 1)
-      __syncthreads();
-    else
-      warpgroup_barrier_sync(wg);
+    warpgroup_barrier_sync(wg);
   };
   // O += P V for tile j; completes inside its branch (see below).
   auto pv_tile = [&](int j) {
@@ -367,14 +360,14 @@ __global__ void __launch_bounds__(FwdSm90<D, WG>::kThreads, FwdSm90<D, WG>::kMin
 template <typename T, int D>
 bool fwd_sm90_usable() {
   static const bool ok =
-      wgmma_kernel_usable(reinterpret_cast<const void*>(mala_fwd_kernel_sm90<T, D, 2>), "MALA_FWD_WGMMA");
+      wgmma_kernel_usable(reinterpret_cast<const void*>(mala_fwd_kernel_sm90<T, D>), "MALA_FWD_WGMMA");
   return ok;
 }
 
 template <typename T, int D>
 cudaError_t launch_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
   using C = FwdSm90<D>;
-  auto kernel = mala_fwd_kernel_sm90<T, D, C::kWarpgroups>;
+  auto kernel = mala_fwd_kernel_sm90<T, D>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmem);
   if (err != cudaSuccess) return err;
   dim3 grid(rule::ceil_div(p.seqlen_q, C::BQ), p.heads_q, p.batch);
