@@ -25,7 +25,6 @@
 #include <cuda_runtime.h>
 #include <math.h>
 #include <stdint.h>
-#include <stdlib.h>
 
 #include "common/rule.h"
 #include "mala/mala.h"
@@ -408,8 +407,8 @@ int fwd_blocks_per_sm() {
 // On sm_90 devices at d = 128 the wgmma kernel (fwd_kernel_sm90.cuh, included by that instantiation
 // file) runs at every tau; MALA_FWD_WGMMA=0 selects this kernel there too (tests, benchmarks).  Both
 // make the same decisions (tiles of FwdConfig), so the choice changes no result beyond rounding.
-// (H100, 128K: the wgmma kernel 93 ms dense, 99 ms at tau = 1 on random inputs against this one's
-// 103; on sparse inputs this one is 2-3% faster, s = 16 53.4 against 55.0 ms; docs/kernels.md.)
+// (H100, 128K: the wgmma kernel is faster on every input measured, dense 88.8 against 100 ms,
+// random tau = 1 95.2 against 102.6, s = 16 51.4 against 53.4; docs/kernels.md.)
 template <typename T, int D>
 bool fwd_sm90_usable();
 template <typename T, int D>
