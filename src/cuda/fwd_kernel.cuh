@@ -140,7 +140,9 @@ struct FwdKernelTraits {
   static constexpr int kMinBlocks = (kSmemBytes <= 110 * 1024 && kThreads <= 128) ? 2 : 1;
 };
 
-template <typename T, int D, typename Cfg>
+// kDense: the instance for tau = 0, compiled without the test, the vote and the lazy V (its code
+// costs registers and time even where it does not run; see launch_fwd_cfg).
+template <typename T, int D, typename Cfg, bool kDense>
 __global__ void __launch_bounds__(FwdKernelTraits<T, D, Cfg>::kThreads, FwdKernelTraits<T, D, Cfg>::kMinBlocks)
     mala_fwd_kernel(const FwdParams p) {
   using Tr = FwdKernelTraits<T, D, Cfg>;
@@ -171,7 +173,7 @@ __global__ void __launch_bounds__(FwdKernelTraits<T, D, Cfg>::kThreads, FwdKerne
   // Smallest L over the warp's rows (0 when some row is past the end): tiles reaching it need masking.
   const int min_L_w = row_w + RW <= Nq ? rule::visible_keys(row_w, Nq, Nk, p.causal) : 0;
 
-  const bool test_on = p.log2_tau > -INFINITY;
+  const bool test_on = !kDense && p.log2_tau > -INFINITY;
   // Test inputs per query row, kept in shared memory (registers are the limit at d = 128):
   // s_thr = log2(tau) - log2(L_q) (fixed), s_norm = m + log2(l) (rewritten by the quad leader after
   // each retained tile, so skipped tiles cost no MUFU).  Each warp touches only its own rows.
@@ -236,7 +238,7 @@ __global__ void __launch_bounds__(FwdKernelTraits<T, D, Cfg>::kThreads, FwdKerne
     // tile's loads then reuse.  It also or-reduces the warps' retention of tile j + 1.
     cp_async_wait<0>();
     bool last_any = true;
-    if constexpr (Tr::kLazyV) last_any = __syncthreads_or(retained_prev) != 0;
+    if constexpr (Tr::kLazyV && !kDense) last_any = __syncthreads_or(retained_prev) != 0;
     else __syncthreads();
     const bool pref_v = !Tr::kLazyV || !test_on || last_any;
     if (j > 0) {
@@ -384,7 +386,13 @@ __global__ void __launch_bounds__(FwdKernelTraits<T, D, Cfg>::kThreads, FwdKerne
 template <typename T, int D, typename Cfg = FwdConfig<D>>
 cudaError_t launch_fwd_cfg(const FwdParams& p, cudaStream_t stream) {
   using Tr = FwdKernelTraits<T, D, Cfg>;
-  auto kernel = mala_fwd_kernel<T, D, Cfg>;
+  // tau = 0 runs the kDense instance: H100, 32K dense, d = 64 3.46 against 3.81 ms, d = 256 16.9
+  // against 18.6.  Not at d = 128, where it measured slower (6.54 against 6.35 ms; the wgmma kernel
+  // serves d = 128 on sm_90).
+  auto kernel = mala_fwd_kernel<T, D, Cfg, false>;
+  if constexpr (D != 128) {
+    if (!(p.log2_tau > -INFINITY)) kernel = mala_fwd_kernel<T, D, Cfg, true>;
+  }
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes);
   if (err != cudaSuccess) return err;
   dim3 grid(rule::ceil_div(p.seqlen_q, Tr::kBq), p.heads_q, p.batch);
@@ -396,7 +404,7 @@ cudaError_t launch_fwd_cfg(const FwdParams& p, cudaStream_t stream) {
 template <typename T, int D, typename Cfg = FwdConfig<D>>
 int fwd_blocks_per_sm() {
   using Tr = FwdKernelTraits<T, D, Cfg>;
-  auto kernel = mala_fwd_kernel<T, D, Cfg>;
+  auto kernel = mala_fwd_kernel<T, D, Cfg, false>;
   int n = 0;
   if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes) != cudaSuccess ||
       cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, Tr::kThreads, Tr::kSmemBytes) != cudaSuccess)

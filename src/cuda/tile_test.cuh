@@ -19,18 +19,26 @@
 namespace mala {
 namespace cuda {
 
-// Row max of a score fragment s[MT][NT][4] (raw or scaled; masked entries -inf), reduced over
-// the quad so every lane of the quad holds the row's max.  out[mt][h] as above.
+// Max of this lane's entries of rows (g, g + 8) of m16 tile mt of a score fragment s[MT][NT][4]
+// (raw or scaled; masked entries -inf), before the reduction over the quad.
+template <int MT, int NT>
+__device__ __forceinline__ void lane_row_max(const float (&s)[MT][NT][4], int mt, float& a, float& b) {
+  a = -INFINITY;
+  b = -INFINITY;
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    a = fmaxf(a, fmaxf(s[mt][nt][0], s[mt][nt][1]));
+    b = fmaxf(b, fmaxf(s[mt][nt][2], s[mt][nt][3]));
+  }
+}
+// Row max of a score fragment, reduced over the quad so every lane of the quad holds the row's max.
+// out[mt][h] as above.
 template <int MT, int NT>
 __device__ __forceinline__ void tile_row_max(const float (&s)[MT][NT][4], float (&out)[MT][2]) {
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) {
-    float a = -INFINITY, b = -INFINITY;
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-      a = fmaxf(a, fmaxf(s[mt][nt][0], s[mt][nt][1]));
-      b = fmaxf(b, fmaxf(s[mt][nt][2], s[mt][nt][3]));
-    }
+    float a, b;
+    lane_row_max<MT, NT>(s, mt, a, b);
     out[mt][0] = warp_max_quad(a);
     out[mt][1] = warp_max_quad(b);
   }
