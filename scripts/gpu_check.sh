@@ -44,6 +44,10 @@ run)
   MALA_BWD_WGMMA=0 "$bin/mala_gpu_tests" --gtest_brief=1 --gtest_filter='Backward*' 2>&1 \
     | tee "$out/gpu_tests_backward_mma_sync.log" | tail -3
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
+  echo "== GPU forward tests with the wgmma kernel's cp.async loads (MALA_FWD_TMA=0; varlen uses them anyway)"
+  MALA_FWD_TMA=0 "$bin/mala_gpu_tests" --gtest_brief=1 --gtest_filter='CudaForward*' 2>&1 \
+    | tee "$out/gpu_tests_forward_cp_async.log" | tail -3
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
   echo "== GPU forward tests with the mma.sync kernel on this device too (MALA_FWD_WGMMA=0)"
   MALA_FWD_WGMMA=0 "$bin/mala_gpu_tests" --gtest_brief=1 --gtest_filter='CudaForward*' 2>&1 \
     | tee "$out/gpu_tests_forward_mma_sync.log" | tail -3
@@ -55,7 +59,10 @@ run)
       compute-sanitizer --tool "$tool" --error-exitcode 3 "$bin/mala_gpu_tests" --gtest_brief=1 \
         --gtest_filter="$filter" >"$out/sanitizer_$tool.log" 2>&1
       rc=$?
-      # the mma.sync forward (other devices, d = 64 and 256) on its small case too
+      # the wgmma forward's cp.async loads, and the mma.sync forward (other devices, d = 64 and 256),
+      # on their small case too
+      MALA_FWD_TMA=0 compute-sanitizer --tool "$tool" --error-exitcode 3 "$bin/mala_gpu_tests" --gtest_brief=1 \
+        --gtest_filter='CudaForward*Small*' >>"$out/sanitizer_$tool.log" 2>&1 || rc=$?
       MALA_FWD_WGMMA=0 compute-sanitizer --tool "$tool" --error-exitcode 3 "$bin/mala_gpu_tests" --gtest_brief=1 \
         --gtest_filter='CudaForward*Small*' >>"$out/sanitizer_$tool.log" 2>&1 || rc=$?
       tail -3 "$out/sanitizer_$tool.log"

@@ -27,5 +27,12 @@ inline bool wgmma_kernel_usable(const void* kernel, const char* env_switch) {
   return attr.ptxVersion >= 90 && attr.binaryVersion >= 90;
 }
 
+// False when the environment variable `name` is "0" (a switch for tests and benchmarks), else true;
+// read once per process.
+inline bool env_switch_on(const char* name) {
+  const char* e = getenv(name);
+  return !(e != nullptr && e[0] == '0');
+}
+
 }  // namespace cuda
 }  // namespace mala

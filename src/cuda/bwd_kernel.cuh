@@ -59,23 +59,6 @@ __device__ __forceinline__ void bwd_red_add2(float* p, float a, float b) {
 #endif
 }
 
-__device__ __forceinline__ void bwd_mbar_init(uint32_t addr, int count) {
-  asm volatile("mbarrier.init.shared.b64 [%0], %1;\n" ::"r"(addr), "r"(count) : "memory");
-}
-__device__ __forceinline__ void bwd_mbar_arrive(uint32_t addr) {
-  asm volatile("{\n .reg .b64 st;\n mbarrier.arrive.shared.b64 st, [%0];\n}\n" ::"r"(addr) : "memory");
-}
-__device__ __forceinline__ void bwd_mbar_wait(uint32_t addr, uint32_t parity) {
-  uint32_t done;
-  do {
-    asm volatile(
-        "{\n .reg .pred p;\n mbarrier.test_wait.parity.shared.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(done)
-        : "r"(addr), "r"(parity)
-        : "memory");
-  } while (!done);
-}
-
 // ---- pieces shared by both main kernels (this one and bwd_kernel_sm90.cuh) ----------------------
 
 // What one CTA covers: key tile j (BK keys from kb) of sequence b and KV head hk, the query heads
@@ -197,10 +180,10 @@ __device__ __forceinline__ bool bwd_vote(bool allow, uint32_t* vote_s, uint32_t 
   const bool warp_retain = __any_sync(0xffffffffu, !allow);
   if ((threadIdx.x & 31) == 0) {
     if (warp_retain) atomicOr(&vote_s[st], 1u);
-    bwd_mbar_arrive(mbar_s + st * 8);
+    mbar_arrive(mbar_s + st * 8);
   }
   if (warp_retain) return true;
-  bwd_mbar_wait(mbar_s + st * 8, (t >> 1) & 1);
+  mbar_wait(mbar_s + st * 8, (t >> 1) & 1);
   return *reinterpret_cast<volatile uint32_t*>(&vote_s[st]) != 0u;
 }
 
@@ -426,8 +409,8 @@ __global__ void __launch_bounds__(256, 1) bwd_main_kernel(const BwdParams p) {
   uint32_t* vote_s = reinterpret_cast<uint32_t*>(smem + KC::kOffVote);
   const uint32_t mbar_s = sbase + KC::kOffMbar;
   if (!TAU0 && tid == 0) {
-    bwd_mbar_init(mbar_s, KC::kWarps);
-    bwd_mbar_init(mbar_s + 8, KC::kWarps);
+    mbar_init(mbar_s, KC::kWarps);
+    mbar_init(mbar_s + 8, KC::kWarps);
     vote_s[0] = vote_s[1] = 0u;
   }
 

@@ -140,8 +140,8 @@ __global__ void __launch_bounds__(256, 1) bwd_main_kernel_sm90(const BwdParams p
   uint32_t* vote_s = reinterpret_cast<uint32_t*>(smem + KC::kOffVote);
   const uint32_t mbar_s = sbase + KC::kOffMbar;
   if (!TAU0 && tid == 0) {
-    bwd_mbar_init(mbar_s, KC::kWarps);
-    bwd_mbar_init(mbar_s + 8, KC::kWarps);
+    mbar_init(mbar_s, KC::kWarps);
+    mbar_init(mbar_s + 8, KC::kWarps);
     vote_s[0] = vote_s[1] = 0u;
   }
 
@@ -249,10 +249,10 @@ __global__ void __launch_bounds__(256, 1) bwd_main_kernel_sm90(const BwdParams p
         const bool warp_retain = __any_sync(0xffffffffu, !allow);
         if (lane == 0) {
           if (warp_retain) atomicOr(&vote_s[st], 1u);
-          bwd_mbar_arrive(mbar_s + st * 8);
+          mbar_arrive(mbar_s + st * 8);
         }
         if (!warp_retain) {
-          bwd_mbar_wait(mbar_s + st * 8, (t >> 1) & 1);
+          mbar_wait(mbar_s + st * 8, (t >> 1) & 1);
           retain = *reinterpret_cast<volatile uint32_t*>(&vote_s[st]) != 0u;
         }
       }

@@ -19,10 +19,13 @@
 // S_{j-2} running on the tensor cores while tile j - 1 is tested and exponentiated.  The accumulator layout of wgmma is the
 // mma.sync C layout per warp (wgmma.cuh), so masks, the test, the online softmax and the epilogue
 // are the mma.sync kernel's fragment functions with MT = 1.  K and V (4-tile rings, V lazily) live
-// in 128-byte-swizzled tiles (GmmaTile) loaded with cp.async by all threads, two tiles at a time at
-// a CTA barrier every second iteration, and made visible to the tensor cores' async proxy by
-// fence.proxy.async before it (the barrier also or-reduces the retention of the tile that decides
-// the next V prefetch).  One barrier per two tiles instead of one per tile: the warpgroups drift
+// in 128-byte-swizzled tiles (GmmaTile), issued two tiles at a time at a CTA barrier every second
+// iteration (which frees the buffers they overwrite and or-reduces the retention of the tile that
+// decides the next V prefetch): by TMA from one thread, each ring slot's mbarrier saying when its
+// tile has landed (H100, against cp.async in the same call: 32K dense 4.91 vs 5.10 ms, random
+// tau = 1 5.76 vs 6.02, 128K s = 16 48.5 vs 52.1), or, for varlen inputs and strides the TMA
+// cannot describe, by cp.async from every thread, made visible to the tensor cores' async proxy by
+// fence.proxy.async before the barrier.  One barrier per two tiles instead of one per tile: the warpgroups drift
 // apart by up to a tile, so one's exponentials overlap the other's products (H100, 32K dense: 368
 // against 358 TFLOP/s).  A V that was not prefetched is loaded by a warpgroup that retains the tile
 // into its own buffer, so no vote needs the whole CTA (128K s = 16: 55.0 against 59.2 ms).
@@ -30,6 +33,7 @@
 
 #include "cuda/arch.cuh"
 #include "cuda/fwd_kernel.cuh"
+#include "cuda/tma.cuh"
 #include "cuda/wgmma.cuh"
 
 namespace mala {
@@ -51,7 +55,8 @@ struct FwdSm90 {
   static constexpr int kOffVOwn = kOffV + kVBufs * KVTile::kBytes;  // [2]: each warpgroup's on-demand V
   static constexpr int kOffQ = kOffVOwn + 2 * KVTile::kBytes;
   static constexpr int kOffVote = kOffQ + QTile::kBytes;        // [2][8] per-warp retention flags
-  static constexpr int kBytes = kOffVote + 16 * 4;
+  static constexpr int kOffMbar = kOffVote + 16 * 4;            // TMA: [4] K ring, [4] V ring mbarriers
+  static constexpr int kBytes = kOffMbar + 8 * 8;
   static constexpr int kSmem = kBytes + 1024;  // slack to align the base to 1024 bytes
   // One CTA of two warpgroups per SM.  CTAs of one warpgroup (64 rows, two per SM: independent
   // barriers, twice the K/V traffic) measured slower: 32K dense 260 against 279 TFLOP/s at the time.
@@ -70,9 +75,13 @@ __device__ __forceinline__ void warpgroup_barrier_sync(int wg) {
 
 // kDense: the instance for tau = 0, without the test, the vote and the lazy V (H100, 32K: 5.09
 // against 5.67 ms for the kDense = false instance at tau = 0; 217 against 245 registers).
-template <typename T, int D, bool kDense>
+// kTma: K and V ring tiles come by TMA (tma.cuh; one thread issues them, an mbarrier per ring slot
+// says when a tile has landed), else by cp.async from every thread (varlen, or strides the TMA
+// cannot describe).
+template <typename T, int D, bool kDense, bool kTma>
 __global__ void __launch_bounds__(FwdSm90<D>::kThreads, FwdSm90<D>::kMinBlocks)
-    mala_fwd_kernel_sm90(const FwdParams p) {
+    mala_fwd_kernel_sm90(const FwdParams p, const __grid_constant__ CUtensorMap tmap_k,
+                         const __grid_constant__ CUtensorMap tmap_v) {
 #ifdef MALA_WGMMA_ENABLED
   using C = FwdSm90<D>;
   constexpr int BQ = C::BQ, BK = C::BK, NT = BK / 8, DT = D / 8, KS = D / 16, NTH = C::kThreads;
@@ -132,13 +141,30 @@ __global__ void __launch_bounds__(FwdSm90<D>::kThreads, FwdSm90<D>::kMinBlocks)
 
   const uint32_t sK0 = sbase + C::kOffK, sV0 = sbase + C::kOffV, sQ = sbase + C::kOffQ;
   // Tile t's K and V live in buffer t % 4 of their rings (barrier_top below says when each is loaded).
+  // TMA: K slot s's mbarrier completes once per K tile, in tile order, so tile t's phase is
+  // ((n_tiles - 1 - t) / 4) & 1; V tiles are loaded lazily, so each thread counts the V loads of
+  // each slot (v_phase bit s: parity of the slot's last load; the loads are CTA-uniform).
+  const uint32_t mbar_k = sbase + C::kOffMbar, mbar_v = mbar_k + 4 * 8;
+  const int hk = h / p.group;
+  uint32_t v_phase = 0xfu;
   auto load_k = [&](int t) {
-    KVTile::template load_async<NTH>(sK0 + (t & (C::kKBufs - 1)) * KVTile::kBytes, sq.k + (int64_t)t * BK * p.k_sr,
-                                     p.k_sr, Nk - t * BK, tid);
+    const int slot = t & (C::kKBufs - 1);
+    if constexpr (kTma) {
+      if (tid == 0) tma_load_tile<BK, D>(sK0 + slot * KVTile::kBytes, &tmap_k, mbar_k + 8 * slot, t * BK, hk, b);
+    } else {
+      KVTile::template load_async<NTH>(sK0 + slot * KVTile::kBytes, sq.k + (int64_t)t * BK * p.k_sr, p.k_sr,
+                                       Nk - t * BK, tid);
+    }
   };
   auto load_v = [&](int t) {
-    KVTile::template load_async<NTH>(sV0 + (t & (C::kVBufs - 1)) * KVTile::kBytes, sq.v + (int64_t)t * BK * p.v_sr, p.v_sr,
-                                     Nk - t * BK, tid);
+    const int slot = t & (C::kVBufs - 1);
+    if constexpr (kTma) {
+      v_phase ^= 1u << slot;
+      if (tid == 0) tma_load_tile<BK, D>(sV0 + slot * KVTile::kBytes, &tmap_v, mbar_v + 8 * slot, t * BK, hk, b);
+    } else {
+      KVTile::template load_async<NTH>(sV0 + slot * KVTile::kBytes, sq.v + (int64_t)t * BK * p.v_sr, p.v_sr,
+                                       Nk - t * BK, tid);
+    }
   };
 
   uint32_t qreg[KS][4];
@@ -153,6 +179,7 @@ __global__ void __launch_bounds__(FwdSm90<D>::kThreads, FwdSm90<D>::kMinBlocks)
     SFlat& s_flat = *reinterpret_cast<SFlat*>(&s[0][0][0]);
 #pragma unroll
     for (int e = 0; e < BK / 2; ++e) s_flat[e] = 0.f;
+    if constexpr (kTma) mbar_try_wait(mbar_k + 8 * (t & (C::kKBufs - 1)), ((n_tiles - 1 - t) >> 2) & 1);
     wgmma_fence();
     const uint32_t sK = sK0 + (t & (C::kKBufs - 1)) * KVTile::kBytes;
 #pragma unroll
@@ -231,6 +258,11 @@ __global__ void __launch_bounds__(FwdSm90<D>::kThreads, FwdSm90<D>::kMinBlocks)
   bool cur_retain = false, cur_wg_any = false;  // decisions of the tile whose P V is next
   bool cur_v_own = false;  // the V of the tile whose P V is next is in this warpgroup's own buffer
   if (n_tiles > 0) {
+    if (kTma && tid == 0) {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) mbar_init(mbar_k + 8 * i, 1);  // the issuing thread's arrival
+      fence_mbarrier_init();
+    }
     QTile::template load_async<NTH>(sQ, sq.q + (int64_t)row_cta * p.q_sr, p.q_sr, Nq - row_cta, tid);
     load_k(top);
     load_v(top);
@@ -266,8 +298,10 @@ __global__ void __launch_bounds__(FwdSm90<D>::kThreads, FwdSm90<D>::kMinBlocks)
   // below reuse.  It also or-reduces the retention of tile j: V_{j-2} and V_{j-3} are prefetched
   // when some warp retained it.  Returns whether they were.
   auto barrier_top = [&](int j) {
-    cp_async_wait<0>();
-    fence_proxy_async_smem();
+    if constexpr (!kTma) {  // (TMA writes and wgmma reads are both in the async proxy)
+      cp_async_wait<0>();
+      fence_proxy_async_smem();
+    }
     bool pref_v = true;
     if (kDense) {
       __syncthreads();
@@ -297,6 +331,10 @@ __global__ void __launch_bounds__(FwdSm90<D>::kThreads, FwdSm90<D>::kMinBlocks)
   // O += P V for tile j; completes inside its branch (see below).
   auto pv_tile = [&](int j) {
     if (cur_wg_any) {
+      if (kTma && !cur_v_own) {
+        const int slot = j & (C::kVBufs - 1);
+        mbar_try_wait(mbar_v + 8 * slot, (v_phase >> slot) & 1u);
+      }
       wgmma_fence();
       const uint32_t sV = cur_v_own ? sVOwn : sV0 + (j & (C::kVBufs - 1)) * KVTile::kBytes;
 #pragma unroll
@@ -376,18 +414,28 @@ __global__ void __launch_bounds__(FwdSm90<D>::kThreads, FwdSm90<D>::kMinBlocks)
 template <typename T, int D>
 bool fwd_sm90_usable() {
   static const bool ok =
-      wgmma_kernel_usable(reinterpret_cast<const void*>(mala_fwd_kernel_sm90<T, D, false>), "MALA_FWD_WGMMA");
+      wgmma_kernel_usable(reinterpret_cast<const void*>(mala_fwd_kernel_sm90<T, D, false, false>), "MALA_FWD_WGMMA");
   return ok;
 }
 
 template <typename T, int D>
 cudaError_t launch_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
   using C = FwdSm90<D>;
-  auto kernel = p.log2_tau > -INFINITY ? mala_fwd_kernel_sm90<T, D, false> : mala_fwd_kernel_sm90<T, D, true>;
+  // K and V by TMA when it can describe them (not varlen: the packed tensors' row count is not
+  // known here, and a sequence's last tile must be bounded by the end of the data).
+  static const bool tma_switch_on = env_switch_on("MALA_FWD_TMA");  // MALA_FWD_TMA=0: cp.async (tests)
+  CUtensorMap tk{}, tv{};
+  constexpr bool kBf16 = std::is_same<T, __nv_bfloat16>::value;
+  const bool tma = p.cu_k == nullptr && tma_switch_on &&
+                   make_kv_tensor_map(&tk, p.k, kBf16, D, p.seqlen_k, p.heads_kv, p.batch, p.k_sr, p.k_sh, p.k_sb, C::BK) &&
+                   make_kv_tensor_map(&tv, p.v, kBf16, D, p.seqlen_k, p.heads_kv, p.batch, p.v_sr, p.v_sh, p.v_sb, C::BK);
+  const bool dense = !(p.log2_tau > -INFINITY);
+  auto kernel = dense ? (tma ? mala_fwd_kernel_sm90<T, D, true, true> : mala_fwd_kernel_sm90<T, D, true, false>)
+                      : (tma ? mala_fwd_kernel_sm90<T, D, false, true> : mala_fwd_kernel_sm90<T, D, false, false>);
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmem);
   if (err != cudaSuccess) return err;
   dim3 grid(rule::ceil_div(p.seqlen_q, C::BQ), p.heads_q, p.batch);
-  kernel<<<grid, C::kThreads, C::kSmem, stream>>>(p);
+  kernel<<<grid, C::kThreads, C::kSmem, stream>>>(p, tk, tv);
   return cudaGetLastError();
 }
 
