@@ -179,7 +179,7 @@ __global__ void __launch_bounds__(FwdSm90<D>::kThreads, FwdSm90<D>::kMinBlocks)
     SFlat& s_flat = *reinterpret_cast<SFlat*>(&s[0][0][0]);
 #pragma unroll
     for (int e = 0; e < BK / 2; ++e) s_flat[e] = 0.f;
-    if constexpr (kTma) mbar_try_wait(mbar_k + 8 * (t & (C::kKBufs - 1)), ((n_tiles - 1 - t) >> 2) & 1);
+    if constexpr (kTma) mbar_wait<true>(mbar_k + 8 * (t & (C::kKBufs - 1)), ((n_tiles - 1 - t) >> 2) & 1);
     wgmma_fence();
     const uint32_t sK = sK0 + (t & (C::kKBufs - 1)) * KVTile::kBytes;
 #pragma unroll
@@ -333,7 +333,7 @@ __global__ void __launch_bounds__(FwdSm90<D>::kThreads, FwdSm90<D>::kMinBlocks)
     if (cur_wg_any) {
       if (kTma && !cur_v_own) {
         const int slot = j & (C::kVBufs - 1);
-        mbar_try_wait(mbar_v + 8 * slot, (v_phase >> slot) & 1u);
+        mbar_wait<true>(mbar_v + 8 * slot, (v_phase >> slot) & 1u);
       }
       wgmma_fence();
       const uint32_t sV = cur_v_own ? sVOwn : sV0 + (j & (C::kVBufs - 1)) * KVTile::kBytes;

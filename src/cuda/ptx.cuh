@@ -93,21 +93,31 @@ template <int N> __device__ __forceinline__ void cp_async_wait() {
 }
 
 // mbarrier in shared memory (addr: shared-space address): init with the expected arrival count,
-// arrive (release, CTA scope), wait until the phase of the given parity has completed (acquire).
+// arrive (release, CTA scope), wait until the phase of the given parity has completed (acquire;
+// kTry: mbarrier.try_wait, which suspends the thread for a while in hardware before it returns
+// false, instead of test_wait, which returns at once).
 __device__ __forceinline__ void mbar_init(uint32_t addr, int count) {
   asm volatile("mbarrier.init.shared.b64 [%0], %1;\n" ::"r"(addr), "r"(count) : "memory");
 }
 __device__ __forceinline__ void mbar_arrive(uint32_t addr) {
   asm volatile("{\n .reg .b64 st;\n mbarrier.arrive.shared.b64 st, [%0];\n}\n" ::"r"(addr) : "memory");
 }
+template <bool kTry = false>
 __device__ __forceinline__ void mbar_wait(uint32_t addr, uint32_t parity) {
   uint32_t done;
   do {
-    asm volatile(
-        "{\n .reg .pred p;\n mbarrier.test_wait.parity.shared.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(done)
-        : "r"(addr), "r"(parity)
-        : "memory");
+    if constexpr (kTry)
+      asm volatile(
+          "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
+          : "=r"(done)
+          : "r"(addr), "r"(parity)
+          : "memory");
+    else
+      asm volatile(
+          "{\n .reg .pred p;\n mbarrier.test_wait.parity.shared.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
+          : "=r"(done)
+          : "r"(addr), "r"(parity)
+          : "memory");
   } while (!done);
 }
 

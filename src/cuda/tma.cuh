@@ -6,7 +6,8 @@
 // whose pattern (16-byte chunk c of row r at chunk c ^ (r % 8), 1024-byte aligned destination) is
 // gmma::tile_offset's.  Rows past the sequence are zero-filled by the TMA unit (the tensor map's row
 // dimension is seqlen_k), as the cp.async loader does.  One thread issues a tile's boxes and arms
-// the tile's mbarrier with the byte count; the consumers wait on the mbarrier's phase.
+// the tile's mbarrier with the byte count; the consumers wait on the mbarrier's phase
+// (mbar_wait<true>, ptx.cuh).
 #pragma once
 
 #include <cuda.h>
@@ -26,18 +27,6 @@ __device__ __forceinline__ void fence_mbarrier_init() {
 // One arrival that also expects `bytes` of transactions in the current phase.
 __device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t mbar, uint32_t bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(mbar), "r"(bytes) : "memory");
-}
-// Waits until the phase of the given parity has completed (try_wait suspends for a while in
-// hardware before returning false, so the loop spins little).
-__device__ __forceinline__ void mbar_try_wait(uint32_t mbar, uint32_t parity) {
-  uint32_t done;
-  do {
-    asm volatile(
-        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(done)
-        : "r"(mbar), "r"(parity)
-        : "memory");
-  } while (!done);
 }
 // Box at coordinates (c0 = column, c1 = row, c2 = head, c3 = batch) of a rank-4 tensor map into
 // shared memory; completes `bytes` on mbar.
