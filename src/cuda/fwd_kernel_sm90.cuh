@@ -198,11 +198,10 @@ __global__ void __launch_bounds__(FwdSm90<D>::kThreads, FwdSm90<D>::kMinBlocks)
         row_limits<1>(lim, row_w, lane, Nq, Nk, p.causal);
         apply_mask<1, NT>(s, lim, t * BK, lane);
       }
-      // (kDense: the reduction over the quad is left to scores_to_p; measured faster, below.)
-      if constexpr (kDense)
-        lane_row_max<1, NT>(s, 0, mx[0][0], mx[0][1]);
-      else
-        tile_row_max<1, NT>(s, mx);
+      // Each lane's part of the row max; the reduction over the quad waits for a retained tile
+      // (scores_to_p).  The test is monotone in tile_max, so a row passes iff every lane's part
+      // does: the warp's vote over the parts is the vote over the rows, bit for bit.
+      lane_row_max<1, NT>(s, 0, mx[0][0], mx[0][1]);
       if (test_on) {
         float tmax[1][2];
 #pragma unroll
@@ -228,11 +227,8 @@ __global__ void __launch_bounds__(FwdSm90<D>::kThreads, FwdSm90<D>::kMinBlocks)
   float alpha[1][2];
   auto scores_to_p = [&](STile& s) {
     if (pair_retain) {
-      if constexpr (kDense) {
-        // Here rather than in decide: H100 32K, 5.09 against 5.32 ms.
-        mx[0][0] = warp_max_quad(mx[0][0]);
-        mx[0][1] = warp_max_quad(mx[0][1]);
-      }
+      mx[0][0] = warp_max_quad(mx[0][0]);
+      mx[0][1] = warp_max_quad(mx[0][1]);
       softmax_scores<1, NT>(s, mx, p.scale_log2, m, l, alpha);
       if (test_on) {
 #pragma unroll
