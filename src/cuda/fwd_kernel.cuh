@@ -301,7 +301,11 @@ __global__ void __launch_bounds__(FwdKernelTraits<T, D, Cfg>::kThreads, FwdKerne
         apply_mask<MT, NT>(s, lim, j * BK, lane);
       }
 
-      tile_row_max<MT, NT>(s, mx);
+      // Each lane's part of the row max; the reduction over the quad waits for a retained tile.
+      // The test is monotone in tile_max, so a row passes iff every lane's part does: the warp's
+      // vote over the parts is the vote over the rows, bit for bit.
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) lane_row_max<MT, NT>(s, mt, mx[mt][0], mx[mt][1]);
       bool skip = false;
       if (test_on) {
         float tmax[MT][2];
@@ -336,7 +340,14 @@ __global__ void __launch_bounds__(FwdKernelTraits<T, D, Cfg>::kThreads, FwdKerne
       }
     }
 
-    if (retain) softmax_update<MT, NT, DT>(s, mx, p.scale_log2, m, l, acc);
+    if (retain) {
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        mx[mt][0] = warp_max_quad(mx[mt][0]);
+        mx[mt][1] = warp_max_quad(mx[mt][1]);
+      }
+      softmax_update<MT, NT, DT>(s, mx, p.scale_log2, m, l, acc);
+    }
     if (load_v) {
       cp_async_wait<0>();  // (also waits for tile j - 1's loads, issued before this one)
       __syncthreads();
