@@ -110,15 +110,7 @@ int run_backward_bench(int argc, char** argv) {
     // replace its Q, K, V with the captured ones.
     std::vector<float> q(static_cast<size_t>(B * n * hq * d)), dout(q.size());
     std::vector<float> k(static_cast<size_t>(B * n * hkv * d)), v(k.size());
-    mala::WorkloadSpec w;
-    w.regime = in.prefix.empty() ? regime : "random";
-    w.batch = B;
-    w.seqlen = n;
-    w.heads_q = hq;
-    w.heads_kv = hkv;
-    w.head_dim = d;
-    w.sharpness = sharp;
-    w.seed = opt.seed;
+    const mala::WorkloadSpec w{in.prefix.empty() ? regime : "random", B, n, hq, hkv, d, sharp, opt.seed};
     mala::Status s = mala::make_workload(w, q.data(), k.data(), v.data(), dout.data());
     if (!s) {
       std::printf("workload: %s\n", s.message.c_str());

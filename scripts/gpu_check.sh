@@ -36,22 +36,17 @@ run)
   echo "== GPU tests (every kernel against the CPU implementation)"
   "$bin/mala_gpu_tests" --gtest_brief=1 2>&1 | tee "$out/gpu_tests.log" | tail -40 || status=1
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
-  echo "== GPU decode tests with the sm_80-sized (163 KB shared memory) decode instance"
-  MALA_DECODE_SMALL_SMEM=1 "$bin/mala_gpu_tests" --gtest_brief=1 --gtest_filter='GpuDecode*' 2>&1 \
-    | tee "$out/gpu_tests_decode_small_smem.log" | tail -3
-  [ "${PIPESTATUS[0]}" = 0 ] || status=1
-  echo "== GPU backward tests with the mma.sync kernel on this device too (MALA_BWD_WGMMA=0)"
-  MALA_BWD_WGMMA=0 "$bin/mala_gpu_tests" --gtest_brief=1 --gtest_filter='Backward*' 2>&1 \
-    | tee "$out/gpu_tests_backward_mma_sync.log" | tail -3
-  [ "${PIPESTATUS[0]}" = 0 ] || status=1
-  echo "== GPU forward tests with the wgmma kernel's cp.async loads (MALA_FWD_TMA=0; varlen uses them anyway)"
-  MALA_FWD_TMA=0 "$bin/mala_gpu_tests" --gtest_brief=1 --gtest_filter='CudaForward*' 2>&1 \
-    | tee "$out/gpu_tests_forward_cp_async.log" | tail -3
-  [ "${PIPESTATUS[0]}" = 0 ] || status=1
-  echo "== GPU forward tests with the mma.sync kernel on this device too (MALA_FWD_WGMMA=0)"
-  MALA_FWD_WGMMA=0 "$bin/mala_gpu_tests" --gtest_brief=1 --gtest_filter='CudaForward*' 2>&1 \
-    | tee "$out/gpu_tests_forward_mma_sync.log" | tail -3
-  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+  # The tests again under an environment switch that selects another kernel or load path:
+  # variant LOG_NAME GTEST_FILTER VAR=VALUE "what it runs"
+  variant() {
+    echo "== GPU tests with $4 ($3)"
+    env "$3" "$bin/mala_gpu_tests" --gtest_brief=1 --gtest_filter="$2" 2>&1 | tee "$out/gpu_tests_$1.log" | tail -3
+    [ "${PIPESTATUS[0]}" = 0 ] || status=1
+  }
+  variant decode_small_smem 'GpuDecode*' MALA_DECODE_SMALL_SMEM=1 "the sm_80-sized (163 KB shared memory) decode instance"
+  variant backward_mma_sync 'Backward*' MALA_BWD_WGMMA=0 "the mma.sync backward on this device too"
+  variant forward_cp_async 'CudaForward*' MALA_FWD_TMA=0 "the wgmma forward's cp.async loads (varlen uses them anyway)"
+  variant forward_mma_sync 'CudaForward*' MALA_FWD_WGMMA=0 "the mma.sync forward on this device too"
   if command -v compute-sanitizer >/dev/null; then
     filter=${MALA_SANITIZER_FILTER:-*Small*}
     for tool in memcheck racecheck; do
@@ -61,10 +56,10 @@ run)
       rc=$?
       # the wgmma forward's cp.async loads, and the mma.sync forward (other devices, d = 64 and 256),
       # on their small case too
-      MALA_FWD_TMA=0 compute-sanitizer --tool "$tool" --error-exitcode 3 "$bin/mala_gpu_tests" --gtest_brief=1 \
-        --gtest_filter='CudaForward*Small*' >>"$out/sanitizer_$tool.log" 2>&1 || rc=$?
-      MALA_FWD_WGMMA=0 compute-sanitizer --tool "$tool" --error-exitcode 3 "$bin/mala_gpu_tests" --gtest_brief=1 \
-        --gtest_filter='CudaForward*Small*' >>"$out/sanitizer_$tool.log" 2>&1 || rc=$?
+      for switch in MALA_FWD_TMA=0 MALA_FWD_WGMMA=0; do
+        env "$switch" compute-sanitizer --tool "$tool" --error-exitcode 3 "$bin/mala_gpu_tests" --gtest_brief=1 \
+          --gtest_filter='CudaForward*Small*' >>"$out/sanitizer_$tool.log" 2>&1 || rc=$?
+      done
       tail -3 "$out/sanitizer_$tool.log"
       [ $rc = 0 ] || { echo "compute-sanitizer $tool: exit $rc"; status=1; }
       # racecheck reports hazards it only suspects as warnings, which do not set the exit code

@@ -341,11 +341,7 @@ __global__ void __launch_bounds__(FwdKernelTraits<T, D, Cfg>::kThreads, FwdKerne
     }
 
     if (retain) {
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt) {
-        mx[mt][0] = warp_max_quad(mx[mt][0]);
-        mx[mt][1] = warp_max_quad(mx[mt][1]);
-      }
+      quad_row_max<MT>(mx);
       softmax_update<MT, NT, DT>(s, mx, p.scale_log2, m, l, acc);
     }
     if (load_v) {
@@ -426,8 +422,9 @@ int fwd_blocks_per_sm() {
 // On sm_90 devices at d = 128 the wgmma kernel (fwd_kernel_sm90.cuh, included by that instantiation
 // file) runs at every tau; MALA_FWD_WGMMA=0 selects this kernel there too (tests, benchmarks).  Both
 // make the same decisions (tiles of FwdConfig), so the choice changes no result beyond rounding.
-// (H100, 128K: the wgmma kernel is faster on every input measured, dense 88.8 against 100 ms,
-// random tau = 1 95.2 against 102.6, s = 16 51.4 against 53.4; docs/kernels.md.)
+// (H100, 32K, both with their dense instances and the final code of the fourteenth stop: the wgmma
+// kernel dense 4.90 against 6.33 ms, random tau = 1 5.70 against 6.51, s = 16 2.97 against 3.37;
+// docs/kernels.md.)
 template <typename T, int D>
 bool fwd_sm90_usable();
 template <typename T, int D>

@@ -227,8 +227,7 @@ __global__ void __launch_bounds__(FwdSm90<D>::kThreads, FwdSm90<D>::kMinBlocks)
   float alpha[1][2];
   auto scores_to_p = [&](STile& s) {
     if (pair_retain) {
-      mx[0][0] = warp_max_quad(mx[0][0]);
-      mx[0][1] = warp_max_quad(mx[0][1]);
+      quad_row_max<1>(mx);
       softmax_scores<1, NT>(s, mx, p.scale_log2, m, l, alpha);
       if (test_on) {
 #pragma unroll

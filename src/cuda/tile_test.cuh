@@ -31,6 +31,16 @@ __device__ __forceinline__ void lane_row_max(const float (&s)[MT][NT][4], int mt
     b = fmaxf(b, fmaxf(s[mt][nt][2], s[mt][nt][3]));
   }
 }
+// The reduction of lane_row_max's parts over the quad, in place: afterwards every lane of the quad
+// holds the row's max.  (The forward kernels vote on the parts and reduce only for a retained tile.)
+template <int MT>
+__device__ __forceinline__ void quad_row_max(float (&x)[MT][2]) {
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+    x[mt][0] = warp_max_quad(x[mt][0]);
+    x[mt][1] = warp_max_quad(x[mt][1]);
+  }
+}
 // Row max of a score fragment, reduced over the quad so every lane of the quad holds the row's max.
 // out[mt][h] as above.
 template <int MT, int NT>
