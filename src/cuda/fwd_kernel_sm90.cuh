@@ -36,6 +36,7 @@
 #include "cuda/tma.cuh"
 #include "cuda/wgmma.cuh"
 
+
 namespace mala {
 namespace cuda {
 
@@ -181,10 +182,10 @@ __global__ void __launch_bounds__(FwdSm90<D>::kThreads, FwdSm90<D>::kMinBlocks)
     for (int e = 0; e < BK / 2; ++e) s_flat[e] = 0.f;
     if constexpr (kTma) mbar_wait<true>(mbar_k + 8 * (t & (C::kKBufs - 1)), ((n_tiles - 1 - t) >> 2) & 1);
     wgmma_fence();
-    const uint32_t sK = sK0 + (t & (C::kKBufs - 1)) * KVTile::kBytes;
+    const uint64_t dK = wgmma_desc(sK0 + (t & (C::kKBufs - 1)) * KVTile::kBytes, 16, 1024);
 #pragma unroll
     for (int ks = 0; ks < KS; ++ks)
-      WgmmaRS<BK, 0, T>::run(s_flat, qreg[ks], wgmma_desc(sK + (ks >> 2) * KVTile::kBlockBytes + (ks & 3) * 32, 16, 1024));
+      WgmmaRS<BK, 0, T>::run(s_flat, qreg[ks], wgmma_desc_advance(dK, (ks >> 2) * KVTile::kBlockBytes + (ks & 3) * 32));
   };
   // Decision for tile t whose scores are in s (have_s; false: no legal key for the warpgroup):
   // mask, row max, test, the pair's vote over the warpgroup.  Every thread calls it (it has a barrier
@@ -235,14 +236,14 @@ __global__ void __launch_bounds__(FwdSm90<D>::kThreads, FwdSm90<D>::kMinBlocks)
       }
     }
   };
+  // (Zeros only where the warpgroup's P V runs: a tile no pair of the warpgroup retains leaves pa.)
   auto pack_p = [&](STile& s) {
+    if (pair_retain) {
 #pragma unroll
-    for (int kk = 0; kk < BK / 16; ++kk) {
-      if (pair_retain) {
-        p_to_a<T, 1, NT>(s, 0, kk, pa[kk]);
-      } else {
-        pa[kk][0] = pa[kk][1] = pa[kk][2] = pa[kk][3] = 0u;
-      }
+      for (int kk = 0; kk < BK / 16; ++kk) p_to_a<T, 1, NT>(s, 0, kk, pa[kk]);
+    } else if (wg_any) {
+#pragma unroll
+      for (int kk = 0; kk < BK / 16; ++kk) pa[kk][0] = pa[kk][1] = pa[kk][2] = pa[kk][3] = 0u;
     }
   };
 
@@ -331,10 +332,9 @@ __global__ void __launch_bounds__(FwdSm90<D>::kThreads, FwdSm90<D>::kMinBlocks)
         mbar_wait<true>(mbar_v + 8 * slot, (v_phase >> slot) & 1u);
       }
       wgmma_fence();
-      const uint32_t sV = cur_v_own ? sVOwn : sV0 + (j & (C::kVBufs - 1)) * KVTile::kBytes;
+      const uint64_t dV = wgmma_desc(cur_v_own ? sVOwn : sV0 + (j & (C::kVBufs - 1)) * KVTile::kBytes, KVTile::kBlockBytes, 1024);
 #pragma unroll
-      for (int kk = 0; kk < BK / 16; ++kk)
-        WgmmaRS<D, 1, T>::run(acc_flat, pa[kk], wgmma_desc(sV + kk * 2048, KVTile::kBlockBytes, 1024));
+      for (int kk = 0; kk < BK / 16; ++kk) WgmmaRS<D, 1, T>::run(acc_flat, pa[kk], wgmma_desc_advance(dV, kk * 2048));
       wgmma_commit();
       wgmma_wait<0>();
       wgmma_fence_operands(acc_flat);
@@ -366,6 +366,44 @@ __global__ void __launch_bounds__(FwdSm90<D>::kThreads, FwdSm90<D>::kMinBlocks)
   // flight across the loop's back edge (ptxas would serialize them all).
   bool pref_cur = true, pref_next = true;  // V prefetched for tiles j, j - 1 / for j - 2, j - 3
   int j = top;
+  // Four tiles per iteration: the two-tile body below, then its second half moves the barrier of
+  // j - 2 ahead of tile j - 2's decision so that S_{j-3} runs on the tensor cores while j - 2 is
+  // decided; only the last decision of the four waits with nothing in flight.  (The barrier's
+  // or-reduction then carries tile j - 1's retention, which only steers the V prefetch.)
+  for (; j >= 4; j -= 4) {
+    pref_cur = pref_next;
+    pref_next = barrier_top(j);
+    if (cur_retain) ++retained;
+    issue_s(j - 1, sA);
+    wgmma_commit();
+    pv_tile(j);
+    issue_s(j - 2, sB);
+    wgmma_commit();
+    wgmma_wait<1>();
+    s_done(sA);
+    finish_tile(j - 1, pref_cur, sA);
+    if (cur_retain) ++retained;
+    pv_tile(j - 1);
+    wgmma_wait<0>();
+    s_done(sB);
+    pref_cur = pref_next;
+    pref_next = barrier_top(j - 2);
+    issue_s(j - 3, sA);
+    wgmma_commit();
+    finish_tile(j - 2, pref_cur, sB);
+    if (cur_retain) ++retained;
+    pv_tile(j - 2);
+    issue_s(j - 4, sB);
+    wgmma_commit();
+    wgmma_wait<1>();
+    s_done(sA);
+    finish_tile(j - 3, pref_cur, sA);
+    if (cur_retain) ++retained;
+    pv_tile(j - 3);
+    wgmma_wait<0>();
+    s_done(sB);
+    finish_tile(j - 4, pref_next, sB);
+  }
   for (; j >= 2; j -= 2) {
     pref_cur = pref_next;
     pref_next = barrier_top(j);
