@@ -30,7 +30,10 @@ __device__ __forceinline__ uint64_t wgmma_desc(uint32_t smem_addr, uint32_t lbo,
 // cannot carry out, since shared-memory addresses stay below 256 KB.  One add instead of the masks
 // and shifts of wgmma_desc for each of a tile's k-steps (the forward's Q K^T spent 7 instructions
 // per wgmma on its descriptor).
-__device__ __forceinline__ uint64_t wgmma_desc_advance(uint64_t desc, uint32_t bytes) { return desc + (bytes >> 4); }
+// (Only the low word changes, so ptxas can keep the high word's uniform register.)
+__device__ __forceinline__ uint64_t wgmma_desc_advance(uint64_t desc, uint32_t bytes) {
+  return (desc & 0xFFFFFFFF00000000ull) | (static_cast<uint32_t>(desc) + (bytes >> 4));
+}
 
 __device__ __forceinline__ void wgmma_fence() {
 #ifdef MALA_WGMMA_ENABLED
