@@ -21,15 +21,27 @@ namespace cuda {
 
 // Max of this lane's entries of rows (g, g + 8) of m16 tile mt of a score fragment s[MT][NT][4]
 // (raw or scaled; masked entries -inf), before the reduction over the quad.
+// A balanced tree (depth log2(2 NT) instead of a chain of 2 NT maxes: this sits on the path from the
+// scores to the skip decision).
 template <int MT, int NT>
 __device__ __forceinline__ void lane_row_max(const float (&s)[MT][NT][4], int mt, float& a, float& b) {
-  a = -INFINITY;
-  b = -INFINITY;
+  static_assert((NT & (NT - 1)) == 0, "lane_row_max: NT must be a power of two");
+  float ra[NT], rb[NT];
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) {
-    a = fmaxf(a, fmaxf(s[mt][nt][0], s[mt][nt][1]));
-    b = fmaxf(b, fmaxf(s[mt][nt][2], s[mt][nt][3]));
+    ra[nt] = fmaxf(s[mt][nt][0], s[mt][nt][1]);
+    rb[nt] = fmaxf(s[mt][nt][2], s[mt][nt][3]);
   }
+#pragma unroll
+  for (int w = NT / 2; w >= 1; w /= 2) {
+#pragma unroll
+    for (int i = 0; i < w; ++i) {
+      ra[i] = fmaxf(ra[i], ra[i + w]);
+      rb[i] = fmaxf(rb[i], rb[i + w]);
+    }
+  }
+  a = ra[0];
+  b = rb[0];
 }
 // The reduction of lane_row_max's parts over the quad, in place: afterwards every lane of the quad
 // holds the row's max.  (The forward kernels vote on the parts and reduce only for a retained tile.)
