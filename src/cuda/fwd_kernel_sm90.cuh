@@ -366,28 +366,39 @@ __global__ void __launch_bounds__(FwdSm90<D>::kThreads, FwdSm90<D>::kMinBlocks)
   // flight across the loop's back edge (ptxas would serialize them all).
   bool pref_cur = true, pref_next = true;  // V prefetched for tiles j, j - 1 / for j - 2, j - 3
   int j = top;
-  // Four tiles per iteration: the two-tile body below, then its second half moves the barrier of
-  // j - 2 ahead of tile j - 2's decision so that S_{j-3} runs on the tensor cores while j - 2 is
-  // decided; only the last decision of the four waits with nothing in flight.  (The barrier's
-  // or-reduction then carries tile j - 1's retention, which only steers the V prefetch.)  Six or
-  // eight tiles per iteration in the same way measured slower (H100, 128K s = 16: 46.1 and 46.8
-  // against 42.3 ms: code size and schedule).
-  for (; j >= 4; j -= 4) {
+  // The main loop takes four tiles per iteration: a two-tile step, then a second one whose barrier
+  // (of j - 2) comes ahead of tile j - 2's decision so that S_{j-3} runs on the tensor cores while
+  // j - 2 is decided; only the last decision of the four waits with nothing in flight.  (The
+  // barrier's or-reduction then carries tile j - 1's retention, which only steers the V prefetch.)
+  // Six or eight tiles per iteration in the same way measured slower (H100, 128K s = 16: 46.1 and
+  // 46.8 against 42.3 ms: code size and schedule).
+  // The end of a two-tile step: S_{i-1} issued into sB, tile i decided from sA (S_{i-1} on the
+  // tensor cores meanwhile), its P V, and S_{i-1} complete (its decision is the caller's).
+  auto decide_and_issue_next = [&](int i) {
+    issue_s(i - 1, sB);
+    wgmma_commit();
+    wgmma_wait<1>();
+    s_done(sA);
+    finish_tile(i, pref_cur, sA);
+    if (cur_retain) ++retained;
+    pv_tile(i);
+    wgmma_wait<0>();
+    s_done(sB);
+  };
+  // The two-tile step from the barrier of j: P V of tile j (decided before), tile j - 1 decided,
+  // S_{j-2} complete in sB.
+  auto two_tiles = [&](int j) {
     pref_cur = pref_next;
     pref_next = barrier_top(j);
     if (cur_retain) ++retained;
     issue_s(j - 1, sA);
     wgmma_commit();
     pv_tile(j);
-    issue_s(j - 2, sB);
-    wgmma_commit();
-    wgmma_wait<1>();
-    s_done(sA);
-    finish_tile(j - 1, pref_cur, sA);
-    if (cur_retain) ++retained;
-    pv_tile(j - 1);
-    wgmma_wait<0>();
-    s_done(sB);
+    decide_and_issue_next(j - 1);
+  };
+  for (; j >= 4; j -= 4) {
+    two_tiles(j);
+    // The second step, its barrier ahead of tile j - 2's decision.
     pref_cur = pref_next;
     pref_next = barrier_top(j - 2);
     issue_s(j - 3, sA);
@@ -395,33 +406,11 @@ __global__ void __launch_bounds__(FwdSm90<D>::kThreads, FwdSm90<D>::kMinBlocks)
     finish_tile(j - 2, pref_cur, sB);
     if (cur_retain) ++retained;
     pv_tile(j - 2);
-    issue_s(j - 4, sB);
-    wgmma_commit();
-    wgmma_wait<1>();
-    s_done(sA);
-    finish_tile(j - 3, pref_cur, sA);
-    if (cur_retain) ++retained;
-    pv_tile(j - 3);
-    wgmma_wait<0>();
-    s_done(sB);
+    decide_and_issue_next(j - 3);
     finish_tile(j - 4, pref_next, sB);
   }
   for (; j >= 2; j -= 2) {
-    pref_cur = pref_next;
-    pref_next = barrier_top(j);
-    if (cur_retain) ++retained;
-    issue_s(j - 1, sA);
-    wgmma_commit();
-    pv_tile(j);
-    issue_s(j - 2, sB);
-    wgmma_commit();
-    wgmma_wait<1>();
-    s_done(sA);
-    finish_tile(j - 1, pref_cur, sA);
-    if (cur_retain) ++retained;
-    pv_tile(j - 1);
-    wgmma_wait<0>();
-    s_done(sB);
+    two_tiles(j);
     finish_tile(j - 2, pref_next, sB);
   }
   if (j == 1) {
