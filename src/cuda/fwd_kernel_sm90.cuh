@@ -38,7 +38,6 @@
 #include "cuda/tma.cuh"
 #include "cuda/wgmma.cuh"
 
-
 namespace mala {
 namespace cuda {
 
@@ -69,7 +68,9 @@ struct FwdSm90 {
 // Barrier of one warpgroup (ids 1 and 2; 0 is __syncthreads).  The id from a register: one
 // instruction instead of a branch between two immediate ids (ptxas then reserves all 16 barriers,
 // which costs nothing at one CTA per SM).  (Letting a warp that retains only arrive -- it knows the
-// outcome it needs -- measured slower: 32K synthetic s = 16, 4.10 against 3.92 ms.)
+// outcome it needs -- measured slower: 32K synthetic s = 16, 4.10 against 3.92 ms; again in the
+// fifteenth stop, with flags and ids rotating over four tiles: random 2% faster, s = 4 and 16 2.5%
+// slower, and racecheck hazards.)
 __device__ __forceinline__ void warpgroup_barrier_sync(int wg) {
   asm volatile("bar.sync %0, 128;\n" ::"r"(wg + 1) : "memory");
 }
@@ -366,12 +367,6 @@ __global__ void __launch_bounds__(FwdSm90<D>::kThreads, FwdSm90<D>::kMinBlocks)
   // flight across the loop's back edge (ptxas would serialize them all).
   bool pref_cur = true, pref_next = true;  // V prefetched for tiles j, j - 1 / for j - 2, j - 3
   int j = top;
-  // The main loop takes four tiles per iteration: a two-tile step, then a second one whose barrier
-  // (of j - 2) comes ahead of tile j - 2's decision so that S_{j-3} runs on the tensor cores while
-  // j - 2 is decided; only the last decision of the four waits with nothing in flight.  (The
-  // barrier's or-reduction then carries tile j - 1's retention, which only steers the V prefetch.)
-  // Six or eight tiles per iteration in the same way measured slower (H100, 128K s = 16: 46.1 and
-  // 46.8 against 42.3 ms: code size and schedule).
   // The end of a two-tile step: S_{i-1} issued into sB, tile i decided from sA (S_{i-1} on the
   // tensor cores meanwhile), its P V, and S_{i-1} complete (its decision is the caller's).
   auto decide_and_issue_next = [&](int i) {
@@ -396,6 +391,12 @@ __global__ void __launch_bounds__(FwdSm90<D>::kThreads, FwdSm90<D>::kMinBlocks)
     pv_tile(j);
     decide_and_issue_next(j - 1);
   };
+  // The main loop takes four tiles per iteration: a two-tile step, then a second one whose barrier
+  // (of j - 2) comes ahead of tile j - 2's decision so that S_{j-3} runs on the tensor cores while
+  // j - 2 is decided; only the last decision of the four waits with nothing in flight.  (The
+  // barrier's or-reduction then carries tile j - 1's retention, which only steers the V prefetch.)
+  // Six or eight tiles per iteration in the same way measured slower (H100, 128K s = 16: 46.1 and
+  // 46.8 against 42.3 ms: code size and schedule).  The two-tile loop takes what is left.
   for (; j >= 4; j -= 4) {
     two_tiles(j);
     // The second step, its barrier ahead of tile j - 2's decision.
