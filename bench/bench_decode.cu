@@ -246,6 +246,27 @@ float time_graph(Env& env, F&& enqueue) {
   return t;
 }
 
+// Back-to-back time per call (microseconds): `calls` enqueues of enq(i) for i = 0, 1, ... between
+// one pair of events, no L2 flush, median of 5 such runs after one untimed run.  With enq rotating
+// over caches that together exceed the L2, each call reads its bytes from DRAM as a serving loop's
+// consecutive decode steps (one per layer) do, while the launch latency of one call overlaps the
+// previous one.
+template <typename F>
+float time_back_to_back(Env& env, int calls, F&& enq) {
+  std::vector<float> t;
+  for (int r = 0; r < 6; ++r) {
+    BENCH_CHECK(cudaEventRecord(env.e0, env.stream));
+    for (int i = 0; i < calls; ++i) enq(i);
+    BENCH_CHECK(cudaEventRecord(env.e1, env.stream));
+    BENCH_CHECK(cudaEventSynchronize(env.e1));
+    float ms;
+    BENCH_CHECK(cudaEventElapsedTime(&ms, env.e0, env.e1));
+    if (r > 0) t.push_back(ms * 1000.f / calls);
+  }
+  BENCH_CHECK(cudaGetLastError());
+  return median(t);
+}
+
 // One decode call; a failed call ends the benchmark.
 void decode_or_exit(const mala::DecodeArgs& a) {
   mala::Status st = mala::decode(a);
@@ -471,6 +492,48 @@ void overhead_probe(const Problem& pb, Env& env, Bufs& bf) {
     std::printf("overhead N=%-6lld B=%lld: decode tau=0 default splits: eager %.2f us | CUDA graph replay %.2f us "
                 "(empty kernel in a graph %.2f us) | floor(K+V) %.2f us\n",
                 (long long)pb.n, (long long)pb.batch, t_eager, t_graph, t_empty_graph, kv_bytes / env.copy_bw * 1e6);
+  }
+  // Back to back over `rot` caches (the batch-8 buffers hold 8 batch-1 caches of capacity cap_stride).
+  if (pb.batch == 1) {
+    const int rot = 8, calls = 64;
+    const int64_t cache_elems = pb.cap_stride * pb.hkv * pb.d;
+    auto rotated = [&](int i) {
+      Problem pr = pb;
+      pr.k = pb.k + (i % rot) * cache_elems;
+      pr.v = pb.v + (i % rot) * cache_elems;
+      return pr;
+    };
+    std::vector<mala::DecodeArgs> args;
+    for (int i = 0; i < rot; ++i) {
+      args.push_back(make_args(rotated(i), env, bf.lens, 0.f, bf.ws, bf.ws_bytes, 0));
+      args.back().o = bf.o;
+    }
+    const float t_dec = time_back_to_back(env, calls, [&](int i) { decode_or_exit(args[i % rot]); });
+    const float t_str = time_back_to_back(env, calls, [&](int i) {
+      const Problem pr = rotated(i);
+      stream_read<<<sms * 4, 512, 0, env.stream>>>(reinterpret_cast<const uint4*>(pr.k),
+                                                   reinterpret_cast<const uint4*>(pr.v), n16, env.sink);
+    });
+    const float t_emp = time_back_to_back(env, calls, [&](int) { empty_kernel<<<1, 32, 0, env.stream>>>(); });
+    // The same decode calls captured in one CUDA graph (no host launch work between them).
+    float t_dec_graph = 0.f;
+    {
+      cudaGraph_t graph = nullptr;
+      cudaGraphExec_t exec = nullptr;
+      BENCH_CHECK(cudaStreamBeginCapture(env.stream, cudaStreamCaptureModeThreadLocal));
+      for (int i = 0; i < calls; ++i) decode_or_exit(args[i % rot]);
+      BENCH_CHECK(cudaStreamEndCapture(env.stream, &graph));
+      BENCH_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+      t_dec_graph = time_back_to_back(env, 1, [&](int) { BENCH_CHECK(cudaGraphLaunch(exec, env.stream)); }) / calls;
+      BENCH_CHECK(cudaGraphExecDestroy(exec));
+      BENCH_CHECK(cudaGraphDestroy(graph));
+    }
+    const double floor_us = kv_bytes / env.copy_bw * 1e6;
+    std::printf("overhead N=%-6lld B=%lld: back to back over %d caches (%.0f MB in all), per call: decode tau=0 %.2f us "
+                "(%.2fx the floor), %d calls in one CUDA graph %.2f us (%.2fx) | stream K+V %.2f us | empty kernel %.2f us "
+                "| floor(K+V) %.2f us\n",
+                (long long)pb.n, (long long)pb.batch, rot, rot * kv_bytes / 1e6, t_dec, t_dec / floor_us, calls, t_dec_graph,
+                t_dec_graph / floor_us, t_str, t_emp, floor_us);
   }
   trace_probe(pb, env, bf);
   for (int ns : {1, 8, 33, 66, 132, 264}) {

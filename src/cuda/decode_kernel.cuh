@@ -279,6 +279,10 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) decode_split_kernel(const D
   // Programmatic dependent launch: the combine kernel may be scheduled now; it waits on
   // griddepcontrol.wait for this grid's completion (and memory) before reading the partials.
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  // This kernel is itself launched as a dependent of whatever precedes it on the stream (the
+  // previous decode call's combine, the append kernel, the caller's kernels), so that its launch
+  // overlaps their tail: nothing is read before they are complete.
+  asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gid = lane >> 2, tig = lane & 3;
   const int qt = blockIdx.x % p.NQT, split = blockIdx.x / p.NQT, hs = blockIdx.y, b = blockIdx.z;
@@ -602,6 +606,7 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_combine_kernel(const De
   const int64_t cta = static_cast<int64_t>(p.NQT) * p.S * p.HS * p.B + blockIdx.x;
   trace_stamp(p, cta, 0);
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");  // (the next call's split kernel)
   asm volatile("griddepcontrol.wait;" ::: "memory");  // the split kernel's partials are complete
 #endif
   trace_stamp(p, cta, 6);
@@ -633,21 +638,38 @@ __global__ void decode_append_kernel(const DecodeParams p) {
   *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
 }
 
+// A decode kernel launched as a programmatic dependent of the stream's previous work when `pdl`
+// (sm_90+): it may be scheduled before that work completes and waits for it (griddepcontrol.wait).
+inline cudaError_t launch_decode_kernel(void (*kernel)(DecodeParams), dim3 grid, size_t smem, bool pdl,
+                                        const DecodeParams& p, cudaStream_t stream) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = dim3(kDecodeThreads);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl ? 1 : 0;
+  return cudaLaunchKernelEx(&cfg, kernel, p);
+}
+
 template <typename T, int D, bool kDense, bool kLargeSmem>
-cudaError_t launch_split_kernel(const DecodeParams& p, cudaStream_t stream) {
+cudaError_t launch_split_kernel(const DecodeParams& p, bool pdl, cudaStream_t stream) {
   constexpr int smem = DecodeConfig<D, kLargeSmem>::smem_bytes(kDense);
   static cudaError_t err =
       cudaFuncSetAttribute(decode_split_kernel<T, D, kDense, kLargeSmem>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return err;
-  decode_split_kernel<T, D, kDense, kLargeSmem><<<dim3(p.NQT * p.S, p.HS, p.B), kDecodeThreads, smem, stream>>>(p);
-  return cudaSuccess;
+  return launch_decode_kernel(decode_split_kernel<T, D, kDense, kLargeSmem>, dim3(p.NQT * p.S, p.HS, p.B), smem, pdl, p,
+                              stream);
 }
 
 // Enqueues append (when seqlen_new > 0), split kernel and combine (when S > 1) on the stream.
 template <typename T, int D>
 cudaError_t launch_decode_impl(const DecodeParams& p, bool dense, cudaStream_t stream) {
   struct DeviceCaps {
-    bool pdl = false;    // programmatic dependent launch of the combine (sm_90+)
+    bool pdl = false;    // programmatic dependent launch of the split kernel and the combine (sm_90+)
     int smem_optin = 0;  // bytes of shared memory one block may opt in to
   };
   static const DeviceCaps caps = [] {
@@ -671,21 +693,14 @@ cudaError_t launch_decode_impl(const DecodeParams& p, bool dense, cudaStream_t s
     return e != nullptr && e[0] == '1';
   }();
   const bool large = !force_small && caps.smem_optin >= DecodeConfig<D, true>::smem_bytes(dense);
-  cudaError_t err = dense ? (large ? launch_split_kernel<T, D, true, true>(p, stream) : launch_split_kernel<T, D, true, false>(p, stream))
-                          : (large ? launch_split_kernel<T, D, false, true>(p, stream) : launch_split_kernel<T, D, false, false>(p, stream));
+  const bool pdl = caps.pdl;
+  cudaError_t err = dense ? (large ? launch_split_kernel<T, D, true, true>(p, pdl, stream) : launch_split_kernel<T, D, true, false>(p, pdl, stream))
+                          : (large ? launch_split_kernel<T, D, false, true>(p, pdl, stream) : launch_split_kernel<T, D, false, false>(p, pdl, stream));
   if (err != cudaSuccess) return err;
   if (p.S > 1) {
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3(static_cast<unsigned>(merge_items<D>(p)));
-    cfg.blockDim = dim3(kDecodeThreads);
-    cfg.dynamicSmemBytes = merge_smem_bytes();
-    cfg.stream = stream;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = caps.pdl ? 1 : 0;
-    if ((err = cudaLaunchKernelEx(&cfg, decode_combine_kernel<T, D>, p)) != cudaSuccess) return err;
+    err = launch_decode_kernel(decode_combine_kernel<T, D>, dim3(static_cast<unsigned>(merge_items<D>(p))),
+                               merge_smem_bytes(), pdl, p, stream);
+    if (err != cudaSuccess) return err;
   }
   return cudaGetLastError();
 }
