@@ -34,6 +34,13 @@ __device__ __forceinline__ uint64_t wgmma_desc(uint32_t smem_addr, uint32_t lbo,
   return static_cast<uint64_t>((smem_addr & 0x3FFFF) >> 4) | (static_cast<uint64_t>(lbo >> 4) << 16) |
          (static_cast<uint64_t>(sbo >> 4) << 32) | (1ull << 62);
 }
+// The descriptor of an address `bytes` further on: the start address field (bits 0-13, address / 16)
+// cannot carry out, since shared-memory addresses stay below 256 KB.  One add on the low word
+// instead of the masks and shifts of wgmma_desc for each of a tile's k-steps (the forward's Q K^T
+// spent 7 instructions per wgmma on its descriptor; a 64-bit add made ptxas rebuild the high word).
+__device__ __forceinline__ uint64_t wgmma_desc_advance(uint64_t desc, uint32_t bytes) {
+  return (desc & 0xFFFFFFFF00000000ull) | (static_cast<uint32_t>(desc) + (bytes >> 4));
+}
 
 __device__ __forceinline__ void wgmma_fence() {
 #ifdef MALA_WGMMA_ENABLED
