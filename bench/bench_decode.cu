@@ -26,14 +26,15 @@
 //   128K batch 8 : tau=0 183 us = 1.02x its K+V floor; recency(16/tile) tau=1 retained 3.5% ->
 //                  100 us = 1.83x faster than tau=0; recency(2/tile) 8.9% -> 105 us (1.75x);
 //                  random / make_workload synthetic s=4,16 retain 91-100% -> 0.98-1.00x.
-//   128K batch 1 : tau=0 30.9-31.1 us = 1.38x floor (22.4 us); recency(16/tile) tau=1 retained 28%
-//                  (132 splits) -> 23.8 us (1.30x); random tau=1 0.99x.
+//   128K batch 1 : tau=0 30.9-31.1 us = 1.37-1.38x floor (22.5 us) for one cold call, 28.7 us per
+//                  call back to back in a CUDA graph (--overhead); recency(16/tile) tau=1 retained
+//                  28% (132 splits) -> 23.7 us (1.30x); random tau=1 0.99x.
 //   1K-8K        : 9.5-11 us (batch 1), launch/latency bound (--overhead: an empty kernel is 3 us).
 // Entry point: run_decode_bench(argc, argv) (called by bench_main.cpp); flags: --quick (fewer
 // lengths / runs), --sweep (num_splits sweep at the largest N), --overhead (batch-1 fixed costs
 // only: empty kernels, a plain kernel streaming the same K+V bytes, the split kernel's (K, V) tile
-// stream without compute, the globaltimer timeline of three decode calls, decode at several split
-// counts).
+// stream without compute, calls back to back over 8 rotated caches (eager and in one CUDA graph),
+// the globaltimer timeline of three decode calls, decode at several split counts).
 // Built with -DMALA_DECODE_BENCH_MAIN it has its own main().
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>

@@ -62,9 +62,8 @@ __global__ void __launch_bounds__(256, 1) bwd_main_kernel_sm90(const BwdParams p
   using QTile = typename KC::QTile;
   using STile = typename KC::STile;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
-  const uint32_t sraw = smem_addr(smem_raw);
-  const uint32_t sbase = (sraw + 1023u) & ~1023u;
-  unsigned char* smem = smem_raw + (sbase - sraw);
+  uint32_t sbase;
+  unsigned char* smem = smem_align_1024(smem_raw, sbase);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = warp >> 2, wl = warp & 3;
   const int gid = lane >> 2, tig = lane & 3;
 

@@ -90,9 +90,8 @@ __global__ void __launch_bounds__(FwdSm90<D>::kThreads, FwdSm90<D>::kMinBlocks)
   using QTile = typename C::QTile;
   using KVTile = typename C::KVTile;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
-  const uint32_t sraw = smem_addr(smem_raw);
-  const uint32_t sbase = (sraw + 1023u) & ~1023u;
-  unsigned char* smem = smem_raw + (sbase - sraw);
+  uint32_t sbase;
+  unsigned char* smem = smem_align_1024(smem_raw, sbase);
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, wg = warp >> 2, wl = warp & 3, pair = wl >> 1;
   const int b = blockIdx.z, h = blockIdx.y;
   const int qtile = p.causal ? (int)gridDim.x - 1 - (int)blockIdx.x : (int)blockIdx.x;
@@ -361,10 +360,10 @@ __global__ void __launch_bounds__(FwdSm90<D>::kThreads, FwdSm90<D>::kMinBlocks)
     cur_v_own = v_own;
   };
   auto s_done = [&](STile& s) { wgmma_fence_operands(*reinterpret_cast<SFlat*>(&s[0][0][0])); };
-  // Two tiles per iteration, one barrier: P V of tile j (P from the previous iteration), then tiles
-  // j - 1 and j - 2 decided in order (the online test of j - 2 sees the normaliser after j - 1),
-  // S_{j-2} computed on the tensor cores while tile j - 1 is tested and exponentiated.  No wgmma is in
-  // flight across the loop's back edge (ptxas would serialize them all).
+  // A two-tile step, one barrier: P V of tile j (P from the previous step), then tiles j - 1 and
+  // j - 2 decided in order (the online test of j - 2 sees the normaliser after j - 1), S_{j-2}
+  // computed on the tensor cores while tile j - 1 is tested and exponentiated.  No wgmma is in
+  // flight across a loop's back edge (ptxas would serialize them all).
   bool pref_cur = true, pref_next = true;  // V prefetched for tiles j, j - 1 / for j - 2, j - 3
   int j = top;
   // The end of a two-tile step: S_{i-1} issued into sB, tile i decided from sA (S_{i-1} on the

@@ -28,47 +28,10 @@ __device__ __forceinline__ void softmax_init(float (&m)[MT][2], float (&l)[MT][2
 }
 
 // One retained tile: tile_max_raw[mt][h] is the quad-reduced raw row max of s (tile_row_max).
-// Updates m, l, rescales acc, and turns s into P = exp2(s*scale_log2 - m_new).
-template <int MT, int NT, int DT>
-__device__ __forceinline__ void softmax_update(float (&s)[MT][NT][4], const float (&tile_max_raw)[MT][2],
-                                               float scale_log2, float (&m)[MT][2], float (&l)[MT][2],
-                                               float (&acc)[MT][DT][4]) {
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt) {
-    float alpha[2], base[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      float m_new = fmaxf(m[mt][h], tile_max_raw[mt][h] * scale_log2);
-      base[h] = m_new == -INFINITY ? 0.f : m_new;  // a row with no legal key so far: P = 0, no NaN
-      alpha[h] = exp2f(m[mt][h] - base[h]);
-      m[mt][h] = m_new;
-    }
-    float sum[2] = {0.f, 0.f};
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float p = exp2f(fmaf(s[mt][nt][e], scale_log2, -base[e >> 1]));
-        s[mt][nt][e] = p;
-        sum[e >> 1] += p;
-      }
-#pragma unroll
-    for (int h = 0; h < 2; ++h) l[mt][h] = fmaf(l[mt][h], alpha[h], warp_sum_quad(sum[h]));
-#pragma unroll
-    for (int dt = 0; dt < DT; ++dt) {
-      acc[mt][dt][0] *= alpha[0];
-      acc[mt][dt][1] *= alpha[0];
-      acc[mt][dt][2] *= alpha[1];
-      acc[mt][dt][3] *= alpha[1];
-    }
-  }
-}
-
-// softmax_update in two halves, for kernels that overlap the exponentials with an in-flight P V of
-// the previous tile (fwd_kernel_sm90.cuh): softmax_scores updates m and l and turns s into P, returning
-// the rescale factors that softmax_rescale then applies to acc once that P V has completed.
-// (softmax_update written as these two calls changed the mma.sync forward's code and measured 1.2%
-// slower on random inputs at 32K, H100, A/B in one call, so its body stays written out.)
+// softmax_scores updates m and l and turns s into P = exp2(s*scale_log2 - m_new), returning the
+// factors alpha = exp2(m_old - m_new) that softmax_rescale applies to acc; kernels that overlap the
+// exponentials with an in-flight P V of the previous tile (fwd_kernel_sm90.cuh) rescale once that
+// P V has completed, the others at once (softmax_update).
 template <int MT, int NT>
 __device__ __forceinline__ void softmax_scores(float (&s)[MT][NT][4], const float (&tile_max_raw)[MT][2],
                                                float scale_log2, float (&m)[MT][2], float (&l)[MT][2],
@@ -107,6 +70,14 @@ __device__ __forceinline__ void softmax_rescale(const float (&alpha)[MT][2], flo
       acc[mt][dt][2] *= alpha[mt][1];
       acc[mt][dt][3] *= alpha[mt][1];
     }
+}
+template <int MT, int NT, int DT>
+__device__ __forceinline__ void softmax_update(float (&s)[MT][NT][4], const float (&tile_max_raw)[MT][2],
+                                               float scale_log2, float (&m)[MT][2], float (&l)[MT][2],
+                                               float (&acc)[MT][DT][4]) {
+  float alpha[MT][2];
+  softmax_scores<MT, NT>(s, tile_max_raw, scale_log2, m, l, alpha);
+  softmax_rescale<MT, DT>(alpha, acc);
 }
 
 // A fragment (16 rows x keys 16*kk..16*kk+15) of P for m16 tile mt, from the C fragments of n8

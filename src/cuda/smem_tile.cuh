@@ -150,5 +150,14 @@ struct GmmaTile {
   }
 };
 
+// The dynamic shared memory rounded up to a 1024-byte boundary, where GmmaTile blocks must start:
+// the generic pointer, and its shared-space address in sbase.  (The kernels reserve 1024 bytes of
+// slack for it.)
+__device__ __forceinline__ unsigned char* smem_align_1024(unsigned char* raw, uint32_t& sbase) {
+  const uint32_t sraw = smem_addr(raw);
+  sbase = (sraw + 1023u) & ~1023u;
+  return raw + (sbase - sraw);
+}
+
 }  // namespace cuda
 }  // namespace mala
