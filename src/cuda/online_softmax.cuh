@@ -27,7 +27,8 @@ __device__ __forceinline__ void softmax_init(float (&m)[MT][2], float (&l)[MT][2
   }
 }
 
-// One retained tile: tile_max_raw[mt][h] is the quad-reduced raw row max of s (tile_row_max).
+// One retained tile: tile_max_raw[mt][h] is the quad-reduced raw row max of s (lane_row_max, then
+// quad_row_max).
 // softmax_scores updates m and l and turns s into P = exp2(s*scale_log2 - m_new), returning the
 // factors alpha = exp2(m_old - m_new) that softmax_rescale applies to acc; kernels that overlap the
 // exponentials with an in-flight P V of the previous tile (fwd_kernel_sm90.cuh) rescale once that

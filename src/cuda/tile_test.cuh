@@ -53,18 +53,6 @@ __device__ __forceinline__ void quad_row_max(float (&x)[MT][2]) {
     x[mt][1] = warp_max_quad(x[mt][1]);
   }
 }
-// Row max of a score fragment, reduced over the quad so every lane of the quad holds the row's max.
-// out[mt][h] as above.
-template <int MT, int NT>
-__device__ __forceinline__ void tile_row_max(const float (&s)[MT][NT][4], float (&out)[MT][2]) {
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt) {
-    float a, b;
-    lane_row_max<MT, NT>(s, mt, a, b);
-    out[mt][0] = warp_max_quad(a);
-    out[mt][1] = warp_max_quad(b);
-  }
-}
 
 // True when every fragment row held by this lane allows the skip (no vote).
 // tile_max, log_norm, log_thr: [MT][2] as above, log2 domain.
