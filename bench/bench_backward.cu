@@ -4,8 +4,8 @@
 // run.  O and lse come from our CUDA forward at the same tau (the backward tests against them).
 //   mala_bench --op bwd --n 1K,32K,128K --tau 0,1 --regime random,synthetic --sharpness 4 --iters 10
 //   mala_bench --op bwd --real real-data/gpl3/layer05   (captured inputs, tools/real/; shape from the files)
-// Self-contained timing (CUDA events, warm-up, median, 256 MB L2 flush before each timed call) so it
-// does not depend on the forward bench's helpers.
+// Timing as the forward bench (CUDA events, warm-up, median, L2 flushed before each timed call);
+// with --interleave the taus of one input alternate within each timed iteration.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -14,6 +14,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -40,41 +41,18 @@ std::vector<uint16_t> to_bits(const std::vector<float>& x, mala::DType t) {
   return out;
 }
 
-double median_ms(const Options& opt, int iters, void* flush, size_t flush_bytes, cudaEvent_t e0, cudaEvent_t e1,
-                 const std::function<void()>& fn) {
-  for (int w = 0; w < opt.warmup; ++w) fn();
-  BENCH_CUDA(cudaDeviceSynchronize());
-  std::vector<float> ms;
-  for (int it = 0; it < iters; ++it) {
-    if (opt.flush_l2) BENCH_CUDA(cudaMemsetAsync(flush, it & 0xff, flush_bytes));
-    BENCH_CUDA(cudaEventRecord(e0));
-    fn();
-    BENCH_CUDA(cudaEventRecord(e1));
-    BENCH_CUDA(cudaEventSynchronize(e1));
-    float t = 0;
-    BENCH_CUDA(cudaEventElapsedTime(&t, e0, e1));
-    ms.push_back(t);
-  }
-  std::sort(ms.begin(), ms.end());
-  return ms[ms.size() / 2];
-}
-
 }  // namespace
 
 int run_backward_bench(int argc, char** argv) {
   const Options opt = mala_bench::parse_options(argc, argv);
-  const size_t flush_bytes = size_t(256) << 20;
-  DevMem flush(flush_bytes);
-  cudaEvent_t e0, e1;
-  BENCH_CUDA(cudaEventCreate(&e0));
-  BENCH_CUDA(cudaEventCreate(&e1));
   char shape[96] = "shapes from the --real files";
   if (opt.real.empty())
     std::snprintf(shape, sizeof shape, "B=%lld Hq=%lld Hkv=%lld d=%lld", (long long)opt.batch, (long long)opt.heads_q,
                   (long long)opt.heads_kv, (long long)opt.head_dim);
   std::printf("== backward: %s %s %s, %s (device %s)\n", mala::dtype_name(opt.dtype), shape,
               opt.causal ? "causal" : "non-causal",
-              "median of --iters, L2 flushed", mala::device_name().c_str());
+              opt.interleave ? "median of --iters, L2 flushed, taus interleaved" : "median of --iters, L2 flushed",
+              mala::device_name().c_str());
   std::printf("%-10s %5s %6s %4s %10s %8s %10s %9s %9s\n", "regime", "sharp", "N", "tau", "bwd ms", "TFLOP/s",
               "slots/q", "retained", "vs tau0");
   // The inputs: generated (regime x sharpness x N) or captured real layers (--real PREFIX,...).
@@ -118,9 +96,9 @@ int run_backward_bench(int argc, char** argv) {
     }
     if (!in.prefix.empty()) q = std::move(r.q), k = std::move(r.k), v = std::move(r.v);
     const size_t nq_el = q.size(), nk_el = k.size();
-    DevMem gq(nq_el * 2), gk(nk_el * 2), gv(nk_el * 2), gdo(nq_el * 2), go(nq_el * 2), gdq(nq_el * 2),
-        gdk(nk_el * 2), gdv(nk_el * 2);
-    DevMem glse(static_cast<size_t>(B * hq * n) * 4), gslots(static_cast<size_t>(B * hq * n) * 4);
+    DevMem gq(nq_el * 2), gk(nk_el * 2), gv(nk_el * 2), gdo(nq_el * 2), gdq(nq_el * 2), gdk(nk_el * 2),
+        gdv(nk_el * 2);
+    DevMem gslots(static_cast<size_t>(B * hq * n) * 4);
     {
       auto hb = to_bits(q, opt.dtype);
       BENCH_CUDA(cudaMemcpy(gq.p, hb.data(), nq_el * 2, cudaMemcpyHostToDevice));
@@ -134,20 +112,32 @@ int run_backward_bench(int argc, char** argv) {
     q.clear(); q.shrink_to_fit();
     dout.clear(); dout.shrink_to_fit();
     const double flops = 2.5 * mala_bench::forward_flops(B, n, n, hq, d, opt.causal);
-    double t0_ms = 0;
     // One workspace for every tau of this shape: the fp32 dQ accumulator in it takes red.global.add
     // traffic, and its placement alone moved the backward by up to 12% on the H100 (48K: 37 vs 42
     // ms, alternating between consecutive allocations), so tau = 0 and tau > 0 share it.
     DevMem ws;
-    for (float tau : opt.tau) {
+    // Per tau: its own O and lse (from our forward at that tau), the arguments, the realized work.
+    struct PerTau {
+      float tau;
+      DevMem o, lse;
+      mala::BackwardArgs a;
+      mala::Distribution sd;
+      double kept;
+    };
+    std::vector<PerTau> runs(opt.tau.size());
+    for (size_t ti = 0; ti < opt.tau.size(); ++ti) {
+      PerTau& run = runs[ti];
+      const float tau = run.tau = opt.tau[ti];
+      run.o.alloc(nq_el * 2);
+      run.lse.alloc(static_cast<size_t>(B * hq * n) * 4);
       mala::ForwardArgs f;
       f.device = mala::Device::cuda;
       f.dtype = opt.dtype;
       f.q = gq.p;
       f.k = gk.p;
       f.v = gv.p;
-      f.o = go.p;
-      f.lse = glse.as<float>();
+      f.o = run.o.p;
+      f.lse = run.lse.as<float>();
       f.batch = B;
       f.seqlen_q = f.seqlen_k = n;
       f.heads_q = hq;
@@ -160,15 +150,15 @@ int run_backward_bench(int argc, char** argv) {
         std::printf("forward (needed for O, lse): %s\n", s.message.c_str());
         return 1;
       }
-      mala::BackwardArgs a;
+      mala::BackwardArgs& a = run.a;
       a.device = mala::Device::cuda;
       a.dtype = opt.dtype;
       a.q = gq.p;
       a.k = gk.p;
       a.v = gv.p;
-      a.o = go.p;
+      a.o = run.o.p;
       a.dout = gdo.p;
-      a.lse = glse.as<float>();
+      a.lse = run.lse.as<float>();
       a.dq = gdq.p;
       a.dk = gdk.p;
       a.dv = gdv.p;
@@ -181,14 +171,14 @@ int run_backward_bench(int argc, char** argv) {
       a.tau = tau;
       const size_t ws_need = mala::backward_workspace_size(a);
       if (ws.bytes < ws_need) ws.alloc(ws_need);
-      a.workspace = ws.p;
-      a.workspace_bytes = ws.bytes;
       // Realized work (untimed call with the counters on).
       const mala::Tiles t = mala::backward_tiles(a);
       const int64_t nqt = (n + t.block_q - 1) / t.block_q, nkt = (n + t.block_k - 1) / t.block_k;
       const int64_t mask_n = B * hq * nqt * nkt;
       DevMem gmask(static_cast<size_t>(mask_n));
       mala::BackwardArgs ac = a;
+      ac.workspace = ws.p;
+      ac.workspace_bytes = ws.bytes;
       ac.bwd_slots = gslots.as<int32_t>();
       ac.tile_mask = gmask.as<uint8_t>();
       s = mala::backward(ac);
@@ -201,25 +191,45 @@ int run_backward_bench(int argc, char** argv) {
       std::vector<uint8_t> mask(static_cast<size_t>(mask_n));
       BENCH_CUDA(cudaMemcpy(slots.data(), gslots.p, slots.size() * 4, cudaMemcpyDeviceToHost));
       BENCH_CUDA(cudaMemcpy(mask.data(), gmask.p, mask.size(), cudaMemcpyDeviceToHost));
-      const mala::Distribution sd = mala::slot_stats(slots.data(), B, hq, n, n, opt.causal);
-      const double kept = mala::retained_fraction(mask.data(), mask_n);
-      const int iters = std::max(3, n >= 65536 ? std::min(opt.iters, 10) : opt.iters);
-      const double ms = median_ms(opt, iters, flush.p, flush_bytes, e0, e1, [&]() {
-        mala::Status st = mala::backward(a);
-        if (!st) {
-          std::printf("backward: %s\n", st.message.c_str());
+      run.sd = mala::slot_stats(slots.data(), B, hq, n, n, opt.causal);
+      run.kept = mala::retained_fraction(mask.data(), mask_n);
+    }
+    // All taus share one workspace (allocated above to the largest need).
+    for (PerTau& run : runs) run.a.workspace = ws.p, run.a.workspace_bytes = ws.bytes;
+    // Timing: each tau on its own, or (--interleave) the taus alternating within each iteration, so
+    // that clock and thermal drift fall on all of them alike.
+    Options topt = opt;
+    topt.iters = std::max(3, n >= 65536 ? std::min(opt.iters, 10) : opt.iters);
+    std::vector<std::function<void(cudaStream_t)>> calls;
+    for (PerTau& run : runs)
+      calls.push_back([&run](cudaStream_t st) {
+        mala::BackwardArgs a = run.a;
+        a.stream = st;
+        mala::Status bs = mala::backward(a);
+        if (!bs) {
+          std::printf("backward: %s\n", bs.message.c_str());
           std::exit(1);
         }
       });
-      if (tau == 0.f) t0_ms = ms;
+    std::vector<double> times;
+    if (opt.interleave) {
+      times = mala_bench::time_medians_interleaved(topt, calls);
+    } else {
+      for (auto& c : calls) times.push_back(mala_bench::time_median_ms(topt, c));
+    }
+    double t0_ms = 0;
+    for (size_t ti = 0; ti < runs.size(); ++ti)
+      if (runs[ti].tau == 0.f) t0_ms = times[ti];
+    for (size_t ti = 0; ti < runs.size(); ++ti) {
+      const PerTau& run = runs[ti];
+      const double ms = times[ti];
       char ratio[32] = "-";
-      if (t0_ms > 0 && tau != 0.f) std::snprintf(ratio, sizeof ratio, "%.2fx", t0_ms / ms);
+      if (t0_ms > 0 && run.tau != 0.f) std::snprintf(ratio, sizeof ratio, "%.2fx", t0_ms / ms);
       std::printf("%-10s %5.1f %6s %4g %10.3f %8.1f %10.1f %8.2f%% %9s\n", regime.c_str(), sharp,
-                  mala_bench::fmt_n(n).c_str(), tau, ms, flops / (ms * 1e-3) / 1e12, sd.mean, 100.0 * kept, ratio);
+                  mala_bench::fmt_n(n).c_str(), run.tau, ms, flops / (ms * 1e-3) / 1e12, run.sd.mean,
+                  100.0 * run.kept, ratio);
       std::fflush(stdout);
     }
   }
-  cudaEventDestroy(e0);
-  cudaEventDestroy(e1);
   return rc;
 }

@@ -232,6 +232,10 @@ __global__ void __launch_bounds__(256, 1) bwd_main_kernel_sm90(const BwdParams p
           }
         }
       bool retain = true;
+      // After a retained tile (dp_early), P = exp2(S - lse) is computed before the vote, so that the
+      // exponentials overlap the test and the vote; the test then reads S - lse, which rounds to the
+      // same value as max(S) - lse (subtracting lse is monotone), so the decision is the same.
+      constexpr bool p_early = dp_early && !TAU0;
       if (!TAU0) {
         // The offline test on the max of this thread's two entries per query, then the CTA vote.
         const float* thr_t = thr_s + qs * BQ;
@@ -241,7 +245,15 @@ __global__ void __launch_bounds__(256, 1) bwd_main_kernel_sm90(const BwdParams p
 #pragma unroll
           for (int c = 0; c < 2; ++c) {
             const int col = n * 8 + 2 * tig + c;
-            allow &= rule::row_allows_skip_finite_norm(fmaxf(s[4 * n + c], s[4 * n + 2 + c]), lse_t[col], thr_t[col]);
+            if constexpr (p_early) {
+              const float l2 = lse_t[col];
+              const float xa = s[4 * n + c] - l2, xb = s[4 * n + 2 + c] - l2;
+              allow &= rule::row_allows_skip_finite_norm(fmaxf(xa, xb), 0.f, thr_t[col]);
+              s[4 * n + c] = exp2f(xa);
+              s[4 * n + 2 + c] = exp2f(xb);
+            } else {
+              allow &= rule::row_allows_skip_finite_norm(fmaxf(s[4 * n + c], s[4 * n + 2 + c]), lse_t[col], thr_t[col]);
+            }
           }
         // bwd_vote, written out: calling the shared function (and bwd_issue_retained below) measured
         // 2.9% slower on random inputs at 32K (H100, 17.14 vs 16.66 ms, A/B in one call); inline 16.77.
@@ -295,15 +307,17 @@ __global__ void __launch_bounds__(256, 1) bwd_main_kernel_sm90(const BwdParams p
         }
       }
       do_ready = spec;
-      // P = exp2(S - lse) while dP^T is computed.
+      // P = exp2(S - lse) while dP^T is computed (unless it was computed before the vote).
+      if constexpr (!p_early) {
 #pragma unroll
-      for (int n = 0; n < 8; ++n)
+        for (int n = 0; n < 8; ++n)
 #pragma unroll
-        for (int c = 0; c < 2; ++c) {
-          const float l2 = lse_t[n * 8 + 2 * tig + c];
-          s[4 * n + c] = exp2f(s[4 * n + c] - l2);
-          s[4 * n + 2 + c] = exp2f(s[4 * n + 2 + c] - l2);
-        }
+          for (int c = 0; c < 2; ++c) {
+            const float l2 = lse_t[n * 8 + 2 * tig + c];
+            s[4 * n + c] = exp2f(s[4 * n + c] - l2);
+            s[4 * n + 2 + c] = exp2f(s[4 * n + 2 + c] - l2);
+          }
+      }
       wgmma_wait<0>();
       wgmma_fence_operands(dp);
       const float* dsum_t = dsum_s + st * BQ;
