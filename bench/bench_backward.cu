@@ -4,16 +4,13 @@
 // run.  O and lse come from our CUDA forward at the same tau (the backward tests against them).
 //   mala_bench --op bwd --n 1K,32K,128K --tau 0,1 --regime random,synthetic --sharpness 4 --iters 10
 //   mala_bench --op bwd --real real-data/gpl3/layer05   (captured inputs, tools/real/; shape from the files)
-// Timing as the forward bench (CUDA events, warm-up, median, L2 flushed before each timed call);
-// with --interleave the taus of one input alternate within each timed iteration.
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
+// Inputs are converted on the GPU and timed as in the forward bench (bench_forward.cu: CUDA events,
+// warm-up, median, L2 flushed before each timed call); with --interleave the taus of one input
+// alternate within each timed iteration.
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <cmath>
 #include <cstdio>
-#include <cstring>
 #include <functional>
 #include <string>
 #include <utility>
@@ -25,21 +22,6 @@ namespace {
 
 using mala_bench::DevMem;
 using mala_bench::Options;
-
-std::vector<uint16_t> to_bits(const std::vector<float>& x, mala::DType t) {
-  std::vector<uint16_t> out(x.size());
-#pragma omp parallel for schedule(static)
-  for (int64_t i = 0; i < static_cast<int64_t>(x.size()); ++i) {
-    if (t == mala::DType::bf16) {
-      __nv_bfloat16 h = __float2bfloat16_rn(x[i]);
-      std::memcpy(&out[i], &h, 2);
-    } else {
-      __half h = __float2half_rn(x[i]);
-      std::memcpy(&out[i], &h, 2);
-    }
-  }
-  return out;
-}
 
 }  // namespace
 
@@ -99,16 +81,10 @@ int run_backward_bench(int argc, char** argv) {
     DevMem gq(nq_el * 2), gk(nk_el * 2), gv(nk_el * 2), gdo(nq_el * 2), gdq(nq_el * 2), gdk(nk_el * 2),
         gdv(nk_el * 2);
     DevMem gslots(static_cast<size_t>(B * hq * n) * 4);
-    {
-      auto hb = to_bits(q, opt.dtype);
-      BENCH_CUDA(cudaMemcpy(gq.p, hb.data(), nq_el * 2, cudaMemcpyHostToDevice));
-      hb = to_bits(dout, opt.dtype);
-      BENCH_CUDA(cudaMemcpy(gdo.p, hb.data(), nq_el * 2, cudaMemcpyHostToDevice));
-      hb = to_bits(k, opt.dtype);
-      BENCH_CUDA(cudaMemcpy(gk.p, hb.data(), nk_el * 2, cudaMemcpyHostToDevice));
-      hb = to_bits(v, opt.dtype);
-      BENCH_CUDA(cudaMemcpy(gv.p, hb.data(), nk_el * 2, cudaMemcpyHostToDevice));
-    }
+    mala_bench::upload_converted(q.data(), nq_el, opt.dtype, gq.p);
+    mala_bench::upload_converted(dout.data(), nq_el, opt.dtype, gdo.p);
+    mala_bench::upload_converted(k.data(), nk_el, opt.dtype, gk.p);
+    mala_bench::upload_converted(v.data(), nk_el, opt.dtype, gv.p);
     q.clear(); q.shrink_to_fit();
     dout.clear(); dout.shrink_to_fit();
     const double flops = 2.5 * mala_bench::forward_flops(B, n, n, hq, d, opt.causal);

@@ -398,7 +398,7 @@ cudaError_t launch_fwd_cfg(const FwdParams& p, cudaStream_t stream) {
   // serves d = 128 on sm_90).
   auto kernel = mala_fwd_kernel<T, D, Cfg, false>;
   if constexpr (D != 128) {
-    if (!(p.log2_tau > -INFINITY)) kernel = mala_fwd_kernel<T, D, Cfg, true>;
+    if (fwd_tau_zero(p)) kernel = mala_fwd_kernel<T, D, Cfg, true>;
   }
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes);
   if (err != cudaSuccess) return err;

@@ -453,7 +453,7 @@ cudaError_t launch_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
   const bool tma = p.cu_k == nullptr && tma_switch_on &&
                    make_kv_tensor_map(&tk, p.k, kBf16, D, p.seqlen_k, p.heads_kv, p.batch, p.k_sr, p.k_sh, p.k_sb, C::BK) &&
                    make_kv_tensor_map(&tv, p.v, kBf16, D, p.seqlen_k, p.heads_kv, p.batch, p.v_sr, p.v_sh, p.v_sb, C::BK);
-  const bool dense = !(p.log2_tau > -INFINITY);
+  const bool dense = fwd_tau_zero(p);
   auto kernel = dense ? (tma ? mala_fwd_kernel_sm90<T, D, true, true> : mala_fwd_kernel_sm90<T, D, true, false>)
                       : (tma ? mala_fwd_kernel_sm90<T, D, false, true> : mala_fwd_kernel_sm90<T, D, false, false>);
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmem);

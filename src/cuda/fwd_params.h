@@ -3,6 +3,7 @@
 // configuration too.
 #pragma once
 
+#include <math.h>
 #include <stdint.h>
 
 namespace mala {
@@ -39,6 +40,9 @@ struct FwdParams {
   float scale_log2;  // softmax_scale * log2(e)
   float log2_tau;    // -inf for tau = 0
 };
+
+// tau = 0: nothing can be skipped, and the launchers run each kernel's dense instance.
+inline bool fwd_tau_zero(const FwdParams& p) { return !(p.log2_tau > -INFINITY); }
 
 }  // namespace cuda
 }  // namespace mala
