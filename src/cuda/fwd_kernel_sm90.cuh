@@ -435,11 +435,14 @@ __global__ void __launch_bounds__(FwdSm90<D>::kThreads, FwdSm90<D>::kMinBlocks)
 #endif
 }
 
+#ifndef MALA_WS_LAG
+#define MALA_WS_LAG 2
+#endif
 #ifndef MALA_WS_KBUFS
 #define MALA_WS_KBUFS 4
 #endif
 #ifndef MALA_WS_VBUFS
-#define MALA_WS_VBUFS 4
+#define MALA_WS_VBUFS 5
 #endif
 }  // namespace cuda
 }  // namespace mala
@@ -466,9 +469,11 @@ cudaError_t launch_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
                    make_kv_tensor_map(&tk, p.k, kBf16, D, p.seqlen_k, p.heads_kv, p.batch, p.k_sr, p.k_sh, p.k_sb, C::BK) &&
                    make_kv_tensor_map(&tv, p.v, kBf16, D, p.seqlen_k, p.heads_kv, p.batch, p.v_sr, p.v_sh, p.v_sb, C::BK);
   const bool dense = fwd_tau_zero(p);
-  // tau > 0: the warp-specialized kernel (MALA_FWD_WS=0: this file's, for the tests and A/B runs).
+  // With the TMA: the warp-specialized kernel (fwd_kernel_sm90_ws.cuh; MALA_FWD_WS=0 runs this
+  // file's kernel instead, for the tests and A/B runs).
   static const bool ws_switch_on = env_switch_on("MALA_FWD_WS");
-  if (tma && !dense && ws_switch_on) return launch_fwd_sm90_ws<T, D>(p, tk, tv, stream);
+  if (tma && ws_switch_on)
+    return dense ? launch_fwd_sm90_ws<T, D, true>(p, tk, tv, stream) : launch_fwd_sm90_ws<T, D, false>(p, tk, tv, stream);
   auto kernel = dense ? (tma ? mala_fwd_kernel_sm90<T, D, true, true> : mala_fwd_kernel_sm90<T, D, true, false>)
                       : (tma ? mala_fwd_kernel_sm90<T, D, false, true> : mala_fwd_kernel_sm90<T, D, false, false>);
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmem);

@@ -1,22 +1,22 @@
-// The warp-specialized forward on Hopper (wgmma + TMA), head dim 128, sm_90a: the kernel for
-// `tau > 0` whenever the TMA can describe K and V (launch_fwd_sm90; `tau = 0` runs the dense
-// instance of mala_fwd_kernel_sm90, and varlen inputs its cp.async instances).
+// The warp-specialized forward on Hopper (wgmma + TMA), head dim 128, sm_90a: the kernel for every
+// tau whenever the TMA can describe K and V (launch_fwd_sm90; varlen inputs run the cp.async
+// instances of mala_fwd_kernel_sm90).  kDense: the tau = 0 instance (no test, no vote, every V).
 //
 // Same decisions as the other forward kernels (decision tile 32 query rows x 64 keys, key tiles from
 // the diagonal down, the online test against the running normaliser), so the tile mask, the slots
 // and the outputs are theirs.  A CTA is three warpgroups over 128 query rows:
-//   producer (warpgroup 0, 24 registers): warp 0 streams every K tile by TMA into a ring (full/empty
-//     mbarriers); warp 1 prefetches V_t when some pair retained tile t + 2 (learnt from the
-//     consumers' per-tile arrivals) and publishes, per tile, whether it did.
-//   consumers (warpgroups 1 and 2, 64 rows each): per key tile, S = Q K^T (Q in registers), mask,
-//     row max, test, the pair vote over the warpgroup's named barrier; a warpgroup with a retaining
-//     pair computes P and O += P V, with V from the ring or, when it was not prefetched, loaded on
-//     demand by TMA into the warpgroup's own buffer.  S of the next tile runs on the tensor cores
-//     while a tile is decided.
-// Against the previous design (two warpgroups that issue their own loads and meet at a CTA barrier
-// every two tiles), the consumers never wait for each other or issue loads: H100, 128K, one call,
-// `tau = 1`: synthetic s = 16 35.6 against 41.8 ms, s = 4 38.7 against 46.5, random 82.6 against
-// 88.1.
+//   producer (warpgroup 0, 24 registers; one thread issues every TMA load): K_t into a ring of
+//     kKBufs slots (full/empty mbarriers, up to kKBufs tiles ahead); V_t into slot t % kVBufs of
+//     the V ring, prefetched when some warpgroup retained tile t + kLag, else loaded once both
+//     warpgroups have decided tile t if one of them retains it (their per-tile decisions come as
+//     arrivals on a ring of kR mbarriers with one flag byte each).  V_t's full barrier completes
+//     once per tile either way (with no bytes when nobody needs V_t), so every phase is static.
+//   consumers (warpgroups 1 and 2, 240 registers, 64 rows each): per key tile, S = Q K^T (Q in
+//     registers), mask, row max, test, the pair vote over the warpgroup's named barrier; a
+//     warpgroup with a retaining pair computes P and O += P V.  S of the next tile runs on the
+//     tensor cores while a tile is decided.  The consumers issue no loads and never wait for each
+//     other, except through the rings' depth and when one needs the V of a tile the other has
+//     not decided yet.
 #pragma once
 
 namespace mala {
@@ -40,21 +40,23 @@ struct FwdWs {
   static constexpr int kThreads = 384, BQ = 128, BK = 64;
   using QTile = SmemTile<64, D>;
   using KVTile = GmmaTile<BK, D>;
-  static constexpr int kKBufs = MALA_WS_KBUFS, kVBufs = MALA_WS_VBUFS, kR = 4;
+  // K ring (the producer runs up to kKBufs tiles ahead), V ring indexed by tile (t % kVBufs; a tile
+  // whose V is not loaded leaves its slot unused), the consumers' per-tile decisions (kR tiles).
+  static constexpr int kKBufs = MALA_WS_KBUFS, kVBufs = MALA_WS_VBUFS, kLag = MALA_WS_LAG, kR = 8;
+  static_assert(kR > kLag + kKBufs, "a decision slot is reused only after the producer has read it");
+  static_assert(kVBufs >= 3, "V slots are given back two tiles late");
   static constexpr int kOffK = 0;
   static constexpr int kOffV = kOffK + kKBufs * KVTile::kBytes;
-  static constexpr int kOffVOwn = kOffV + kVBufs * KVTile::kBytes;  // [2]
-  static constexpr int kOffQ = kOffVOwn + 2 * KVTile::kBytes;       // [2] one per consumer warpgroup
-  static constexpr int kOffVote = kOffQ + 2 * QTile::kBytes;        // [2][8] u32
-  static constexpr int kOffRet = kOffVote + 16 * 4;                 // [kR][2] u8 per-warpgroup retention
-  static constexpr int kOffPref = kOffRet + 2 * kR;                 // [kR] u8 V prefetched
-  static constexpr int kOffMbar = kOffPref + 8;                     // 8-aligned
-  // mbarriers: full_k[NK], empty_k[NK], full_v[NV], empty_v[NV], dec[kR], vdec[kR], own[2]
-  static constexpr int kBytes = kOffMbar + (2 * kKBufs + 2 * kVBufs + 2 * kR + 2) * 8;
+  static constexpr int kOffQ = kOffV + kVBufs * KVTile::kBytes;  // [2] one per consumer warpgroup
+  static constexpr int kOffVote = kOffQ + 2 * QTile::kBytes;     // [2][8] u32
+  static constexpr int kOffRet = kOffVote + 16 * 4;              // [kR][2] u8 per-warpgroup retention
+  static constexpr int kOffMbar = kOffRet + 2 * kR;              // 8-aligned
+  // mbarriers: full_k[NK], empty_k[NK], full_v[NV], empty_v[NV], dec[kR]
+  static constexpr int kBytes = kOffMbar + (2 * kKBufs + 2 * kVBufs + kR) * 8;
   static constexpr int kSmem = kBytes + 1024;
 };
 
-template <typename T, int D>
+template <typename T, int D, bool kDense>
 __global__ void __launch_bounds__(384, 1)
     mala_fwd_kernel_sm90_ws(const FwdParams p, const __grid_constant__ CUtensorMap tmap_k,
                             const __grid_constant__ CUtensorMap tmap_v) {
@@ -81,9 +83,10 @@ __global__ void __launch_bounds__(384, 1)
   const uint32_t sK0 = sbase + C::kOffK, sV0 = sbase + C::kOffV;
   const uint32_t mb_full_k = sbase + C::kOffMbar, mb_empty_k = mb_full_k + 8 * NKB;
   const uint32_t mb_full_v = mb_empty_k + 8 * NKB, mb_empty_v = mb_full_v + 8 * NVB;
-  const uint32_t mb_dec = mb_empty_v + 8 * NVB, mb_vdec = mb_dec + 8 * R, mb_own = mb_vdec + 8 * R;
+  const uint32_t mb_dec = mb_empty_v + 8 * NVB;
   volatile uint8_t* s_ret = smem + C::kOffRet;
-  volatile uint8_t* s_pref = smem + C::kOffPref;
+  // Phase parity of tile t's use of a ring of n slots indexed by t % n (tiles run from top down).
+  auto phase = [&](int t, int n) { return (uint32_t)((top - t) / n) & 1u; };
   if (tid == 0) {
     for (int i = 0; i < NKB; ++i) {
       mbar_init(mb_full_k + 8 * i, 1);
@@ -93,42 +96,42 @@ __global__ void __launch_bounds__(384, 1)
       mbar_init(mb_full_v + 8 * i, 1);
       mbar_init(mb_empty_v + 8 * i, 8);
     }
-    for (int i = 0; i < R; ++i) {
-      mbar_init(mb_dec + 8 * i, 2);  // one arrival per consumer warpgroup
-      mbar_init(mb_vdec + 8 * i, 1);
-    }
-    mbar_init(mb_own, 1);
-    mbar_init(mb_own + 8, 1);
+    for (int i = 0; i < R; ++i) mbar_init(mb_dec + 8 * i, 2);  // one arrival per consumer warpgroup
     fence_mbarrier_init();
   }
   __syncthreads();
   const int hk = h / p.group;
-  if (tid < 128) {  // producer warpgroup: warp 0 streams K, warp 1 prefetches V
+  if (tid < 128) {  // producer warpgroup: one thread issues every load
     setmaxnreg_dec24();
-    if (tid == 0) {
-      for (int t = top, u = 0; t >= 0; --t, ++u) {
-        const int slot = u % NKB;
-        if (u >= NKB) mbar_wait<true>(mb_empty_k + 8 * slot, ((u / NKB) - 1) & 1);
+    if (tid == 0 && n_tiles > 0) {
+      auto load_k = [&](int t) {
+        const int slot = t % NKB;
+        if (t + NKB <= top) mbar_wait<true>(mb_empty_k + 8 * slot, phase(t + NKB, NKB));
         tma_load_tile<BK, D>(sK0 + slot * KVTile::kBytes, &tmap_k, mb_full_k + 8 * slot, t * BK, hk, b);
-      }
-    } else if (tid == 32) {
-      // V_t is prefetched when some pair retained tile t + 2 (and for the first two tiles).
-      int nv = 0;
+      };
+      // Whether some consumer warpgroup retained tile x (waits for both decisions).
+      auto retained_by_some = [&](int x) {
+        mbar_wait<true>(mb_dec + 8 * (x % R), phase(x, R));
+        return (s_ret[2 * (x % R)] | s_ret[2 * (x % R) + 1]) != 0;
+      };
+      for (int t = top; t > top - NKB && t >= 0; --t) load_k(t);
       for (int t = top; t >= 0; --t) {
-        bool pref = true;
-        if (t + 2 <= top) {
-          const int x = t + 2;
-          mbar_wait<true>(mb_dec + 8 * (x % R), ((top - x) / R) & 1);
-          pref = (s_ret[2 * (x % R)] | s_ret[2 * (x % R) + 1]) != 0;
+        // V_t: prefetched when some warpgroup retained tile t + kLag (the first kLag tiles always),
+        // else loaded once both have decided tile t if one retains it; either way its full
+        // barrier completes once for the tile (with no bytes when V_t is not needed).
+        const int slot = t % NVB;
+        if (t + NVB <= top) mbar_wait<true>(mb_empty_v + 8 * slot, phase(t + NVB, NVB));
+        bool load = true;
+        if (!kDense) {
+          if (t + C::kLag <= top) load = retained_by_some(t + C::kLag);
+          if (!load) load = retained_by_some(t);
         }
-        if (pref) {
-          const int slot = nv % NVB;
-          if (nv >= NVB) mbar_wait<true>(mb_empty_v + 8 * slot, ((nv / NVB) - 1) & 1);
+        if (load) {
           tma_load_tile<BK, D>(sV0 + slot * KVTile::kBytes, &tmap_v, mb_full_v + 8 * slot, t * BK, hk, b);
-          ++nv;
+        } else {
+          mbar_arrive(mb_full_v + 8 * slot);
         }
-        s_pref[t % R] = pref ? 1 : 0;
-        mbar_arrive(mb_vdec + 8 * (t % R));
+        if (t - NKB >= 0) load_k(t - NKB);
       }
     }
     return;
@@ -141,7 +144,7 @@ __global__ void __launch_bounds__(384, 1)
   const int wg_hi = rule::ceil_div(max_L(row_wg, 64), BK) - 1;
   const int pair_hi = rule::ceil_div(max_L(row_pair, 32), BK) - 1;
   const int min_L_w = row_w + 16 <= Nq ? rule::visible_keys(row_w, Nq, Nk, p.causal) : 0;
-  const bool test_on = p.log2_tau > -INFINITY;
+  const bool test_on = !kDense && p.log2_tau > -INFINITY;
   uint32_t* s_vote = reinterpret_cast<uint32_t*>(smem + C::kOffVote);
   float log_thr[1][2], log_norm[1][2];
   {
@@ -166,7 +169,6 @@ __global__ void __launch_bounds__(384, 1)
   float(&acc_flat)[D / 2] = *reinterpret_cast<float(*)[D / 2]>(&acc[0][0][0]);
   int retained = 0;
   const uint32_t sQ = sbase + C::kOffQ + wg * QTile::kBytes;
-  const uint32_t sVOwn = sbase + C::kOffVOwn + wg * KVTile::kBytes, mb_own_wg = mb_own + 8 * wg;
   uint32_t qreg[KS][4];
   QTile::template load_async<128>(sQ, sq.q + (int64_t)row_wg * p.q_sr, p.q_sr, Nq - row_wg, ctid & 127);
   cp_async_commit();
@@ -185,8 +187,8 @@ __global__ void __launch_bounds__(384, 1)
     SFlat& s_flat = *reinterpret_cast<SFlat*>(&s[0][0][0]);
 #pragma unroll
     for (int e = 0; e < BK / 2; ++e) s_flat[e] = 0.f;
-    const int u = top - t, slot = u % NKB;
-    mbar_wait<true>(mb_full_k + 8 * slot, (u / NKB) & 1);
+    const int slot = t % NKB;
+    mbar_wait<true>(mb_full_k + 8 * slot, phase(t, NKB));
     wgmma_fence();
     const uint64_t dK = wgmma_desc(sK0 + slot * KVTile::kBytes, 16, 1024);
 #pragma unroll
@@ -194,10 +196,8 @@ __global__ void __launch_bounds__(384, 1)
       WgmmaRS<BK, 0, T>::run(s_flat, qreg[ks], wgmma_desc_advance(dK, (ks >> 2) * KVTile::kBlockBytes + (ks & 3) * 32));
   };
   auto release_k = [&](int t) {
-    if (lane == 0) mbar_arrive(mb_empty_k + 8 * ((top - t) % NKB));
+    if (lane == 0) mbar_arrive(mb_empty_k + 8 * (t % NKB));
   };
-  int nv_seen = 0;       // V tiles prefetched so far (the consumers see every tile's flag, in order)
-  uint32_t own_phase = 0;
   // Tile t, its scores complete in s (the next tile's S may be in flight): decision, P, P V.
   auto tile_step = [&](int t, STile& s) {
     bool warp_retain = false;
@@ -217,26 +217,25 @@ __global__ void __launch_bounds__(384, 1)
         warp_retain = true;
       }
     }
-    uint32_t* vote = s_vote + 8 * (t & 1);
-    if (lane == 0) vote[warp] = warp_retain ? 1u : 0u;
-    warpgroup_barrier_sync(wg);
-    const uint4 f = *reinterpret_cast<const uint4*>(vote + 4 * wg);
-    const bool pair_retain = (pair ? (f.z | f.w) : (f.x | f.y)) != 0u;
-    const bool wg_any = (f.x | f.y | f.z | f.w) != 0u;
-    if ((ctid & 127) == 0) {  // tell the V producer
-      s_ret[2 * (t % R) + wg] = wg_any ? 1 : 0;
-      mbar_arrive(mb_dec + 8 * (t % R));
+    bool pair_retain, wg_any;
+    if constexpr (kDense) {
+      pair_retain = t <= pair_hi;
+      wg_any = t <= wg_hi;
+    } else {
+      uint32_t* vote = s_vote + 8 * (t & 1);
+      if (lane == 0) vote[warp] = warp_retain ? 1u : 0u;
+      warpgroup_barrier_sync(wg);
+      const uint4 f = *reinterpret_cast<const uint4*>(vote + 4 * wg);
+      pair_retain = (pair ? (f.z | f.w) : (f.x | f.y)) != 0u;
+      wg_any = (f.x | f.y | f.z | f.w) != 0u;
+      if ((ctid & 127) == 0) {  // tell the producer (it loads V_t once both warpgroups decided)
+        s_ret[2 * (t % R) + wg] = wg_any ? 1 : 0;
+        mbar_arrive(mb_dec + 8 * (t % R));
+      }
     }
     if (mask_row && lane == 0 && t <= pair_hi) mask_row[t] = pair_retain ? kTileRetained : kTileSkipped;
-    mbar_wait<true>(mb_vdec + 8 * (t % R), ((top - t) / R) & 1);
-    const bool pref = s_pref[t % R] != 0;
-    const int vslot = nv_seen % NVB;
-    const uint32_t vpar = (nv_seen / NVB) & 1;
-    nv_seen += pref ? 1 : 0;
+    const int vslot = t % NVB;
     if (wg_any) {
-      if (!pref) {
-        if ((ctid & 127) == 0) tma_load_tile<BK, D>(sVOwn, &tmap_v, mb_own_wg, t * BK, hk, b);
-      }
       if (pair_retain) {
         float alpha[1][2];
         quad_row_max<1>(mx);
@@ -253,21 +252,24 @@ __global__ void __launch_bounds__(384, 1)
 #pragma unroll
         for (int kk = 0; kk < BK / 16; ++kk) pa[kk][0] = pa[kk][1] = pa[kk][2] = pa[kk][3] = 0u;
       }
-      if (pref) {
-        mbar_wait<true>(mb_full_v + 8 * vslot, vpar);
-      } else {
-        mbar_wait<true>(mb_own_wg, own_phase);
-        own_phase ^= 1u;
-      }
+      mbar_wait<true>(mb_full_v + 8 * vslot, phase(t, NVB));
       wgmma_fence();
-      const uint64_t dV = wgmma_desc(pref ? sV0 + vslot * KVTile::kBytes : sVOwn, KVTile::kBlockBytes, 1024);
+      const uint64_t dV = wgmma_desc(sV0 + vslot * KVTile::kBytes, KVTile::kBlockBytes, 1024);
 #pragma unroll
       for (int kk = 0; kk < BK / 16; ++kk) WgmmaRS<D, 1, T>::run(acc_flat, pa[kk], wgmma_desc_advance(dV, kk * 2048));
       wgmma_commit();
       wgmma_wait<0>();
       wgmma_fence_operands(acc_flat);
     }
-    if (pref && lane == 0) mbar_arrive(mb_empty_v + 8 * vslot);
+    // The V slot of tile t + 2 is given back: every warp gives back every tile's slot, once the
+    // producer has completed the tile's full barrier (so that a warpgroup that skips tiles cannot
+    // run a phase ahead of the producer's wait on the empty barrier), two tiles late (so that a
+    // warpgroup waits for the other's on-demand V only if it lags two tiles behind).
+    if (t + 2 <= top) {
+      const int rs = (t + 2) % NVB;
+      mbar_wait<true>(mb_full_v + 8 * rs, phase(t + 2, NVB));
+      if (lane == 0) mbar_arrive(mb_empty_v + 8 * rs);
+    }
   };
   auto s_done = [&](STile& s) { wgmma_fence_operands(*reinterpret_cast<SFlat*>(&s[0][0][0])); };
   if (n_tiles > 0) {
@@ -307,10 +309,10 @@ __global__ void __launch_bounds__(384, 1)
 #endif
 }
 
-template <typename T, int D>
+template <typename T, int D, bool kDense>
 cudaError_t launch_fwd_sm90_ws(const FwdParams& p, const CUtensorMap& tk, const CUtensorMap& tv, cudaStream_t stream) {
   using C = FwdWs<D>;
-  auto kernel = mala_fwd_kernel_sm90_ws<T, D>;
+  auto kernel = mala_fwd_kernel_sm90_ws<T, D, kDense>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmem);
   if (err != cudaSuccess) return err;
   dim3 grid(rule::ceil_div(p.seqlen_q, C::BQ), p.heads_q, p.batch);
