@@ -1,5 +1,8 @@
-// The forward kernel on Hopper tensor cores (wgmma), head dim 128, sm_90a (launch_fwd in
-// fwd_kernel.cuh; the mma.sync kernel there serves d = 64 and 256 and other devices).  At d = 64
+// The two-warpgroup forward kernel on Hopper tensor cores (wgmma), head dim 128, sm_90a (launch_fwd
+// in fwd_kernel.cuh; the mma.sync kernel there serves d = 64 and 256 and other devices).  Since the
+// seventeenth stop it runs only where the TMA cannot describe K and V (varlen, odd strides: its
+// cp.async instances) and under MALA_FWD_WS=0; everything else runs the warp-specialized kernel
+// (fwd_kernel_sm90_ws.cuh), 12-14% faster at every tau on the H100 and H200.  At d = 64
 // this kernel is slower than the mma.sync one (H100, dense 32K: 246 against 288 TFLOP/s, s = 16 2.78
 // against 2.04 ms, with the final version of this kernel), so it is not instantiated there.
 // Same decisions as the mma.sync kernel: the decision tile is 32 query rows x 64 keys (FwdConfig),
@@ -435,15 +438,6 @@ __global__ void __launch_bounds__(FwdSm90<D>::kThreads, FwdSm90<D>::kMinBlocks)
 #endif
 }
 
-#ifndef MALA_WS_LAG
-#define MALA_WS_LAG 2
-#endif
-#ifndef MALA_WS_KBUFS
-#define MALA_WS_KBUFS 4
-#endif
-#ifndef MALA_WS_VBUFS
-#define MALA_WS_VBUFS 5
-#endif
 }  // namespace cuda
 }  // namespace mala
 #include "cuda/fwd_kernel_sm90_ws.cuh"

@@ -121,6 +121,26 @@ __device__ __forceinline__ void mbar_wait(uint32_t addr, uint32_t parity) {
   } while (!done);
 }
 
+// Barrier `id` over `nthreads` threads that also returns how many of them passed pred = true.
+__device__ __forceinline__ uint32_t bar_red_popc(int id, int nthreads, bool pred) {
+  uint32_t count;
+  asm volatile("{\n .reg .pred p;\n setp.ne.u32 p, %1, 0;\n bar.red.popc.u32 %0, %2, %3, p;\n}\n"
+               : "=r"(count)
+               : "r"((uint32_t)pred), "r"(id), "r"(nthreads)
+               : "memory");
+  return count;
+}
+// Whether the phase of the given parity has completed, without waiting (acquire when it has).
+__device__ __forceinline__ bool mbar_test(uint32_t addr, uint32_t parity) {
+  uint32_t done;
+  asm volatile(
+      "{\n .reg .pred p;\n mbarrier.test_wait.parity.shared.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
+      : "=r"(done)
+      : "r"(addr), "r"(parity)
+      : "memory");
+  return done != 0;
+}
+
 __device__ __forceinline__ float warp_max_quad(float x) {  // over the 4 lanes sharing an mma row
   x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, 1));
   x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, 2));
