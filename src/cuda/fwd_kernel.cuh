@@ -118,6 +118,30 @@ __device__ __forceinline__ void fwd_epilogue(const FwdParams& p, const FwdSeq<T>
     }
 }
 
+// A warp's part of the decision on its 16 rows of a key tile starting at key k0, whose scores are
+// in s (the wgmma kernels, one m16 block per warp): the causal/bounds mask where the tile reaches
+// past the warp's shortest row (min_L_w keys), each lane's part of the row max into mx, and, when
+// test_on, whether the warp retains the tile (true otherwise).  The reduction over the quad waits
+// for a retained tile: the test is monotone in tile_max, so a row passes iff every lane's part
+// does, and the warp's vote over the parts is the vote over the rows, bit for bit.
+template <int NT>
+__device__ __forceinline__ bool warp_mask_max_test(float (&s)[1][NT][4], float (&mx)[1][2], int k0, int min_L_w,
+                                                   int row_w, int lane, int Nq, int Nk, const FwdParams& p,
+                                                   bool test_on, const float (&log_norm)[1][2],
+                                                   const float (&log_thr)[1][2]) {
+  if (k0 + 8 * NT > min_L_w) {
+    int lim[1][2];
+    row_limits<1>(lim, row_w, lane, Nq, Nk, p.causal);
+    apply_mask<1, NT>(s, lim, k0, lane);
+  }
+  lane_row_max<1, NT>(s, 0, mx[0][0], mx[0][1]);
+  if (!test_on) return true;
+  float tmax[1][2];
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) tmax[0][hh] = mx[0][hh] * p.scale_log2;
+  return !warp_vote_skip(lane_rows_allow_skip<1>(tmax, log_norm, log_thr));
+}
+
 template <typename T, int D, typename Cfg = FwdConfig<D>>
 struct FwdKernelTraits {
   static constexpr int kMT = Cfg::kMT;

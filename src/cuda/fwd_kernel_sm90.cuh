@@ -196,23 +196,8 @@ __global__ void __launch_bounds__(FwdSm90<D>::kThreads, FwdSm90<D>::kMinBlocks)
   bool pair_retain = false, wg_any = false;
   auto decide = [&](int t, bool have_s, STile& s) {
     bool warp_retain = false;
-    if (have_s) {
-      if (t * BK + BK > min_L_w) {
-        int lim[1][2];
-        row_limits<1>(lim, row_w, lane, Nq, Nk, p.causal);
-        apply_mask<1, NT>(s, lim, t * BK, lane);
-      }
-      // Each lane's part of the row max; the reduction over the quad waits for a retained tile
-      // (scores_to_p).  The test is monotone in tile_max, so a row passes iff every lane's part
-      // does: the warp's vote over the parts is the vote over the rows, bit for bit.
-      lane_row_max<1, NT>(s, 0, mx[0][0], mx[0][1]);
-      if (test_on) {
-        float tmax[1][2];
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh) tmax[0][hh] = mx[0][hh] * p.scale_log2;
-        warp_retain = !warp_vote_skip(lane_rows_allow_skip<1>(tmax, log_norm, log_thr));
-      }
-    }
+    if (have_s)
+      warp_retain = warp_mask_max_test<NT>(s, mx, t * BK, min_L_w, row_w, lane, Nq, Nk, p, test_on, log_norm, log_thr);
     if (test_on) {
       uint32_t* vote = s_vote + 8 * (t & 1);  // by parity: a warp may be one iteration ahead
       if (lane == 0) vote[warp] = warp_retain ? 1u : 0u;

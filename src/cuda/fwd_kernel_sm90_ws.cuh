@@ -209,22 +209,8 @@ __global__ void __launch_bounds__(384, 1)
   // Tile t, its scores complete in s (the next tile's S may be in flight): decision, P, P V.
   auto tile_step = [&](int t, STile& s) {
     bool warp_retain = false;
-    if (t <= wg_hi) {
-      if (t * BK + BK > min_L_w) {
-        int lim[1][2];
-        row_limits<1>(lim, row_w, lane, Nq, Nk, p.causal);
-        apply_mask<1, NT>(s, lim, t * BK, lane);
-      }
-      lane_row_max<1, NT>(s, 0, mx[0][0], mx[0][1]);
-      if (test_on) {
-        float tmax[1][2];
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh) tmax[0][hh] = mx[0][hh] * p.scale_log2;
-        warp_retain = !warp_vote_skip(lane_rows_allow_skip<1>(tmax, log_norm, log_thr));
-      } else {
-        warp_retain = true;
-      }
-    }
+    if (t <= wg_hi)
+      warp_retain = warp_mask_max_test<NT>(s, mx, t * BK, min_L_w, row_w, lane, Nq, Nk, p, test_on, log_norm, log_thr);
     bool pair_retain, wg_any;
     if constexpr (kDense) {
       pair_retain = t <= pair_hi;
