@@ -118,6 +118,30 @@ __device__ __forceinline__ void fwd_epilogue(const FwdParams& p, const FwdSeq<T>
     }
 }
 
+// The wgmma forwards' per-lane test inputs for the warp's 16 rows from row_w: the log2 threshold of
+// each of the lane's two rows, and the running normaliser (nothing retained yet).
+__device__ __forceinline__ void wgmma_fwd_test_inputs(float (&log_thr)[1][2], float (&log_norm)[1][2], int row_w,
+                                                      int lane, int Nq, int Nk, const FwdParams& p) {
+  int lim[1][2];
+  row_limits<1>(lim, row_w, lane, Nq, Nk, p.causal);
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    log_thr[0][hh] = rule::log_threshold(p.log2_tau, __log2f((float)lim[0][hh]));
+    log_norm[0][hh] = -INFINITY;
+  }
+}
+// The tile-mask row of the decision tile (a warp pair's 32 rows from row_pair) when the caller
+// records decisions, with its tiles past pair_hi marked illegal (the warp's 32 lanes write them);
+// nullptr otherwise.
+__device__ __forceinline__ uint8_t* wgmma_fwd_mask_row(const FwdParams& p, int b, int h, int row_pair, int pair_hi,
+                                                       int lane) {
+  const int qt = row_pair / 32;
+  if (p.tile_mask == nullptr || qt >= p.n_q_tiles_mask) return nullptr;
+  uint8_t* mask_row = p.tile_mask + (((int64_t)b * p.heads_q + h) * p.n_q_tiles_mask + qt) * p.n_k_tiles_mask;
+  for (int kt = pair_hi + 1 + lane; kt < p.n_k_tiles_mask; kt += 32) mask_row[kt] = kTileIllegal;
+  return mask_row;
+}
+
 // A warp's part of the decision on its 16 rows of a key tile starting at key k0, whose scores are
 // in s (the wgmma kernels, one m16 block per warp): the causal/bounds mask where the tile reaches
 // past the warp's shortest row (min_L_w keys), each lane's part of the row max into mx, and, when

@@ -119,24 +119,9 @@ __global__ void __launch_bounds__(FwdSm90<D>::kThreads, FwdSm90<D>::kMinBlocks)
   uint32_t* s_vote = reinterpret_cast<uint32_t*>(smem + C::kOffVote);
   // Test inputs of this lane's two rows, in registers (every lane of a quad holds the full row sums).
   float log_thr[1][2], log_norm[1][2];
-  {
-    int lim[1][2];
-    row_limits<1>(lim, row_w, lane, Nq, Nk, p.causal);
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      log_thr[0][hh] = rule::log_threshold(p.log2_tau, __log2f((float)lim[0][hh]));
-      log_norm[0][hh] = -INFINITY;  // nothing retained yet
-    }
-  }
-
-  uint8_t* mask_row = nullptr;
-  if (p.tile_mask && (wl & 1) == 0) {  // the pair's first warp records its decisions
-    const int qt = row_pair / C::kPairRows;
-    if (qt < p.n_q_tiles_mask) {
-      mask_row = p.tile_mask + (((int64_t)b * p.heads_q + h) * p.n_q_tiles_mask + qt) * p.n_k_tiles_mask;
-      for (int kt = pair_hi + 1 + lane; kt < p.n_k_tiles_mask; kt += 32) mask_row[kt] = kTileIllegal;
-    }
-  }
+  wgmma_fwd_test_inputs(log_thr, log_norm, row_w, lane, Nq, Nk, p);
+  // The pair's first warp records its decisions.
+  uint8_t* mask_row = (wl & 1) == 0 ? wgmma_fwd_mask_row(p, b, h, row_pair, pair_hi, lane) : nullptr;
 
   float m[1][2], l[1][2], acc[1][DT][4];
   softmax_init<1, DT>(m, l, acc);

@@ -155,23 +155,8 @@ __global__ void __launch_bounds__(384, 1)
   const int min_L_w = row_w + 16 <= Nq ? rule::visible_keys(row_w, Nq, Nk, p.causal) : 0;
   const bool test_on = !kDense && p.log2_tau > -INFINITY;
   float log_thr[1][2], log_norm[1][2];
-  {
-    int lim[1][2];
-    row_limits<1>(lim, row_w, lane, Nq, Nk, p.causal);
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      log_thr[0][hh] = rule::log_threshold(p.log2_tau, __log2f((float)lim[0][hh]));
-      log_norm[0][hh] = -INFINITY;
-    }
-  }
-  uint8_t* mask_row = nullptr;
-  if (p.tile_mask && (wl & 1) == 0) {
-    const int qt = row_pair / 32;
-    if (qt < p.n_q_tiles_mask) {
-      mask_row = p.tile_mask + (((int64_t)b * p.heads_q + h) * p.n_q_tiles_mask + qt) * p.n_k_tiles_mask;
-      for (int kt = pair_hi + 1 + lane; kt < p.n_k_tiles_mask; kt += 32) mask_row[kt] = kTileIllegal;
-    }
-  }
+  wgmma_fwd_test_inputs(log_thr, log_norm, row_w, lane, Nq, Nk, p);
+  uint8_t* mask_row = (wl & 1) == 0 ? wgmma_fwd_mask_row(p, b, h, row_pair, pair_hi, lane) : nullptr;
   float m[1][2], l[1][2], acc[1][DT][4];
   softmax_init<1, DT>(m, l, acc);
   float(&acc_flat)[D / 2] = *reinterpret_cast<float(*)[D / 2]>(&acc[0][0][0]);
