@@ -408,6 +408,17 @@ __global__ void __launch_bounds__(FwdSm90<D>::kThreads, FwdSm90<D>::kMinBlocks)
 #endif
 }
 
+// A wgmma forward kernel over the grid (query tiles of bq rows, heads, batch) with its shared memory.
+using WgmmaFwdKernel = void (*)(const FwdParams, const CUtensorMap, const CUtensorMap);
+inline cudaError_t launch_wgmma_fwd(WgmmaFwdKernel kernel, int threads, int smem, int bq, const FwdParams& p,
+                                    const CUtensorMap& tk, const CUtensorMap& tv, cudaStream_t stream) {
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (err != cudaSuccess) return err;
+  dim3 grid(rule::ceil_div(p.seqlen_q, bq), p.heads_q, p.batch);
+  kernel<<<grid, threads, smem, stream>>>(p, tk, tv);
+  return cudaGetLastError();
+}
+
 }  // namespace cuda
 }  // namespace mala
 #include "cuda/fwd_kernel_sm90_ws.cuh"
@@ -440,11 +451,7 @@ cudaError_t launch_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
     return dense ? launch_fwd_sm90_ws<T, D, true>(p, tk, tv, stream) : launch_fwd_sm90_ws<T, D, false>(p, tk, tv, stream);
   auto kernel = dense ? (tma ? mala_fwd_kernel_sm90<T, D, true, true> : mala_fwd_kernel_sm90<T, D, true, false>)
                       : (tma ? mala_fwd_kernel_sm90<T, D, false, true> : mala_fwd_kernel_sm90<T, D, false, false>);
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmem);
-  if (err != cudaSuccess) return err;
-  dim3 grid(rule::ceil_div(p.seqlen_q, C::BQ), p.heads_q, p.batch);
-  kernel<<<grid, C::kThreads, C::kSmem, stream>>>(p, tk, tv);
-  return cudaGetLastError();
+  return launch_wgmma_fwd(kernel, C::kThreads, C::kSmem, C::BQ, p, tk, tv, stream);
 }
 
 }  // namespace cuda

@@ -295,12 +295,7 @@ __global__ void __launch_bounds__(384, 1)
 template <typename T, int D, bool kDense>
 cudaError_t launch_fwd_sm90_ws(const FwdParams& p, const CUtensorMap& tk, const CUtensorMap& tv, cudaStream_t stream) {
   using C = FwdWs<D>;
-  auto kernel = mala_fwd_kernel_sm90_ws<T, D, kDense>;
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmem);
-  if (err != cudaSuccess) return err;
-  dim3 grid(rule::ceil_div(p.seqlen_q, C::BQ), p.heads_q, p.batch);
-  kernel<<<grid, C::kThreads, C::kSmem, stream>>>(p, tk, tv);
-  return cudaGetLastError();
+  return launch_wgmma_fwd(mala_fwd_kernel_sm90_ws<T, D, kDense>, C::kThreads, C::kSmem, C::BQ, p, tk, tv, stream);
 }
 
 }  // namespace cuda
