@@ -46,7 +46,7 @@ run)
   variant decode_small_smem 'GpuDecode*' MALA_DECODE_SMALL_SMEM=1 "the sm_80-sized (163 KB shared memory) decode instance"
   variant backward_mma_sync 'Backward*' MALA_BWD_WGMMA=0 "the mma.sync backward on this device too"
   variant forward_cp_async 'CudaForward*' MALA_FWD_TMA=0 "the wgmma forward's cp.async loads (varlen uses them anyway)"
-  variant forward_two_warpgroups 'CudaForward*' MALA_FWD_WS=0 "the two-warpgroup wgmma forward at tau > 0 instead of the warp-specialized one"
+  variant forward_two_warpgroups 'CudaForward*' MALA_FWD_WS=0 "the two-warpgroup wgmma forward instead of the warp-specialized one"
   variant forward_mma_sync 'CudaForward*' MALA_FWD_WGMMA=0 "the mma.sync forward on this device too"
   if command -v compute-sanitizer >/dev/null; then
     filter=${MALA_SANITIZER_FILTER:-*Small*}

@@ -2,7 +2,7 @@
 // in fwd_kernel.cuh; the mma.sync kernel there serves d = 64 and 256 and other devices).  Since the
 // seventeenth stop it runs only where the TMA cannot describe K and V (varlen, odd strides: its
 // cp.async instances) and under MALA_FWD_WS=0; everything else runs the warp-specialized kernel
-// (fwd_kernel_sm90_ws.cuh), 12-14% faster at every tau on the H100 and H200.  At d = 64
+// (fwd_kernel_sm90_ws.cuh), 15-22% faster at every tau (H100, docs/kernels.md).  At d = 64
 // this kernel is slower than the mma.sync one (H100, dense 32K: 246 against 288 TFLOP/s, s = 16 2.78
 // against 2.04 ms, with the final version of this kernel), so it is not instantiated there.
 // Same decisions as the mma.sync kernel: the decision tile is 32 query rows x 64 keys (FwdConfig),

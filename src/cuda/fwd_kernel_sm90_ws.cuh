@@ -7,12 +7,13 @@
 // and the outputs are theirs.  A CTA is three warpgroups over 128 query rows:
 //   producer (warpgroup 0, 24 registers; one thread issues every TMA load): K_t into a ring of
 //     kKBufs slots (full/empty mbarriers, up to kKBufs tiles ahead); V_t into slot t % kVBufs of
-//     the V ring, prefetched when some warpgroup retained tile t + kLag, else loaded once both
-//     warpgroups have decided tile t if one of them retains it (their per-tile decisions come as
-//     arrivals on a ring of kR mbarriers with one flag byte each).  V_t's full barrier completes
-//     once per tile either way (with no bytes when nobody needs V_t), so every phase is static.
+//     the V ring, prefetched when the latest decision it has seen was a retention, else loaded
+//     once both warpgroups have decided tile t if one of them retains it (their per-tile decisions
+//     come as arrivals on a ring of kR mbarriers with one flag byte each).  V_t's full barrier
+//     completes once per tile either way (with no bytes when nobody needs V_t), so every phase is
+//     static.
 //   consumers (warpgroups 1 and 2, 240 registers, 64 rows each): per key tile, S = Q K^T (Q in
-//     registers), mask, row max, test, the pair vote over the warpgroup's named barrier; a
+//     registers), mask, row max, test, the pair vote (one bar.red.popc over the warpgroup); a
 //     warpgroup with a retaining pair computes P and O += P V.  S of the next tile runs on the
 //     tensor cores while a tile is decided.  The consumers issue no loads and never wait for each
 //     other, except through the rings' depth and when one needs the V of a tile the other has
@@ -37,6 +38,7 @@ __device__ __forceinline__ void setmaxnreg_inc240() {
 template <int D_>
 struct FwdWs {
   static constexpr int D = D_;
+  static_assert(D == 128, "warp-specialized forward: head dim 128 (launch_fwd dispatches only it)");
   static constexpr int kThreads = 384, BQ = 128, BK = 64;
   using QTile = SmemTile<64, D>;
   using KVTile = GmmaTile<BK, D>;
@@ -202,12 +204,11 @@ __global__ void __launch_bounds__(384, 1)
       wg_any = t <= wg_hi;
     } else {
       // The pair vote in one barrier: a retaining warp of pair 0 counts 32 (every lane), one of
-      // pair 1 counts 1 (lane 0), so the warpgroup's count says both pairs' decisions.  (Against
+      // pair 1 counts 1 (lane 0), so the warpgroup's count says both pairs' decisions (against
       // flags in shared memory and a named barrier: H200, 128K s = 4 39.2 against 40.4 ms, random
-      // 75.8 against 80.7.)  The
-      // decisions go through __any_sync, which ptxas knows to be warp-uniform: with them it
-      // compiles the branches around P V without divergence handling (random inputs 128K: 75.2
-      // against 80.6 ms).
+      // 75.8 against 80.7).  The decisions go through __any_sync, which ptxas knows to be
+      // warp-uniform: with them it compiles the branches around P V without divergence handling
+      // (random inputs 128K: 75.2 against 80.6 ms).
       const uint32_t cnt = bar_red_popc(wg + 1, 128, warp_retain && (wl < 2 || lane == 0));
       pair_retain = __any_sync(0xffffffffu, pair ? (cnt & 31u) != 0u : cnt >= 32u);
       wg_any = __any_sync(0xffffffffu, cnt != 0u);

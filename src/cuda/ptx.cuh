@@ -102,23 +102,31 @@ __device__ __forceinline__ void mbar_init(uint32_t addr, int count) {
 __device__ __forceinline__ void mbar_arrive(uint32_t addr) {
   asm volatile("{\n .reg .b64 st;\n mbarrier.arrive.shared.b64 st, [%0];\n}\n" ::"r"(addr) : "memory");
 }
+// Whether the phase of the given parity has completed, without waiting (acquire when it has).
+__device__ __forceinline__ bool mbar_test(uint32_t addr, uint32_t parity) {
+  uint32_t done;
+  asm volatile(
+      "{\n .reg .pred p;\n mbarrier.test_wait.parity.shared.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
+      : "=r"(done)
+      : "r"(addr), "r"(parity)
+      : "memory");
+  return done != 0;
+}
 template <bool kTry = false>
 __device__ __forceinline__ void mbar_wait(uint32_t addr, uint32_t parity) {
-  uint32_t done;
-  do {
-    if constexpr (kTry)
+  if constexpr (kTry) {
+    uint32_t done;
+    do {
       asm volatile(
           "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
           : "=r"(done)
           : "r"(addr), "r"(parity)
           : "memory");
-    else
-      asm volatile(
-          "{\n .reg .pred p;\n mbarrier.test_wait.parity.shared.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
-          : "=r"(done)
-          : "r"(addr), "r"(parity)
-          : "memory");
-  } while (!done);
+    } while (!done);
+  } else {
+    while (!mbar_test(addr, parity)) {
+    }
+  }
 }
 
 // Barrier `id` over `nthreads` threads that also returns how many of them passed pred = true.
@@ -130,17 +138,6 @@ __device__ __forceinline__ uint32_t bar_red_popc(int id, int nthreads, bool pred
                : "memory");
   return count;
 }
-// Whether the phase of the given parity has completed, without waiting (acquire when it has).
-__device__ __forceinline__ bool mbar_test(uint32_t addr, uint32_t parity) {
-  uint32_t done;
-  asm volatile(
-      "{\n .reg .pred p;\n mbarrier.test_wait.parity.shared.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
-      : "=r"(done)
-      : "r"(addr), "r"(parity)
-      : "memory");
-  return done != 0;
-}
-
 __device__ __forceinline__ float warp_max_quad(float x) {  // over the 4 lanes sharing an mma row
   x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, 1));
   x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, 2));
