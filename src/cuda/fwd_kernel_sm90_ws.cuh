@@ -50,10 +50,10 @@ struct FwdWs {
   static constexpr int kOffK = 0;
   static constexpr int kOffV = kOffK + kKBufs * KVTile::kBytes;
   static constexpr int kOffQ = kOffV + kVBufs * KVTile::kBytes;  // [2] one per consumer warpgroup
-  static constexpr int kOffRet = kOffQ + 2 * QTile::kBytes;      // [kR][2] u8 per-warpgroup retention
-  static constexpr int kOffMbar = kOffRet + 2 * kR;              // 8-aligned
-  // mbarriers: full_k[NK], empty_k[NK], full_v[NV], empty_v[NV], dec[kR]
-  static constexpr int kBytes = kOffMbar + (2 * kKBufs + 2 * kVBufs + kR) * 8;
+  static constexpr int kOffDec = kOffQ + 2 * QTile::kBytes;      // [kR][2] int: (tile << 1) | retained
+  static constexpr int kOffMbar = kOffDec + 2 * kR * 4;          // 8-aligned
+  // mbarriers: full_k[NK], empty_k[NK], full_v[NV], empty_v[NV]
+  static constexpr int kBytes = kOffMbar + (2 * kKBufs + 2 * kVBufs) * 8;
   static constexpr int kSmem = kBytes + 1024;
 };
 
@@ -84,8 +84,9 @@ __global__ void __launch_bounds__(384, 1)
   const uint32_t sK0 = sbase + C::kOffK, sV0 = sbase + C::kOffV;
   const uint32_t mb_full_k = sbase + C::kOffMbar, mb_empty_k = mb_full_k + 8 * NKB;
   const uint32_t mb_full_v = mb_empty_k + 8 * NKB, mb_empty_v = mb_full_v + 8 * NVB;
-  const uint32_t mb_dec = mb_empty_v + 8 * NVB;
-  volatile uint8_t* s_ret = smem + C::kOffRet;
+  // Warpgroup g's decision on tile t: (t << 1) | retained in s_dec[t % R][g], stored by every lane
+  // of its first warp (no branch within a warp, no arrival to wait for) and polled by the producer.
+  volatile int* s_dec = reinterpret_cast<volatile int*>(smem + C::kOffDec);
   // Phase parity of tile t's use of a ring of n slots indexed by t % n (tiles run from top down).
   auto phase = [&](int t, int n) { return (uint32_t)((top - t) / n) & 1u; };
   if (tid == 0) {
@@ -97,7 +98,7 @@ __global__ void __launch_bounds__(384, 1)
       mbar_init(mb_full_v + 8 * i, 1);
       mbar_init(mb_empty_v + 8 * i, 8);
     }
-    for (int i = 0; i < R; ++i) mbar_init(mb_dec + 8 * i, 2);  // one arrival per consumer warpgroup
+    for (int i = 0; i < 2 * R; ++i) s_dec[i] = -1;
     fence_mbarrier_init();
   }
   __syncthreads();
@@ -112,8 +113,12 @@ __global__ void __launch_bounds__(384, 1)
       };
       // Whether some consumer warpgroup retained tile x (waits for both decisions).
       auto retained_by_some = [&](int x) {
-        mbar_wait<true>(mb_dec + 8 * (x % R), phase(x, R));
-        return (s_ret[2 * (x % R)] | s_ret[2 * (x % R) + 1]) != 0;
+        int d0, d1;
+        do {
+          d0 = s_dec[2 * (x % R)];
+          d1 = s_dec[2 * (x % R) + 1];
+        } while ((d0 >> 1) != x || (d1 >> 1) != x);
+        return ((d0 | d1) & 1) != 0;
       };
       for (int t = top; t > top - NKB && t >= 0; --t) load_k(t);
       bool last_known = true;
@@ -129,7 +134,8 @@ __global__ void __launch_bounds__(384, 1)
         if (!kDense) {
           if (t + C::kLag <= top) {
             const int x = t + C::kLag;
-            if (mbar_test(mb_dec + 8 * (x % R), phase(x, R))) last_known = (s_ret[2 * (x % R)] | s_ret[2 * (x % R) + 1]) != 0;
+            const int d0 = s_dec[2 * (x % R)], d1 = s_dec[2 * (x % R) + 1];
+            if ((d0 >> 1) == x && (d1 >> 1) == x) last_known = ((d0 | d1) & 1) != 0;
             load = last_known;
           }
           if (!load) load = retained_by_some(t);
@@ -212,10 +218,7 @@ __global__ void __launch_bounds__(384, 1)
       const uint32_t cnt = bar_red_popc(wg + 1, 128, warp_retain && (wl < 2 || lane == 0));
       pair_retain = __any_sync(0xffffffffu, pair ? (cnt & 31u) != 0u : cnt >= 32u);
       wg_any = __any_sync(0xffffffffu, cnt != 0u);
-      if ((ctid & 127) == 0) {  // tell the producer (it loads V_t once both warpgroups decided)
-        s_ret[2 * (t % R) + wg] = wg_any ? 1 : 0;
-        mbar_arrive(mb_dec + 8 * (t % R));
-      }
+      if (wl == 0) s_dec[2 * (t % R) + wg] = (t << 1) | (wg_any ? 1 : 0);  // for the producer's V_t
     }
     if (mask_row && lane == 0 && t <= pair_hi) mask_row[t] = pair_retain ? kTileRetained : kTileSkipped;
     const int vslot = t % NVB;
