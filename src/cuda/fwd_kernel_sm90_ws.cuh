@@ -8,8 +8,8 @@
 //   producer (warpgroup 0, 24 registers; one thread issues every TMA load): K_t into a ring of
 //     kKBufs slots (full/empty mbarriers, up to kKBufs tiles ahead); V_t into slot t % kVBufs of
 //     the V ring, prefetched when the latest decision it has seen was a retention, else loaded
-//     once both warpgroups have decided tile t if one of them retains it (their per-tile decisions
-//     come as arrivals on a ring of kR mbarriers with one flag byte each).  V_t's full barrier
+//     once both warpgroups have decided tile t if one of them retains it (each warpgroup stores its
+//     decision, (t << 1) | retained, into a ring of kR ints that the producer polls).  V_t's full barrier
 //     completes once per tile either way (with no bytes when nobody needs V_t), so every phase is
 //     static.
 //   consumers (warpgroups 1 and 2, 240 registers, 64 rows each): per key tile, S = Q K^T (Q in
