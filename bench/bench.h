@@ -43,6 +43,9 @@ struct Options {
   // Forward and backward: captured real inputs instead of the generated regimes
   // (tools/real/capture_qkv.py): one file prefix per input, PREFIX_{q,k,v}.npy.
   std::vector<std::string> real;
+  // Forward: pass the input as varlen (one packed sequence, cu_seqlens on the device, total_k
+  // given), to time the varlen path against the padded one.
+  bool varlen = false;
 };
 
 #define BENCH_CUDA(expr)                                                                         \
@@ -139,7 +142,7 @@ inline int64_t parse_len(const std::string& s) {  // "4096", "4K", "128k"
 //   --op fwd|bwd|decode|all   --n 1K,4K,...   --tau 0,1   --regime random,synthetic
 //   --sharpness 1,4,16   --batch B   --hq H   --hkv H   --d D   --dtype bf16|fp16   --noncausal
 //   --iters N   --warmup N   --no-flush   --seed S   --decode-batch 1,8   --variant NAME   --check
-//   --interleave   --real PREFIX,...
+//   --interleave   --real PREFIX,...   --varlen (forward, batch 1)
 inline Options parse_options(int argc, char** argv) {
   Options o;
   for (int i = 1; i < argc; ++i) {
@@ -165,6 +168,7 @@ inline Options parse_options(int argc, char** argv) {
     else if (a == "--check") o.check = true;
     else if (a == "--interleave") o.interleave = true;
     else if (a == "--real") o.real = split_list(next());
+    else if (a == "--varlen") o.varlen = true;
   }
   return o;
 }

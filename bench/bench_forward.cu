@@ -220,6 +220,15 @@ int run_forward_input(const Options& opt, int64_t n, const std::string& label, d
   a.q = w.q.p, a.k = w.k.p, a.v = w.v.p, a.o = o.p;
   a.batch = B, a.seqlen_q = n, a.seqlen_k = n, a.heads_q = hq, a.heads_kv = hkv, a.head_dim = d;
   a.causal = opt.causal;
+  // --varlen: the same memory as one packed sequence ([n, heads, d]; lse [heads, n] is then the
+  // padded layout too, at batch 1).
+  DevMem cu(opt.varlen ? 2 * sizeof(int32_t) : 0);
+  if (opt.varlen) {
+    const int32_t offsets[2] = {0, (int32_t)n};
+    BENCH_CUDA(cudaMemcpy(cu.p, offsets, sizeof offsets, cudaMemcpyHostToDevice));
+    a.cu_seqlens_q = a.cu_seqlens_k = cu.as<int32_t>();
+    a.total_k = n;
+  }
 
   // Dense lse for the omitted mass.
   {
@@ -354,6 +363,13 @@ int run_forward_bench(const Options& opt) {
               opt.causal ? "causal" : "non-causal", opt.iters, opt.warmup,
               opt.interleave ? ", taus interleaved" : "", opt.flush_l2 ? "flushed" : "warm");
   if (!opt.variant.empty()) std::printf("   kernel variant: %s\n", opt.variant.c_str());
+  if (opt.varlen) {
+    if (B != 1 || !opt.real.empty()) {
+      std::fprintf(stderr, "mala_bench: --varlen takes batch 1 and the generated regimes\n");
+      return 2;
+    }
+    std::printf("   varlen: one packed sequence (cu_seqlens on the device, total_k given)\n");
+  }
   std::printf("%6s %-10s %5s %5s %6s %10s %8s %8s %9s %8s %10s %10s\n", "N", "regime", "sharp", "tau", "tiles",
               "ms", "TFLOP/s", "vs_tau0", "slots/q", "retain%", "omit_mean", "omit_max");
   if (!opt.real.empty()) {

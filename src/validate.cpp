@@ -228,6 +228,17 @@ Status check(const ForwardArgs& a) {
   }
   RowSpace rs;
   MALA_TRY(check_varlen_and_rows(s, &rs));
+  if (a.total_k != 0) {
+    if (!a.cu_seqlens_k) return fail("total_k", "is for varlen inputs (cu_seqlens_k) only");
+    if (a.total_k < 0 || a.total_k > kMaxSeqlen)
+      return fail("total_k", "must be in [0, 2^31) (got " + str(a.total_k) + ")");
+    if (a.total_k < a.seqlen_k)
+      return fail("total_k", "is below seqlen_k, the longest sequence (" + str(a.total_k) + " < " + str(a.seqlen_k) + ")");
+    if (a.device == Device::cpu && a.total_k < a.cu_seqlens_k[a.batch])
+      return fail("total_k", "is below cu_seqlens_k[batch] (" + str(a.total_k) + " < " +
+                                 str(a.cu_seqlens_k[a.batch]) + ")");
+    rs.rows_k = a.total_k;
+  }
   MALA_TRY(check_strides("q_strides", a.q_strides, rs.batch_count, rs.rows_q, a.heads_q, a.head_dim));
   MALA_TRY(check_strides("k_strides", a.k_strides, rs.batch_count, rs.rows_k, a.heads_kv, a.head_dim));
   MALA_TRY(check_strides("v_strides", a.v_strides, rs.batch_count, rs.rows_k, a.heads_kv, a.head_dim));

@@ -79,6 +79,12 @@ struct ForwardArgs {
 
   const int32_t* cu_seqlens_q = nullptr;  // varlen: [batch + 1], same device as the tensors
   const int32_t* cu_seqlens_k = nullptr;
+  // Varlen, optional: the rows of the packed k and v (at least cu_seqlens_k[batch], which lives on
+  // the device; flash_attn's total_k = k.shape[0]).  Given, the Hopper forward loads K and V by TMA
+  // (its fastest kernel) and the stride check covers every row; 0 = not given.  With it, a
+  // sequence's last key tile also reads rows after the sequence (the next sequence's, or rows up to
+  // total_k): they get zero weight, but must hold finite values, as they do in a packed tensor.
+  int64_t total_k = 0;
 
   bool causal = true;          // bottom-right aligned when seqlen_q != seqlen_k
   float softmax_scale = 0.f;   // 0 = 1/sqrt(head_dim)

@@ -220,6 +220,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> forward_impl(const Tensor& q_in, cons
     a.seqlen_k = varlen->max_k;
     a.cu_seqlens_q = cu_q.data_ptr<int32_t>();
     a.cu_seqlens_k = cu_k.data_ptr<int32_t>();
+    a.total_k = k.size(0);  // lets the Hopper forward load K and V by TMA
     a.q_strides = strides_thd(q);
     a.k_strides = strides_thd(k);
     a.v_strides = strides_thd(v);

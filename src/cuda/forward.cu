@@ -78,6 +78,7 @@ Status forward(const ForwardArgs& a) {
   p.o_sb = os.batch, p.o_sr = os.row, p.o_sh = os.head;
   p.cu_q = a.cu_seqlens_q;
   p.cu_k = a.cu_seqlens_k;
+  p.total_k = static_cast<int>(a.total_k);
   p.batch = static_cast<int>(a.batch);
   p.seqlen_q = static_cast<int>(a.seqlen_q);
   p.seqlen_k = static_cast<int>(a.seqlen_k);

@@ -49,7 +49,7 @@ template <typename Cfg> struct FwdLazyV<Cfg, decltype(void(Cfg::kLazyV))> { stat
 // The sequence one CTA works on: lengths (varlen or padded) and the row-0 pointers of its head.
 template <typename T>
 struct FwdSeq {
-  int Nq, Nk, q_off;
+  int Nq, Nk, q_off, k_off;  // k_off: the sequence's first row in the packed k and v (varlen)
   const T *q, *k, *v;
   T* o;
 };
@@ -59,6 +59,7 @@ __device__ __forceinline__ FwdSeq<T> fwd_seq(const FwdParams& p, int b, int h) {
   sq.Nq = p.seqlen_q;
   sq.Nk = p.seqlen_k;
   sq.q_off = 0;
+  sq.k_off = 0;
   int64_t q_base, k_base, v_base, o_base;
   const int hk = h / p.group;
   if (p.cu_q) {
@@ -71,10 +72,10 @@ __device__ __forceinline__ FwdSeq<T> fwd_seq(const FwdParams& p, int b, int h) {
     o_base = b * p.o_sb;
   }
   if (p.cu_k) {
-    int k_off = p.cu_k[b];
-    sq.Nk = p.cu_k[b + 1] - k_off;
-    k_base = k_off * p.k_sr;
-    v_base = k_off * p.v_sr;
+    sq.k_off = p.cu_k[b];
+    sq.Nk = p.cu_k[b + 1] - sq.k_off;
+    k_base = sq.k_off * p.k_sr;
+    v_base = sq.k_off * p.v_sr;
   } else {
     k_base = b * p.k_sb;
     v_base = b * p.v_sb;

@@ -1,7 +1,7 @@
 // The two-warpgroup forward kernel on Hopper tensor cores (wgmma), head dim 128, sm_90a (launch_fwd
 // in fwd_kernel.cuh; the mma.sync kernel there serves d = 64 and 256 and other devices).  Since the
-// seventeenth stop it runs only where the TMA cannot describe K and V (varlen, odd strides: its
-// cp.async instances) and under MALA_FWD_WS=0; everything else runs the warp-specialized kernel
+// seventeenth stop it runs only where the TMA cannot describe K and V (varlen without total_k,
+// odd strides: its cp.async instances) and under MALA_FWD_WS=0; everything else runs the warp-specialized kernel
 // (fwd_kernel_sm90_ws.cuh), 15-22% faster at every tau (H100, docs/kernels.md).  At d = 64
 // this kernel is slower than the mma.sync one (H100, dense 32K: 246 against 288 TFLOP/s, s = 16 2.78
 // against 2.04 ms, with the final version of this kernel), so it is not instantiated there.
@@ -28,8 +28,8 @@
 // iteration (which frees the buffers they overwrite and or-reduces the retention of the tile that
 // decides the next V prefetch): by TMA from one thread, each ring slot's mbarrier saying when its
 // tile has landed (H100, against cp.async in the same call: 32K dense 4.91 vs 5.10 ms, random
-// tau = 1 5.76 vs 6.02, 128K s = 16 48.5 vs 52.1), or, for varlen inputs and strides the TMA
-// cannot describe, by cp.async from every thread, made visible to the tensor cores' async proxy by
+// tau = 1 5.76 vs 6.02, 128K s = 16 48.5 vs 52.1), or, for varlen inputs without total_k and
+// strides the TMA cannot describe, by cp.async from every thread, made visible to the tensor cores' async proxy by
 // fence.proxy.async before the barrier.  One barrier per two tiles instead of one per tile: the warpgroups drift
 // apart by up to a tile, so one's exponentials overlap the other's products (H100, 32K dense: 368
 // against 358 TFLOP/s).  A V that was not prefetched is loaded by a warpgroup that retains the tile
@@ -81,8 +81,8 @@ __device__ __forceinline__ void warpgroup_barrier_sync(int wg) {
 // kDense: the instance for tau = 0, without the test, the vote and the lazy V (H100, 32K: 5.09
 // against 5.67 ms for the kDense = false instance at tau = 0; 217 against 245 registers).
 // kTma: K and V ring tiles come by TMA (tma.cuh; one thread issues them, an mbarrier per ring slot
-// says when a tile has landed), else by cp.async from every thread (varlen, or strides the TMA
-// cannot describe).
+// says when a tile has landed), else by cp.async from every thread (varlen without total_k, or
+// strides the TMA cannot describe).
 template <typename T, int D, bool kDense, bool kTma>
 __global__ void __launch_bounds__(FwdSm90<D>::kThreads, FwdSm90<D>::kMinBlocks)
     mala_fwd_kernel_sm90(const FwdParams p, const __grid_constant__ CUtensorMap tmap_k,
@@ -135,11 +135,12 @@ __global__ void __launch_bounds__(FwdSm90<D>::kThreads, FwdSm90<D>::kMinBlocks)
   // each slot (v_phase bit s: parity of the slot's last load; the loads are CTA-uniform).
   const uint32_t mbar_k = sbase + C::kOffMbar, mbar_v = mbar_k + 4 * 8;
   const int hk = h / p.group;
+  const int k_row0 = sq.k_off, k_batch = p.cu_k ? 0 : b;  // TMA: varlen maps the packed rows as one batch entry
   uint32_t v_phase = 0xfu;
   auto load_k = [&](int t) {
     const int slot = t & (C::kKBufs - 1);
     if constexpr (kTma) {
-      if (tid == 0) tma_load_tile<BK, D>(sK0 + slot * KVTile::kBytes, &tmap_k, mbar_k + 8 * slot, t * BK, hk, b);
+      if (tid == 0) tma_load_tile<BK, D>(sK0 + slot * KVTile::kBytes, &tmap_k, mbar_k + 8 * slot, k_row0 + t * BK, hk, k_batch);
     } else {
       KVTile::template load_async<NTH>(sK0 + slot * KVTile::kBytes, sq.k + (int64_t)t * BK * p.k_sr, p.k_sr,
                                        Nk - t * BK, tid);
@@ -149,7 +150,7 @@ __global__ void __launch_bounds__(FwdSm90<D>::kThreads, FwdSm90<D>::kMinBlocks)
     const int slot = t & (C::kVBufs - 1);
     if constexpr (kTma) {
       v_phase ^= 1u << slot;
-      if (tid == 0) tma_load_tile<BK, D>(sV0 + slot * KVTile::kBytes, &tmap_v, mbar_v + 8 * slot, t * BK, hk, b);
+      if (tid == 0) tma_load_tile<BK, D>(sV0 + slot * KVTile::kBytes, &tmap_v, mbar_v + 8 * slot, k_row0 + t * BK, hk, k_batch);
     } else {
       KVTile::template load_async<NTH>(sV0 + slot * KVTile::kBytes, sq.v + (int64_t)t * BK * p.v_sr, p.v_sr,
                                        Nk - t * BK, tid);
@@ -435,14 +436,18 @@ bool fwd_sm90_usable() {
 template <typename T, int D>
 cudaError_t launch_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
   using C = FwdSm90<D>;
-  // K and V by TMA when it can describe them (not varlen: the packed tensors' row count is not
-  // known here, and a sequence's last tile must be bounded by the end of the data).
+  // K and V by TMA when it can describe them.  Varlen: only when the caller gave the packed
+  // tensors' row count (total_k; cu_seqlens_k lives on the device), mapped as one batch entry of
+  // total_k rows.  A sequence's last tile then reads the next sequence's first rows (or zeros past
+  // total_k) where cp.async reads zeros: those keys are masked and their P is zero.
   static const bool tma_switch_on = env_switch_on("MALA_FWD_TMA");  // MALA_FWD_TMA=0: cp.async (tests)
   CUtensorMap tk{}, tv{};
   constexpr bool kBf16 = std::is_same<T, __nv_bfloat16>::value;
-  const bool tma = p.cu_k == nullptr && tma_switch_on &&
-                   make_kv_tensor_map(&tk, p.k, kBf16, D, p.seqlen_k, p.heads_kv, p.batch, p.k_sr, p.k_sh, p.k_sb, C::BK) &&
-                   make_kv_tensor_map(&tv, p.v, kBf16, D, p.seqlen_k, p.heads_kv, p.batch, p.v_sr, p.v_sh, p.v_sb, C::BK);
+  const bool varlen = p.cu_k != nullptr;
+  const int map_rows = varlen ? p.total_k : p.seqlen_k, map_batch = varlen ? 1 : p.batch;
+  const bool tma = (!varlen || p.total_k > 0) && tma_switch_on &&
+                   make_kv_tensor_map(&tk, p.k, kBf16, D, map_rows, p.heads_kv, map_batch, p.k_sr, p.k_sh, p.k_sb, C::BK) &&
+                   make_kv_tensor_map(&tv, p.v, kBf16, D, map_rows, p.heads_kv, map_batch, p.v_sr, p.v_sh, p.v_sb, C::BK);
   const bool dense = fwd_tau_zero(p);
   // With the TMA: the warp-specialized kernel (fwd_kernel_sm90_ws.cuh; MALA_FWD_WS=0 runs this
   // file's kernel instead, for the tests and A/B runs).

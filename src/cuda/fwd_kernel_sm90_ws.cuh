@@ -1,6 +1,6 @@
 // The warp-specialized forward on Hopper (wgmma + TMA), head dim 128, sm_90a: the kernel for every
-// tau whenever the TMA can describe K and V (launch_fwd_sm90; varlen inputs run the cp.async
-// instances of mala_fwd_kernel_sm90).  kDense: the tau = 0 instance (no test, no vote, every V).
+// tau whenever the TMA can describe K and V (launch_fwd_sm90: varlen inputs too when the call gives
+// total_k; without it they run the cp.async instances of mala_fwd_kernel_sm90).  kDense: the tau = 0 instance (no test, no vote, every V).
 //
 // Same decisions as the other forward kernels (decision tile 32 query rows x 64 keys, key tiles from
 // the diagonal down, the online test against the running normaliser), so the tile mask, the slots
@@ -103,13 +103,15 @@ __global__ void __launch_bounds__(384, 1)
   }
   __syncthreads();
   const int hk = h / p.group;
+  // TMA coordinates of key row 0: varlen maps the packed rows as one batch entry.
+  const int k_row0 = sq.k_off, k_batch = p.cu_k ? 0 : b;
   if (tid < 128) {  // producer warpgroup: one thread issues every load
     setmaxnreg_dec24();
     if (tid == 0 && n_tiles > 0) {
       auto load_k = [&](int t) {
         const int slot = t % NKB;
         if (t + NKB <= top) mbar_wait<true>(mb_empty_k + 8 * slot, phase(t + NKB, NKB));
-        tma_load_tile<BK, D>(sK0 + slot * KVTile::kBytes, &tmap_k, mb_full_k + 8 * slot, t * BK, hk, b);
+        tma_load_tile<BK, D>(sK0 + slot * KVTile::kBytes, &tmap_k, mb_full_k + 8 * slot, k_row0 + t * BK, hk, k_batch);
       };
       // Whether some consumer warpgroup retained tile x (waits for both decisions).
       auto retained_by_some = [&](int x) {
@@ -141,7 +143,7 @@ __global__ void __launch_bounds__(384, 1)
           if (!load) load = retained_by_some(t);
         }
         if (load) {
-          tma_load_tile<BK, D>(sV0 + slot * KVTile::kBytes, &tmap_v, mb_full_v + 8 * slot, t * BK, hk, b);
+          tma_load_tile<BK, D>(sV0 + slot * KVTile::kBytes, &tmap_v, mb_full_v + 8 * slot, k_row0 + t * BK, hk, k_batch);
         } else {
           mbar_arrive(mb_full_v + 8 * slot);
         }

@@ -33,6 +33,7 @@ struct FwdParams {
   int64_t o_sb, o_sr, o_sh;
   const int32_t* cu_q;  // varlen when non-null (then the *_sb strides are unused)
   const int32_t* cu_k;
+  int total_k;                    // varlen: rows of the packed k and v (0 = not known)
   int batch, seqlen_q, seqlen_k;  // maxima for varlen
   int heads_q, heads_kv, group;   // group = heads_q / heads_kv
   int n_q_tiles_mask, n_k_tiles_mask;

@@ -29,6 +29,7 @@ struct Case {
   Input input = Input::random;
   bool strided = false;
   std::vector<int> varlen_q, varlen_k;  // non-empty: varlen with these lengths
+  bool total_k = true;                   // varlen: pass the packed rows (the Hopper forward's TMA loads)
   uint64_t seed = 1;
 };
 
@@ -154,6 +155,7 @@ void run_case(const Case& c) {
   a.batch = batch, a.seqlen_q = nq, a.seqlen_k = nk, a.heads_q = c.hq, a.heads_kv = c.hkv, a.head_dim = d;
   a.q_strides = q.st, a.k_strides = k.st, a.v_strides = v.st, a.o_strides = o.st;
   if (varlen) a.cu_seqlens_q = dcu_q.ptr, a.cu_seqlens_k = dcu_k.ptr;
+  if (varlen && c.total_k) a.total_k = rows_k;
   a.causal = c.causal;
   a.tau = c.tau;
   const mala::Tiles tiles = mala::forward_tiles(a);
@@ -300,6 +302,15 @@ TEST(CudaForward, BatchStridedVarlen) {
   run_case(c);
   c = mk("bf16 d128 causal varlen3 local", DType::bf16, 128, true, 0, 0, 8, 1, 1.f, Input::local);
   c.varlen_q = {77, 1000, 300}, c.varlen_k = {77, 1000, 513};
+  run_case(c);
+  c.name = "bf16 d128 causal varlen3 local, no total_k (cp.async loads)";
+  c.total_k = false;
+  run_case(c);
+  c = mk("fp16 d128 noncausal varlen4 strided random", DType::f16, 128, false, 0, 0, 4, 2, 1.f, Input::random);
+  c.varlen_q = {130, 0, 64, 700}, c.varlen_k = {65, 1, 200, 700}, c.strided = true;
+  run_case(c);
+  c = mk("bf16 d128 causal varlen3 tau=0", DType::bf16, 128, true, 0, 0, 8, 1, 0.f, Input::local);
+  c.varlen_q = {1, 513, 2000}, c.varlen_k = {333, 513, 2000};
   run_case(c);
   c = mk("fp16 d256 noncausal varlen3 strided", DType::f16, 256, false, 0, 0, 4, 2, 1.f, Input::local);
   c.varlen_q = {129, 1, 640}, c.varlen_k = {200, 33, 640}, c.strided = true;
