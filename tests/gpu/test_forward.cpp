@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -184,6 +185,20 @@ void run_case(const Case& c) {
   // ---- compare ----
   const std::vector<uint16_t> ob = dout.download();
   const std::vector<float> lse_gpu = dlse.download();
+  {
+    // The same call without the optional tile mask and slots (a kernel may run another instance
+    // then, as the warp-specialized forward does): the same decisions, so bit-identical O and lse.
+    DeviceBuffer<uint16_t> dout2(o.v.size());
+    DeviceBuffer<float> dlse2(lse_n);
+    mala::ForwardArgs a2 = a;
+    a2.o = dout2.ptr, a2.lse = dlse2.ptr, a2.tile_mask = nullptr, a2.fwd_slots = nullptr;
+    mala::Status st2 = mala::forward(a2);
+    ASSERT_TRUE(st2.ok) << st2.message;
+    MALA_CUDA_CHECK(cudaDeviceSynchronize());
+    EXPECT_TRUE(dout2.download() == ob) << "O without the tile mask differs";
+    const std::vector<float> lse2 = dlse2.download();
+    EXPECT_EQ(std::memcmp(lse2.data(), lse_gpu.data(), lse2.size() * sizeof(float)), 0) << "lse without the tile mask differs";
+  }
   const std::vector<int32_t> slots_gpu = dslots.download();
   const std::vector<uint8_t> mask_gpu = dmask.download();
 
