@@ -1,8 +1,9 @@
 // The two-warpgroup forward kernel on Hopper tensor cores (wgmma), head dim 128, sm_90a (launch_fwd
 // in fwd_kernel.cuh; the mma.sync kernel there serves d = 64 and 256 and other devices).  Since the
 // seventeenth stop it runs only where the TMA cannot describe K and V (varlen without total_k,
-// odd strides: its cp.async instances) and under MALA_FWD_WS=0; everything else runs the warp-specialized kernel
-// (fwd_kernel_sm90_ws.cuh), 15-22% faster at every tau (H100, docs/kernels.md).  At d = 64
+// odd strides: its cp.async instances) and under MALA_FWD_WS=0; everything else runs the
+// warp-specialized kernel (fwd_kernel_sm90_ws.cuh), 15-22% faster at every tau (H100,
+// docs/kernels.md).  At d = 64
 // this kernel is slower than the mma.sync one (H100, dense 32K: 246 against 288 TFLOP/s, s = 16 2.78
 // against 2.04 ms, with the final version of this kernel), so it is not instantiated there.
 // Same decisions as the mma.sync kernel: the decision tile is 32 query rows x 64 keys (FwdConfig),
@@ -29,10 +30,10 @@
 // decides the next V prefetch): by TMA from one thread, each ring slot's mbarrier saying when its
 // tile has landed (H100, against cp.async in the same call: 32K dense 4.91 vs 5.10 ms, random
 // tau = 1 5.76 vs 6.02, 128K s = 16 48.5 vs 52.1), or, for varlen inputs without total_k and
-// strides the TMA cannot describe, by cp.async from every thread, made visible to the tensor cores' async proxy by
-// fence.proxy.async before the barrier.  One barrier per two tiles instead of one per tile: the warpgroups drift
-// apart by up to a tile, so one's exponentials overlap the other's products (H100, 32K dense: 368
-// against 358 TFLOP/s).  A V that was not prefetched is loaded by a warpgroup that retains the tile
+// strides the TMA cannot describe, by cp.async from every thread, made visible to the tensor cores'
+// async proxy by fence.proxy.async before the barrier.  One barrier per two tiles instead of one per
+// tile: the warpgroups drift apart by up to a tile, so one's exponentials overlap the other's
+// products (H100, 32K dense: 368 against 358 TFLOP/s).  A V that was not prefetched is loaded by a warpgroup that retains the tile
 // into its own buffer, so no vote needs the whole CTA (128K s = 16: 55.0 against 59.2 ms).
 #pragma once
 

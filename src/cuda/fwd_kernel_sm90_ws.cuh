@@ -1,6 +1,7 @@
 // The warp-specialized forward on Hopper (wgmma + TMA), head dim 128, sm_90a: the kernel for every
 // tau whenever the TMA can describe K and V (launch_fwd_sm90: varlen inputs too when the call gives
-// total_k; without it they run the cp.async instances of mala_fwd_kernel_sm90).  kDense: the tau = 0 instance (no test, no vote, every V).
+// total_k; without it they run the cp.async instances of mala_fwd_kernel_sm90).  kDense: the tau = 0
+// instance (no test, no vote, every V).
 //
 // Same decisions as the other forward kernels (decision tile 32 query rows x 64 keys, key tiles from
 // the diagonal down, the online test against the running normaliser), so the tile mask, the slots
@@ -9,9 +10,9 @@
 //     kKBufs slots (full/empty mbarriers, up to kKBufs tiles ahead); V_t into slot t % kVBufs of
 //     the V ring, prefetched when the latest decision it has seen was a retention, else loaded
 //     once both warpgroups have decided tile t if one of them retains it (each warpgroup stores its
-//     decision, (t << 1) | retained, into a ring of kR ints that the producer polls).  V_t's full barrier
-//     completes once per tile either way (with no bytes when nobody needs V_t), so every phase is
-//     static.
+//     decision, (t << 1) | retained, into a ring of kR ints that the producer polls).  V_t's full
+//     barrier completes once per tile either way (with no bytes when nobody needs V_t), so every
+//     phase is static.
 //   consumers (warpgroups 1 and 2, 240 registers, 64 rows each): per key tile, S = Q K^T (Q in
 //     registers), mask, row max, test, the pair vote (one bar.red.popc over the warpgroup); a
 //     warpgroup with a retaining pair computes P and O += P V.  S of the next tile runs on the
