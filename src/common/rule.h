@@ -46,6 +46,19 @@ MALA_HD bool row_allows_skip(float tile_max, float log_norm, float log_thr) {
   return row_allows_skip_finite_norm(tile_max, log_norm, log_thr);
 }
 
+// The test solved for the raw score, for kernels that compare each lane's raw q.k row max against a
+// bound kept per row and recomputed only when the normaliser changes (the warp-specialized forward):
+// with tile_max = raw / inv_scale (inv_scale > 0), row_allows_skip(tile_max, log_norm, log_thr) holds
+// iff row_allows_skip_raw(raw, skip_bound_raw(log_norm, log_thr, inv_scale)), up to the rounding of
+// the rearrangement (margins near 1e-6, far inside the 1e-3 flips MALA_SPEC allows).  The special
+// rows need no branch: nothing retained yet (log_norm = -inf) gives the bound -inf, which any legal
+// (finite) score exceeds and a row without legal keys in the tile (raw = -inf) does not; a row with
+// no legal key at all (log_thr = +inf, raw always -inf) gets +inf or NaN, which nothing exceeds.
+MALA_HD float skip_bound_raw(float log_norm, float log_thr, float inv_scale) {
+  return log_norm * inv_scale + log_thr * inv_scale;
+}
+MALA_HD bool row_allows_skip_raw(float raw_max, float bound) { return !(raw_max > bound); }
+
 // Margin of the test, (tile_max - log_norm) - log_thr: negative allows skipping.  Used by tests to
 // recognise rounding flips (|margin| below ~1e-3).
 MALA_HD float row_margin(float tile_max, float log_norm, float log_thr) {

@@ -14,7 +14,9 @@
 //     barrier completes once per tile either way (with no bytes when nobody needs V_t), so every
 //     phase is static.
 //   consumers (warpgroups 1 and 2, 240 registers, 64 rows each): per key tile, S = Q K^T (Q in
-//     registers), mask, row max, test, the pair vote (one bar.red.popc over the warpgroup); a
+//     registers), mask, each lane's part of the raw row max against a bound per row
+//     (rule::skip_bound_raw, recomputed after a retained tile), the pair vote (one bar.red.popc
+//     over the warpgroup); a
 //     warpgroup with a retaining pair computes P and O += P V.  S of the next tile runs on the
 //     tensor cores while a tile is decided.  The consumers issue no loads and never wait for each
 //     other, except through the rings' depth and when one needs the V of a tile the other has
@@ -45,7 +47,9 @@ struct FwdWs {
   using KVTile = GmmaTile<BK, D>;
   // K ring (the producer runs up to kKBufs tiles ahead), V ring indexed by tile (t % kVBufs; a tile
   // whose V is not loaded leaves its slot unused), the consumers' per-tile decisions (kR tiles).
-  static constexpr int kKBufs = 4, kVBufs = 5, kLag = 2, kR = 8;
+  // Power-of-two rings: a slot and a phase are a mask and a shift (eight V slots against five: H100,
+  // 128K, same call, random tau = 1 69.7-70.8 against 70.7-70.9 ms, s = 4 33.5-33.6 against 34.0).
+  static constexpr int kKBufs = 4, kVBufs = 8, kLag = 2, kR = 8;
   static_assert(kR > kLag + kKBufs, "a decision slot is reused only after the producer has read it");
   static_assert(kVBufs >= 3, "V slots are given back two tiles late");
   static constexpr int kOffK = 0;
@@ -90,8 +94,10 @@ __global__ void __launch_bounds__(384, 1)
   // Warpgroup g's decision on tile t: (t << 1) | retained in s_dec[t % R][g], stored by every lane
   // of its first warp (no branch within a warp, no arrival to wait for) and polled by the producer.
   volatile int* s_dec = reinterpret_cast<volatile int*>(smem + C::kOffDec);
-  // Phase parity of tile t's use of a ring of n slots indexed by t % n (tiles run from top down).
-  auto phase = [&](int t, int n) { return (uint32_t)((top - t) / n) & 1u; };
+  // Phase parity of tile t's use of a ring of n slots indexed by t % n (tiles run from top down);
+  // unsigned, so that a power-of-two n costs a shift and a mask.
+  auto phase = [&](int t, uint32_t n) { return ((uint32_t)(top - t) / n) & 1u; };
+  auto ring = [](int t, uint32_t n) { return (uint32_t)t % n; };
   if (tid == 0) {
     for (int i = 0; i < NKB; ++i) {
       mbar_init(mb_full_k + 8 * i, 1);
@@ -112,7 +118,7 @@ __global__ void __launch_bounds__(384, 1)
     setmaxnreg_dec24();
     if (tid == 0 && n_tiles > 0) {
       auto load_k = [&](int t) {
-        const int slot = t % NKB;
+        const uint32_t slot = ring(t, NKB);
         if (t + NKB <= top) mbar_wait<true>(mb_empty_k + 8 * slot, phase(t + NKB, NKB));
         tma_load_tile<BK, D>(sK0 + slot * KVTile::kBytes, &tmap_k, mb_full_k + 8 * slot, k_row0 + t * BK, hk, k_batch);
       };
@@ -120,8 +126,8 @@ __global__ void __launch_bounds__(384, 1)
       auto retained_by_some = [&](int x) {
         int d0, d1;
         do {
-          d0 = s_dec[2 * (x % R)];
-          d1 = s_dec[2 * (x % R) + 1];
+          d0 = s_dec[2 * ring(x, R)];
+          d1 = s_dec[2 * ring(x, R) + 1];
         } while ((d0 >> 1) != x || (d1 >> 1) != x);
         return ((d0 | d1) & 1) != 0;
       };
@@ -133,13 +139,13 @@ __global__ void __launch_bounds__(384, 1)
         // once both have decided tile t if one retains it; either way its full barrier completes
         // once for the tile (with no bytes when V_t is not needed).  (Waiting for tile t + kLag's
         // decisions instead: H200, 128K s = 4 39.4 against 38.6 ms, s = 16 36.0 against 35.3.)
-        const int slot = t % NVB;
+        const uint32_t slot = ring(t, NVB);
         if (t + NVB <= top) mbar_wait<true>(mb_empty_v + 8 * slot, phase(t + NVB, NVB));
         bool load = true;
         if (!kDense) {
           if (t + C::kLag <= top) {
             const int x = t + C::kLag;
-            const int d0 = s_dec[2 * (x % R)], d1 = s_dec[2 * (x % R) + 1];
+            const int d0 = s_dec[2 * ring(x, R)], d1 = s_dec[2 * ring(x, R) + 1];
             if ((d0 >> 1) == x && (d1 >> 1) == x) last_known = ((d0 | d1) & 1) != 0;
             load = last_known;
           }
@@ -166,9 +172,16 @@ __global__ void __launch_bounds__(384, 1)
   const int wg_hi = rule::ceil_div(max_L(row_wg, 64), BK) - 1;
   const int pair_hi = rule::ceil_div(max_L(row_pair, 32), BK) - 1;
   const int min_L_w = row_w + 16 <= Nq ? rule::visible_keys(row_w, Nq, Nk, p.causal) : 0;
-  const bool test_on = !kDense && p.log2_tau > -INFINITY;
-  float log_thr[1][2], log_norm[1][2];
+  // The test compares each lane's part of the raw row max with a bound per row (rule::skip_bound_raw),
+  // recomputed after each retained tile: one comparison per row on the path to the vote.  (This
+  // instance runs only for tau > 0: launch_fwd_sm90 runs the dense one at tau = 0.)
+  float log_thr[1][2], log_norm[1][2], bound[1][2];
   wgmma_fwd_test_inputs(log_thr, log_norm, row_w, lane, Nq, Nk, p);
+  const float inv_scale = 1.f / p.scale_log2;
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) bound[0][hh] = rule::skip_bound_raw(log_norm[0][hh], log_thr[0][hh], inv_scale);
+  // Lanes counted by the vote: every lane of a pair-0 warp, lane 0 of a pair-1 warp (below).
+  const uint32_t vote_counted = wl < 2 || lane == 0;
   uint8_t* mask_row = kRecord && (wl & 1) == 0 ? wgmma_fwd_mask_row(p, b, h, row_pair, pair_hi, lane) : nullptr;
   float m[1][2], l[1][2], acc[1][DT][4];
   softmax_init<1, DT>(m, l, acc);
@@ -193,7 +206,7 @@ __global__ void __launch_bounds__(384, 1)
     SFlat& s_flat = *reinterpret_cast<SFlat*>(&s[0][0][0]);
 #pragma unroll
     for (int e = 0; e < BK / 2; ++e) s_flat[e] = 0.f;
-    const int slot = t % NKB;
+    const uint32_t slot = ring(t, NKB);
     mbar_wait<true>(mb_full_k + 8 * slot, phase(t, NKB));
     wgmma_fence();
     const uint64_t dK = wgmma_desc(sK0 + slot * KVTile::kBytes, 16, 1024);
@@ -202,13 +215,15 @@ __global__ void __launch_bounds__(384, 1)
       WgmmaRS<BK, 0, T>::run(s_flat, qreg[ks], wgmma_desc_advance(dK, (ks >> 2) * KVTile::kBlockBytes + (ks & 3) * 32));
   };
   auto release_k = [&](int t) {
-    if (lane == 0) mbar_arrive(mb_empty_k + 8 * (t % NKB));
+    if (lane == 0) mbar_arrive(mb_empty_k + 8 * ring(t, NKB));
   };
   // Tile t, its scores complete in s (the next tile's S may be in flight): decision, P, P V.
   auto tile_step = [&](int t, STile& s) {
-    bool warp_retain = false;
-    if (t <= wg_hi)
-      warp_retain = warp_mask_max_test<NT>(s, mx, t * BK, min_L_w, row_w, lane, Nq, Nk, p, test_on, log_norm, log_thr);
+    bool lane_retain = false;
+    if (t <= wg_hi) {
+      warp_mask_max<NT>(s, mx, t * BK, min_L_w, row_w, lane, Nq, Nk, p.causal);
+      if constexpr (!kDense) lane_retain = lane_rows_block_skip_raw<1>(mx, bound);
+    }
     bool pair_retain, wg_any;
     if constexpr (kDense) {
       pair_retain = t <= pair_hi;
@@ -220,29 +235,39 @@ __global__ void __launch_bounds__(384, 1)
       // 75.8 against 80.7).  The decisions go through __any_sync, which ptxas knows to be
       // warp-uniform: with them it compiles the branches around P V without divergence handling
       // (random inputs 128K: 75.2 against 80.6 ms).
-      const uint32_t cnt = bar_red_popc(wg + 1, 128, warp_retain && (wl < 2 || lane == 0));
-      pair_retain = __any_sync(0xffffffffu, pair ? (cnt & 31u) != 0u : cnt >= 32u);
+      // (The warp's any over its lanes' tests is taken inside the same asm block.)  Pair 0's count
+      // is a multiple of 32, pair 1's below 32.
+      const uint32_t cnt = bar_red_popc_warp_any(wg + 1, 128, lane_retain, vote_counted);
+      pair_retain = __any_sync(0xffffffffu, (cnt & (pair ? 31u : ~31u)) != 0u);
       wg_any = __any_sync(0xffffffffu, cnt != 0u);
-      if (wl == 0) s_dec[2 * (t % R) + wg] = (t << 1) | (wg_any ? 1 : 0);  // for the producer's V_t
+      if (wl == 0) s_dec[2 * ring(t, R) + wg] = (t << 1) | (wg_any ? 1 : 0);  // for the producer's V_t
     }
     if (kRecord && mask_row && lane == 0 && t <= pair_hi) mask_row[t] = pair_retain ? kTileRetained : kTileSkipped;
-    const int vslot = t % NVB;
+    const uint32_t vslot = ring(t, NVB);
     if (wg_any) {
       if (pair_retain) {
         float alpha[1][2];
         quad_row_max<1>(mx);
         softmax_scores<1, NT>(s, mx, p.scale_log2, m, l, alpha);
-        if (test_on) {
+        if constexpr (!kDense) {
 #pragma unroll
-          for (int hh = 0; hh < 2; ++hh) log_norm[0][hh] = m[0][hh] + __log2f(l[0][hh]);
+          for (int hh = 0; hh < 2; ++hh)
+            bound[0][hh] = rule::skip_bound_raw(m[0][hh] + __log2f(l[0][hh]), log_thr[0][hh], inv_scale);
         }
         softmax_rescale<1, DT>(alpha, acc);
 #pragma unroll
         for (int kk = 0; kk < BK / 16; ++kk) p_to_a<T, 1, NT>(s, 0, kk, pa[kk]);
         ++retained;
       } else {
+        // P = 0 on a skipped pair's rows.  In the tau > 0 instance written here only (as plain
+        // stores of 0 the compiler hoisted them in front of the branch, onto the retained path:
+        // H100 128K, same call, s = 4 33.7 against 34.1-34.3 ms, s = 16 29.8-29.9 against
+        // 30.4-30.5); the dense instance keeps plain zeros (with the asm its P shared the score
+        // registers and it ran 1.5-2.5% slower).
 #pragma unroll
-        for (int kk = 0; kk < BK / 16; ++kk) pa[kk][0] = pa[kk][1] = pa[kk][2] = pa[kk][3] = 0u;
+        for (int kk = 0; kk < BK / 16; ++kk)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) pa[kk][i] = kDense ? 0u : zero_u32_here();
       }
       mbar_wait<true>(mb_full_v + 8 * vslot, phase(t, NVB));
       wgmma_fence();
@@ -258,7 +283,7 @@ __global__ void __launch_bounds__(384, 1)
     // run a phase ahead of the producer's wait on the empty barrier), two tiles late (so that a
     // warpgroup waits for the other's on-demand V only if it lags two tiles behind).
     if (t + 2 <= top) {
-      const int rs = (t + 2) % NVB;
+      const uint32_t rs = ring(t + 2, NVB);
       mbar_wait<true>(mb_full_v + 8 * rs, phase(t + 2, NVB));
       if (lane == 0) mbar_arrive(mb_empty_v + 8 * rs);
     }

@@ -129,14 +129,25 @@ __device__ __forceinline__ void mbar_wait(uint32_t addr, uint32_t parity) {
   }
 }
 
-// Barrier `id` over `nthreads` threads that also returns how many of them passed pred = true.
-__device__ __forceinline__ uint32_t bar_red_popc(int id, int nthreads, bool pred) {
+// Barrier `id` over `nthreads` threads that returns how many passed a predicate, the warp-specialized
+// forward's vote in one asm block: the predicate is the warp's any over its lanes' lane_pred, on the
+// lanes where `counted` is nonzero (the warp vote and the barrier's predicate stay predicates, with
+// no conversion through a register).
+__device__ __forceinline__ uint32_t bar_red_popc_warp_any(int id, int nthreads, bool lane_pred, uint32_t counted) {
   uint32_t count;
-  asm volatile("{\n .reg .pred p;\n setp.ne.u32 p, %1, 0;\n bar.red.popc.u32 %0, %2, %3, p;\n}\n"
-               : "=r"(count)
-               : "r"((uint32_t)pred), "r"(id), "r"(nthreads)
-               : "memory");
+  asm volatile(
+      "{\n .reg .pred p;\n setp.ne.u32 p, %1, 0;\n vote.sync.any.pred p, p, 0xffffffff;\n"
+      " setp.ne.and.u32 p, %2, 0, p;\n bar.red.popc.u32 %0, %3, %4, p;\n}\n"
+      : "=r"(count)
+      : "r"((uint32_t)lane_pred), "r"(counted), "r"(id), "r"(nthreads)
+      : "memory");
   return count;
+}
+// 0, materialised where the call stands (a volatile asm is not moved across the branch it sits in).
+__device__ __forceinline__ uint32_t zero_u32_here() {
+  uint32_t z;
+  asm volatile("mov.b32 %0, 0;\n" : "=r"(z));
+  return z;
 }
 __device__ __forceinline__ float warp_max_quad(float x) {  // over the 4 lanes sharing an mma row
   x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, 1));

@@ -67,6 +67,18 @@ __device__ __forceinline__ bool lane_rows_allow_skip(const float (&tile_max)[MT]
   return ok;
 }
 
+// True when some fragment row held by this lane blocks the skip, from the lane's part of each row's
+// raw (unscaled) max and the rows' bounds (rule::skip_bound_raw: one comparison per row).
+template <int MT>
+__device__ __forceinline__ bool lane_rows_block_skip_raw(const float (&raw_max)[MT][2], const float (&bound)[MT][2]) {
+  bool block = false;
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) block |= !rule::row_allows_skip_raw(raw_max[mt][h], bound[mt][h]);
+  return block;
+}
+
 // Warp vote: true iff every lane allows the skip.  The decision is then uniform over the warp, as
 // the mma needs (use __syncthreads_and instead when the whole CTA must agree).
 __device__ __forceinline__ bool warp_vote_skip(bool lane_ok) { return __all_sync(0xffffffffu, lane_ok); }

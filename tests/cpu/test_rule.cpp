@@ -409,3 +409,35 @@ TEST(Rule, FiniteNormFormEqualsTileTest) {
   EXPECT_TRUE(mala::rule::row_allows_skip_finite_norm(-inf, 0.f, inf));
   EXPECT_TRUE(mala::rule::row_allows_skip(-inf, -inf, inf));
 }
+
+// The raw-score form (the warp-specialized forward compares the raw row max against a bound kept
+// per row) decides as rule::row_allows_skip wherever the margin is not at the rounding level, and
+// exactly for the special rows: nothing retained yet (log_norm = -inf), no legal key in the tile
+// (raw = -inf), no legal key at all (log_thr = +inf, and then raw = -inf).
+TEST(Rule, RawBoundFormEqualsTileTest) {
+  const float inf = INFINITY;
+  const float raws[] = {-inf, -300.f, -40.f, -1.5f, 0.f, 0.25f, 7.f, 55.f, 1e30f};
+  const float norms[] = {-inf, -20.f, -0.5f, 0.f, 3.f, 11.f, 60.f};
+  const float thresholds[] = {-17.f, -3.f, -0.25f, 0.f, 2.f, inf};
+  const float scales[] = {0.125f * 1.4426950408889634f, 0.0883883476f * 1.4426950408889634f, 1.f, 3.f};
+  int compared = 0;
+  for (float sc : scales)
+    for (float raw : raws)
+      for (float ln : norms)
+        for (float th : thresholds) {
+          if (th == inf && raw != -inf) continue;  // L = 0: such a row has no legal score
+          const float tile_max = raw * sc;
+          const float margin = mala::rule::row_margin(tile_max, ln, th);
+          if (std::isfinite(margin) && std::fabs(margin) < 1e-3f) continue;  // rounding flips allowed
+          const float bound = mala::rule::skip_bound_raw(ln, th, 1.f / sc);
+          EXPECT_EQ(mala::rule::row_allows_skip_raw(raw, bound), mala::rule::row_allows_skip(tile_max, ln, th))
+              << "raw " << raw << " scale " << sc << " log_norm " << ln << " log_thr " << th;
+          ++compared;
+        }
+  EXPECT_GT(compared, 1000);
+  // Near the boundary the two forms differ by rounding only: a margin of 1e-3 is decided alike.
+  const float sc = 0.0883883476f * 1.4426950408889634f, ln = 12.5f, th = -13.f;
+  const float at = (ln + th) / sc;
+  EXPECT_TRUE(mala::rule::row_allows_skip_raw(at - 1e-3f / sc, mala::rule::skip_bound_raw(ln, th, 1.f / sc)));
+  EXPECT_FALSE(mala::rule::row_allows_skip_raw(at + 1e-3f / sc, mala::rule::skip_bound_raw(ln, th, 1.f / sc)));
+}

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# A/B of forward-kernel variants on the GPU machine, in one call: every benchmark binary staged in
+# .carry/ab/ (xz-compressed, NAME.xz; each a mala_bench built here, e.g. with -DMALA_WS_VBUFS=8 in
+# CMAKE_CUDA_FLAGS) runs the same forward benchmark, the binaries alternating within each round so
+# that clock drift does not favour one of them.  Stage here:
+#   mkdir -p .carry/ab && xz -T2 -c build-x/bench/mala_bench > .carry/ab/x.xz
+# then on the GPU machine (device tool, carry [".carry/ab"]):
+#   bash scripts/fwd_ab.sh [ROUNDS] [mala_bench flags...]
+# Logs go to $OUT (or ab-logs/); the last lines printed are the table of every binary's rows.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+rounds=${1:-2}
+shift || true
+args=("$@")
+[ ${#args[@]} -eq 0 ] && args=(--op fwd --n 128K --regime random,synthetic --sharpness 4,16 --tau 0,1 --iters 10 --interleave)
+out=${OUT:-ab-logs}
+mkdir -p "$out" /tmp/ab
+for f in .carry/ab/*.xz; do
+  name=$(basename "$f" .xz)
+  xz -dc "$f" > "/tmp/ab/$name" && chmod +x "/tmp/ab/$name"
+done
+nvidia-smi --query-gpu=name,clocks.sm,power.draw,temperature.gpu --format=csv,noheader | tee "$out/device.txt"
+for r in $(seq 1 "$rounds"); do
+  for b in /tmp/ab/*; do
+    name=$(basename "$b")
+    echo "== round $r: $name ${args[*]}" >> "$out/ab.log"
+    "$b" "${args[@]}" >> "$out/ab.log" 2>&1 || echo "$name failed (exit $?)" | tee -a "$out/ab.log"
+  done
+done
+# The table: each binary's rows, tagged with the binary and round.
+awk '/^== round/ {tag = $3 " " $4} /^ *[0-9]+K / {print tag, $0}' "$out/ab.log" | tee "$out/ab_table.txt"
