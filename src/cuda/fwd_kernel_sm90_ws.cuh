@@ -243,36 +243,43 @@ __global__ void __launch_bounds__(384, 1)
       // against 71.7-72.2 ms, s = 4 34.9-35.2 against 34.3-34.6, s = 16 30.7-31.0 against 30.1-30.3.
       // (The new maxima and alpha placed here too: ptxas sinks them behind the branch again.)
       quad_row_max<1>(mx);
-      pair_retain = __any_sync(0xffffffffu, (cnt & (pair ? 31u : ~31u)) != 0u);
+      // pair_retain is data below (softmax_scores_or_keep), not a branch: no vote for it.
+      pair_retain = (cnt & (pair ? 31u : ~31u)) != 0u;
       wg_any = __any_sync(0xffffffffu, cnt != 0u);
       if (wl == 0) s_dec[2 * ring(t, R) + wg] = (t << 1) | (wg_any ? 1 : 0);  // for the producer's V_t
     }
     if (kRecord && mask_row && lane == 0 && t <= pair_hi) mask_row[t] = pair_retain ? kTileRetained : kTileSkipped;
     const uint32_t vslot = ring(t, NVB);
     if (wg_any) {
-      if (pair_retain) {
-        float alpha[1][2];
-        if constexpr (kDense) quad_row_max<1>(mx);  // (the tau > 0 instance: at the vote)
-        softmax_scores<1, NT>(s, mx, p.scale_log2, m, l, alpha);
-        if constexpr (!kDense) {
+      if constexpr (kDense) {
+        if (pair_retain) {
+          float alpha[1][2];
+          quad_row_max<1>(mx);
+          softmax_scores<1, NT>(s, mx, p.scale_log2, m, l, alpha);
+          softmax_rescale<1, DT>(alpha, acc);
 #pragma unroll
-          for (int hh = 0; hh < 2; ++hh)
-            bound[0][hh] = rule::skip_bound_raw(m[0][hh] + __log2f(l[0][hh]), log_thr[0][hh], inv_scale);
+          for (int kk = 0; kk < BK / 16; ++kk) p_to_a<T, 1, NT>(s, 0, kk, pa[kk]);
+          ++retained;
+        } else {
+#pragma unroll
+          for (int kk = 0; kk < BK / 16; ++kk) pa[kk][0] = pa[kk][1] = pa[kk][2] = pa[kk][3] = 0u;
         }
+      } else {
+        // One path for both pairs of a warpgroup that runs P V: a skipped pair's rows get P = 0
+        // and keep m, l, acc and their bound bit for bit (softmax_scores_or_keep), instead of a
+        // branch on the pair's decision and zeros for P (H100, 3 rounds in one call: 128K random
+        // 67.4-68.2 against 68.7-69.7 ms, s = 4 34.0-34.2 against 34.3, s = 16 29.7-29.9 against
+        // 30.0-30.3; 32K random 0.945-0.949x against 0.925x).  The exponentials of such rows are
+        // the price; they run beside the retaining pair's, in the same warpgroup step.
+        float alpha[1][2];
+        softmax_scores_or_keep<1, NT>(s, mx, p.scale_log2, pair_retain, m, l, alpha);
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh)
+          bound[0][hh] = rule::skip_bound_raw(m[0][hh] + __log2f(l[0][hh]), log_thr[0][hh], inv_scale);
         softmax_rescale<1, DT>(alpha, acc);
 #pragma unroll
         for (int kk = 0; kk < BK / 16; ++kk) p_to_a<T, 1, NT>(s, 0, kk, pa[kk]);
-        ++retained;
-      } else {
-        // P = 0 on a skipped pair's rows.  In the tau > 0 instance written here only (as plain
-        // stores of 0 the compiler hoisted them in front of the branch, onto the retained path:
-        // H100 128K, same call, s = 4 33.7 against 34.1-34.3 ms, s = 16 29.8-29.9 against
-        // 30.4-30.5); the dense instance keeps plain zeros (with the asm its P shared the score
-        // registers and it ran 1.5-2.5% slower).
-#pragma unroll
-        for (int kk = 0; kk < BK / 16; ++kk)
-#pragma unroll
-          for (int i = 0; i < 4; ++i) pa[kk][i] = kDense ? 0u : zero_u32_here();
+        retained += pair_retain ? 1 : 0;
       }
       mbar_wait<true>(mb_full_v + 8 * vslot, phase(t, NVB));
       wgmma_fence();

@@ -33,10 +33,14 @@ __device__ __forceinline__ void softmax_init(float (&m)[MT][2], float (&l)[MT][2
 // factors alpha = exp2(m_old - m_new) that softmax_rescale applies to acc; kernels that overlap the
 // exponentials with an in-flight P V of the previous tile (fwd_kernel_sm90.cuh) rescale once that
 // P V has completed, the others at once (softmax_update).
+// softmax_scores_or_keep: the same, for a warp whose rows may belong to a skipped decision tile while
+// its warpgroup's P V runs anyway (the warp-specialized forward): keep = false turns s into P = 0
+// (base +inf) and leaves m and l bit for bit as they were (alpha = 1, l * 1 + 0), so one code path
+// serves both cases without a branch on the pair's decision.
 template <int MT, int NT>
-__device__ __forceinline__ void softmax_scores(float (&s)[MT][NT][4], const float (&tile_max_raw)[MT][2],
-                                               float scale_log2, float (&m)[MT][2], float (&l)[MT][2],
-                                               float (&alpha)[MT][2]) {
+__device__ __forceinline__ void softmax_scores_or_keep(float (&s)[MT][NT][4], const float (&tile_max_raw)[MT][2],
+                                                       float scale_log2, bool keep, float (&m)[MT][2],
+                                                       float (&l)[MT][2], float (&alpha)[MT][2]) {
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) {
     float base[2];
@@ -45,6 +49,11 @@ __device__ __forceinline__ void softmax_scores(float (&s)[MT][NT][4], const floa
       float m_new = fmaxf(m[mt][h], tile_max_raw[mt][h] * scale_log2);
       base[h] = m_new == -INFINITY ? 0.f : m_new;
       alpha[mt][h] = exp2f(m[mt][h] - base[h]);
+      if (!keep) {
+        m_new = m[mt][h];
+        base[h] = INFINITY;
+        alpha[mt][h] = 1.f;
+      }
       m[mt][h] = m_new;
     }
     float sum[2] = {0.f, 0.f};
@@ -59,6 +68,12 @@ __device__ __forceinline__ void softmax_scores(float (&s)[MT][NT][4], const floa
 #pragma unroll
     for (int h = 0; h < 2; ++h) l[mt][h] = fmaf(l[mt][h], alpha[mt][h], warp_sum_quad(sum[h]));
   }
+}
+template <int MT, int NT>
+__device__ __forceinline__ void softmax_scores(float (&s)[MT][NT][4], const float (&tile_max_raw)[MT][2],
+                                               float scale_log2, float (&m)[MT][2], float (&l)[MT][2],
+                                               float (&alpha)[MT][2]) {
+  softmax_scores_or_keep<MT, NT>(s, tile_max_raw, scale_log2, true, m, l, alpha);
 }
 template <int MT, int DT>
 __device__ __forceinline__ void softmax_rescale(const float (&alpha)[MT][2], float (&acc)[MT][DT][4]) {

@@ -143,12 +143,6 @@ __device__ __forceinline__ uint32_t bar_red_popc_warp_any(int id, int nthreads, 
       : "memory");
   return count;
 }
-// 0, materialised where the call stands (a volatile asm is not moved across the branch it sits in).
-__device__ __forceinline__ uint32_t zero_u32_here() {
-  uint32_t z;
-  asm volatile("mov.b32 %0, 0;\n" : "=r"(z));
-  return z;
-}
 __device__ __forceinline__ float warp_max_quad(float x) {  // over the 4 lanes sharing an mma row
   x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, 1));
   x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, 2));
