@@ -16,8 +16,9 @@
 //   consumers (warpgroups 1 and 2, 240 registers, 64 rows each): per key tile, S = Q K^T (Q in
 //     registers), mask, each lane's part of the raw row max against a bound per row
 //     (rule::skip_bound_raw, recomputed after a retained tile), the pair vote (one bar.red.popc
-//     over the warpgroup); a
-//     warpgroup with a retaining pair computes P and O += P V.  S of the next tile runs on the
+//     over the warpgroup); a warpgroup with a retaining pair computes P and O += P V, its warps
+//     on one path whatever their pair decided (a skipped pair's rows: P = 0, state kept, through
+//     softmax_scores_or_keep; the dense instance branches).  S of the next tile runs on the
 //     tensor cores while a tile is decided.  The consumers issue no loads and never wait for each
 //     other, except through the rings' depth and when one needs the V of a tile the other has
 //     not decided yet.
