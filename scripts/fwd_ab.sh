@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # A/B of forward-kernel variants on the GPU machine, in one call: every benchmark binary staged in
-# .carry/ab/ (xz-compressed, NAME.xz; each a mala_bench built here, e.g. with -DMALA_WS_VBUFS=8 in
-# CMAKE_CUDA_FLAGS) runs the same forward benchmark, the binaries alternating within each round so
-# that clock drift does not favour one of them.  Stage here:
+# .carry/ab/ (xz-compressed, NAME.xz; each a mala_bench built here, e.g. a variant selected by a
+# -D macro in CMAKE_CUDA_FLAGS) runs the same forward benchmark, the binaries alternating within
+# each round so that clock drift does not favour one of them.  Stage here:
 #   mkdir -p .carry/ab && xz -T2 -c build-x/bench/mala_bench > .carry/ab/x.xz
 # then on the GPU machine (device tool, carry [".carry/ab"]):
 #   bash scripts/fwd_ab.sh [ROUNDS] [mala_bench flags...]

@@ -48,8 +48,8 @@ struct FwdWs {
   using KVTile = GmmaTile<BK, D>;
   // K ring (the producer runs up to kKBufs tiles ahead), V ring indexed by tile (t % kVBufs; a tile
   // whose V is not loaded leaves its slot unused), the consumers' per-tile decisions (kR tiles).
-  // Power-of-two rings: a slot and a phase are a mask and a shift (eight V slots against five: H100,
-  // 128K, same call, random tau = 1 69.7-70.8 against 70.7-70.9 ms, s = 4 33.5-33.6 against 34.0).
+  // Power-of-two rings: a slot and a phase are a mask and a shift, where five V slots cost a division
+  // per tile (eight against five or four measured within noise in two H100 calls at 128K).
   static constexpr int kKBufs = 4, kVBufs = 8, kLag = 2, kR = 8;
   static_assert(kR > kLag + kKBufs, "a decision slot is reused only after the producer has read it");
   static_assert(kVBufs >= 3, "V slots are given back two tiles late");
@@ -233,11 +233,11 @@ __global__ void __launch_bounds__(384, 1)
       // The pair vote in one barrier: a retaining warp of pair 0 counts 32 (every lane), one of
       // pair 1 counts 1 (lane 0), so the warpgroup's count says both pairs' decisions (against
       // flags in shared memory and a named barrier: H200, 128K s = 4 39.2 against 40.4 ms, random
-      // 75.8 against 80.7).  The decisions go through __any_sync, which ptxas knows to be
-      // warp-uniform: with them it compiles the branches around P V without divergence handling
-      // (random inputs 128K: 75.2 against 80.6 ms).
-      // (The warp's any over its lanes' tests is taken inside the same asm block.)  Pair 0's count
-      // is a multiple of 32, pair 1's below 32.
+      // 75.8 against 80.7).  The warpgroup's decision, the one branch here, goes through
+      // __any_sync, which ptxas knows to be warp-uniform: it then compiles the branch around P V
+      // without divergence handling (random inputs 128K: 75.2 against 80.6 ms, when both
+      // decisions were branches).  The warp's any over its lanes' tests is taken inside the same
+      // asm block.  Pair 0's count is a multiple of 32, pair 1's below 32.
       const uint32_t cnt = bar_red_popc_warp_any(wg + 1, 128, lane_retain, vote_counted);
       // The row max reduced over the quad while the barrier resolves (bar.red defers blocking to the
       // read of its result), for every tile: H100 128K, 3 rounds in one call, random 70.1-70.9
@@ -268,10 +268,10 @@ __global__ void __launch_bounds__(384, 1)
       } else {
         // One path for both pairs of a warpgroup that runs P V: a skipped pair's rows get P = 0
         // and keep m, l, acc and their bound bit for bit (softmax_scores_or_keep), instead of a
-        // branch on the pair's decision and zeros for P (H100, 3 rounds in one call: 128K random
-        // 67.4-68.2 against 68.7-69.7 ms, s = 4 34.0-34.2 against 34.3, s = 16 29.7-29.9 against
-        // 30.0-30.3; 32K random 0.945-0.949x against 0.925x).  The exponentials of such rows are
-        // the price; they run beside the retaining pair's, in the same warpgroup step.
+        // branch on the pair's decision and zeros for P (H100, 128K, 3 rounds in one call: random
+        // 68.1-68.8 against 69.3-70.3 ms, s = 4 34.4-34.9 against 34.8-34.9, s = 16 30.1-30.3
+        // against 30.5-30.8).  The exponentials of such rows are the price; they run beside the
+        // retaining pair's, in the same warpgroup step.
         float alpha[1][2];
         softmax_scores_or_keep<1, NT>(s, mx, p.scale_log2, pair_retain, m, l, alpha);
 #pragma unroll
