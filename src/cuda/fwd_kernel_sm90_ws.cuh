@@ -19,10 +19,13 @@
 //     over the warpgroup); a warpgroup with a retaining pair computes P and O += P V, its warps
 //     on one path whatever their pair decided (a skipped pair's rows: P = 0, state kept, through
 //     softmax_scores_or_keep; the dense instance branches).  S of the next tile runs on the
-//     tensor cores while a tile is decided.  The consumers issue no loads and never wait for each
+//     tensor cores while a tile is decided and exponentiated; in the dense instance a tile is
+//     also decided while the previous tile's P V runs (the loops below say why only there).  The consumers issue no loads and never wait for each
 //     other, except through the rings' depth and when one needs the V of a tile the other has
 //     not decided yet.
 #pragma once
+
+#include <type_traits>
 
 namespace mala {
 namespace cuda {
@@ -221,14 +224,18 @@ __global__ void __launch_bounds__(384, 1)
   auto release_k = [&](int t) {
     if (lane == 0) mbar_arrive(mb_empty_k + 8 * ring(t, NKB));
   };
-  // Tile t, its scores complete in s (the next tile's S may be in flight): decision, P, P V.
-  auto tile_step = [&](int t, STile& s) {
+  // Each tile in two steps:
+  //   decide(t, s): its scores complete in s: mask, row max, the test and the pair vote (tau > 0);
+  //   finish(t, s, wait): P and O += P V issued and committed; waited for inside (Waited, the tau > 0
+  //     loop) or left in flight (Overlap, the dense loop, which commits an empty group for a skipped
+  //     tile so that its waits count the same groups).
+  bool pair_retain = false, wg_any = false;
+  auto decide = [&](int t, STile& s) {
     bool lane_retain = false;
     if (t <= wg_hi) {
       warp_mask_max<NT>(s, mx, t * BK, min_L_w, row_w, lane, Nq, Nk, p.causal);
       if constexpr (!kDense) lane_retain = lane_rows_block_skip_raw<1>(mx, bound);
     }
-    bool pair_retain, wg_any;
     if constexpr (kDense) {
       pair_retain = t <= pair_hi;
       wg_any = t <= wg_hi;
@@ -245,7 +252,6 @@ __global__ void __launch_bounds__(384, 1)
       // The row max reduced over the quad while the barrier resolves (bar.red defers blocking to the
       // read of its result), for every tile: H100 128K, 3 rounds in one call, random 70.1-70.9
       // against 71.7-72.2 ms, s = 4 34.9-35.2 against 34.3-34.6, s = 16 30.7-31.0 against 30.1-30.3.
-      // (The new maxima and alpha placed here too: ptxas sinks them behind the branch again.)
       quad_row_max<1>(mx);
       // pair_retain is data below (softmax_scores_or_keep), not a branch: no vote for it.
       pair_retain = (cnt & (pair ? 31u : ~31u)) != 0u;
@@ -253,6 +259,10 @@ __global__ void __launch_bounds__(384, 1)
       s_dec[8 * ring(t, R) + 4 * wg + wl] = (t << 1) | (wg_any ? 1 : 0);  // for the producer's V_t
     }
     if (kRecord && mask_row && lane == 0 && t <= pair_hi) mask_row[t] = pair_retain ? kTileRetained : kTileSkipped;
+  };
+  // kWait: P V waited for inside finish (the tau > 0 loop), where ptxas sees it issued.
+  auto finish = [&](int t, STile& s, auto wait) {
+    constexpr bool kWait = decltype(wait)::value;
     const uint32_t vslot = ring(t, NVB);
     if (wg_any) {
       if constexpr (kDense) {
@@ -291,21 +301,93 @@ __global__ void __launch_bounds__(384, 1)
 #pragma unroll
       for (int kk = 0; kk < BK / 16; ++kk) WgmmaRS<D, 1, T>::run(acc_flat, pa[kk], wgmma_desc_advance(dV, kk * 2048));
       wgmma_commit();
-      wgmma_wait<0>();
-      wgmma_fence_operands(acc_flat);
+      if constexpr (kWait) {
+        wgmma_wait<0>();
+        wgmma_fence_operands(acc_flat);
+      }
+    } else if (!kWait) {
+      wgmma_commit();  // the empty group
     }
-    // The V slot of tile t + 2 is given back: every warp gives back every tile's slot, once the
-    // producer has completed the tile's full barrier (so that a warpgroup that skips tiles cannot
-    // run a phase ahead of the producer's wait on the empty barrier), two tiles late (so that a
-    // warpgroup waits for the other's on-demand V only if it lags two tiles behind).
+  };
+  // After finish(t)'s group has completed: the V slot of tile t + 2 is given back.  Every warp gives
+  // back every tile's slot, once the producer has completed the tile's full barrier (so that a
+  // warpgroup that skips tiles cannot run a phase ahead of the producer's wait on the empty
+  // barrier), two tiles late (so that a warpgroup waits for the other's on-demand V only if it lags
+  // two tiles behind).
+  auto v_release = [&](int t) {
     if (t + 2 <= top) {
       const uint32_t rs = ring(t + 2, NVB);
       mbar_wait<true>(mb_full_v + 8 * rs, phase(t + 2, NVB));
       if (lane == 0) mbar_arrive(mb_empty_v + 8 * rs);
     }
   };
+  auto pv_done = [&](int t) {
+    wgmma_fence_operands(acc_flat);
+    v_release(t);
+  };
+  using Overlap = std::false_type;
+  using Waited = std::true_type;
   auto s_done = [&](STile& s) { wgmma_fence_operands(*reinterpret_cast<SFlat*>(&s[0][0][0])); };
-  if (n_tiles > 0) {
+  if (n_tiles > 0 && kDense) {
+    // The dense instance overlaps each tile's decide (mask and row max) with the previous tile's
+    // P V: per tile t, S(t - 1) is issued, then finish(t) (its exponentials run while S(t - 1) is on
+    // the tensor cores), and once S(t - 1) is complete, decide(t - 1) runs while P V(t) does (H100
+    // 128K, 4 rounds in two calls: 60.0-61.2 against 63.7-64.7 ms).  The tau > 0 instance keeps the
+    // loop below: with the overlap its random-input time did not move (66.5-67.4 against 66.2-67.6
+    // ms) and sparse inputs ran 8-12% slower, the S of a skipped tile's successor no longer
+    // overlapping its decide; the vote's barrier is what bounds it (with each warp's own vote
+    // instead, a diagnostic valid only where every warp retains, 62.1 ms against dense 61.4-61.6).
+    issue_s(top, sA);
+    wgmma_commit();
+    wgmma_wait<0>();
+    s_done(sA);
+    release_k(top);
+    decide(top, sA);
+    int t = top;
+    for (; t >= 2; t -= 2) {
+      issue_s(t - 1, sB);
+      wgmma_commit();
+      finish(t, sA, Overlap{});
+      wgmma_wait<1>();
+      s_done(sB);
+      release_k(t - 1);
+      decide(t - 1, sB);
+      wgmma_wait<0>();
+      pv_done(t);
+      issue_s(t - 2, sA);
+      wgmma_commit();
+      finish(t - 1, sB, Overlap{});
+      wgmma_wait<1>();
+      s_done(sA);
+      release_k(t - 2);
+      decide(t - 2, sA);
+      wgmma_wait<0>();
+      pv_done(t - 1);
+    }
+    if (t == 1) {
+      issue_s(0, sB);
+      wgmma_commit();
+      finish(1, sA, Overlap{});
+      wgmma_wait<1>();
+      s_done(sB);
+      release_k(0);
+      decide(0, sB);
+      wgmma_wait<0>();
+      pv_done(1);
+      finish(0, sB, Overlap{});
+    } else {
+      finish(0, sA, Overlap{});
+    }
+    wgmma_wait<0>();
+    pv_done(0);
+  } else if (n_tiles > 0) {
+    // tau > 0: per tile t, S(t - 1) is issued, then tile t is decided and finished and its P V
+    // waited for; a skipped tile's decide runs while S(t - 1) is on the tensor cores.
+    auto tile_step = [&](int t, STile& s) {
+      decide(t, s);
+      finish(t, s, Waited{});
+      v_release(t);
+    };
     issue_s(top, sA);
     wgmma_commit();
     wgmma_wait<0>();
