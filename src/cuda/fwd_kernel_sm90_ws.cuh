@@ -98,7 +98,7 @@ __global__ void __launch_bounds__(384, 1)
   // Warpgroup g's decision on tile t: (t << 1) | retained in s_dec[t % R][g][w], stored by every
   // lane of each of its warps w (a word per warp, so that the store is unconditional: no branch on
   // the warp between the vote and the softmax; H100 128K, 3 rounds in one call: random tau = 1
-  // 67.4-67.6 against 68.0-68.2 ms, s = 4 33.7-33.8 against 34.1-34.3), no arrival to wait for; the
+  // 67.3-67.6 against 67.3-68.2 ms, s = 4 33.4-33.8 against 34.1-34.3), no arrival to wait for; the
   // producer polls warp 0's words.
   volatile int* s_dec = reinterpret_cast<volatile int*>(smem + C::kOffDec);
   // Phase parity of tile t's use of a ring of n slots indexed by t % n (tiles run from top down);
