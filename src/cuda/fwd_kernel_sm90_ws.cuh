@@ -20,9 +20,9 @@
 //     on one path whatever their pair decided (a skipped pair's rows: P = 0, state kept, through
 //     softmax_scores_or_keep; the dense instance branches).  S of the next tile runs on the
 //     tensor cores while a tile is decided and exponentiated; in the dense instance a tile is
-//     also decided while the previous tile's P V runs (the loops below say why only there).  The consumers issue no loads and never wait for each
-//     other, except through the rings' depth and when one needs the V of a tile the other has
-//     not decided yet.
+//     also decided while the previous tile's P V runs (the loops below say why only there).  The
+//     consumers issue no loads and never wait for each other, except through the rings' depth and
+//     when one needs the V of a tile the other has not decided yet.
 #pragma once
 
 #include <type_traits>
@@ -252,6 +252,7 @@ __global__ void __launch_bounds__(384, 1)
       // The row max reduced over the quad while the barrier resolves (bar.red defers blocking to the
       // read of its result), for every tile: H100 128K, 3 rounds in one call, random 70.1-70.9
       // against 71.7-72.2 ms, s = 4 34.9-35.2 against 34.3-34.6, s = 16 30.7-31.0 against 30.1-30.3.
+      // (The new maxima and alpha placed here too: ptxas sinks them behind the branch again.)
       quad_row_max<1>(mx);
       // pair_retain is data below (softmax_scores_or_keep), not a branch: no vote for it.
       pair_retain = (cnt & (pair ? 31u : ~31u)) != 0u;
