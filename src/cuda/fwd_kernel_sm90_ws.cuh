@@ -337,7 +337,8 @@ __global__ void __launch_bounds__(384, 1)
     // loop below: with the overlap its random-input time did not move (66.5-67.4 against 66.2-67.6
     // ms) and sparse inputs ran 8-12% slower, the S of a skipped tile's successor no longer
     // overlapping its decide; the vote's barrier is what bounds it (with each warp's own vote
-    // instead, a diagnostic valid only where every warp retains, 62.1 ms against dense 61.4-61.6).
+    // instead, a diagnostic valid only where every warp retains, 62.1 ms against dense 61.4-61.6;
+    // adding one bar.arrive per tile that nothing waits on: 67.8-68.3 ms).
     issue_s(top, sA);
     wgmma_commit();
     wgmma_wait<0>();
