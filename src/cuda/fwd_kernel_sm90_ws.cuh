@@ -336,9 +336,9 @@ __global__ void __launch_bounds__(384, 1)
     // 128K, 4 rounds in two calls: 60.0-61.2 against 63.7-64.7 ms).  The tau > 0 instance keeps the
     // loop below: with the overlap its random-input time did not move (66.5-67.4 against 66.2-67.6
     // ms) and sparse inputs ran 8-12% slower, the S of a skipped tile's successor no longer
-    // overlapping its decide; the vote's barrier is what bounds it (with each warp's own vote
-    // instead, a diagnostic valid only where every warp retains, 62.1 ms against dense 61.4-61.6;
-    // adding one bar.arrive per tile that nothing waits on: 67.8-68.3 ms).
+    // overlapping its decide.  The vote's barrier is not what tau > 0 pays for: without it (one-warp
+    // decisions, no bound update, the dense producer and finish; valid only where every warp
+    // retains) random inputs still ran at 0.90x of dense (docs/kernels.md, twenty-first stop).
     issue_s(top, sA);
     wgmma_commit();
     wgmma_wait<0>();
