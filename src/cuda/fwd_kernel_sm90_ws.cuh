@@ -18,7 +18,8 @@
 //     (rule::skip_bound_raw, recomputed after a retained tile), the pair vote (one bar.red.popc
 //     over the warpgroup); a warpgroup with a retaining pair computes P and O += P V, its warps
 //     on one path whatever their pair decided (a skipped pair's rows: P = 0, state kept, through
-//     softmax_scores_or_keep; the dense instance branches).  S of the next tile runs on the
+//     softmax_step_or_keep, which rescales O only when a row's maximum grew; the dense instance
+//     branches and always rescales).  S of the next tile runs on the
 //     tensor cores while a tile is exponentiated (the tau > 0 instance votes before issuing it);
 //     the dense instance also decides a tile while the previous tile's P V runs (the loops below
 //     say why only there).  The consumers issue no loads and never wait for each other, except
@@ -281,17 +282,19 @@ __global__ void __launch_bounds__(384, 1)
         }
       } else {
         // One path for both pairs of a warpgroup that runs P V: a skipped pair's rows get P = 0
-        // and keep m, l, acc and their bound bit for bit (softmax_scores_or_keep), instead of a
+        // and keep m, l, acc and their bound bit for bit (softmax_step_or_keep), instead of a
         // branch on the pair's decision and zeros for P (H100, 128K, 3 rounds in one call: random
         // 68.1-68.8 against 69.3-70.3 ms, s = 4 34.4-34.9 against 34.8-34.9, s = 16 30.1-30.3
-        // against 30.5-30.8).  The exponentials of such rows are the price; they run beside the
-        // retaining pair's, in the same warpgroup step.
-        float alpha[1][2];
-        softmax_scores_or_keep<1, NT>(s, mx, p.scale_log2, pair_retain, m, l, alpha);
+        // against 30.5-30.8; again with the step below, a vote on the pair and a branch: random
+        // 510-512 against 520-522 TFLOP/s).  The exponentials of such rows are the price; they run
+        // beside the retaining pair's, in the same warpgroup step.  O is rescaled only when a row
+        // of the warp has a new maximum (H100 128K, 8 rounds in 4 calls: random 66.5-67.7 against
+        // 68.6-69.6 ms, s = 4 and 16 unchanged); the dense instance keeps the full update, since
+        // there the branch cost more than it saved (63.0 against 60.8-61.2 ms).
+        softmax_step_or_keep<NT, DT>(s, mx, p.scale_log2, pair_retain, m, l, acc);
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh)
           bound[0][hh] = rule::skip_bound_raw(m[0][hh] + __log2f(l[0][hh]), log_thr[0][hh], inv_scale);
-        softmax_rescale<1, DT>(alpha, acc);
 #pragma unroll
         for (int kk = 0; kk < BK / 16; ++kk) p_to_a<T, 1, NT>(s, 0, kk, pa[kk]);
         retained += pair_retain ? 1 : 0;

@@ -87,6 +87,49 @@ __device__ __forceinline__ void softmax_rescale(const float (&alpha)[MT][2], flo
       acc[mt][dt][3] *= alpha[mt][1];
     }
 }
+// softmax_step_or_keep: softmax_scores_or_keep and softmax_rescale in one step for one m16 block
+// (MT = 1), with alpha and the rescale of acc only when some row of the warp has a new maximum (a
+// warp-uniform branch): where no row's maximum grew, alpha is exactly 1 (or 0 on a row with no legal
+// key yet, whose l and acc are 0), so l + sum and acc are the bits that the full update gives.  On
+// long rows a warp's maximum seldom grows after its first tiles, so most tiles skip the 2 D / 4
+// multiplies and the two exponentials of alpha.
+template <int NT, int DT>
+__device__ __forceinline__ void softmax_step_or_keep(float (&s)[1][NT][4], const float (&tile_max_raw)[1][2],
+                                                     float scale_log2, bool keep, float (&m)[1][2], float (&l)[1][2],
+                                                     float (&acc)[1][DT][4]) {
+  float base[2], m_old[2];
+  bool grew = false;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    m_old[h] = m[0][h];
+    const float m_new = keep ? fmaxf(m_old[h], tile_max_raw[0][h] * scale_log2) : m_old[h];
+    grew |= m_new != m_old[h];
+    base[h] = !keep ? INFINITY : (m_new == -INFINITY ? 0.f : m_new);
+    m[0][h] = m_new;
+  }
+  float sum[2] = {0.f, 0.f};
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      float p = exp2f(fmaf(s[0][nt][e], scale_log2, -base[e >> 1]));
+      s[0][nt][e] = p;
+      sum[e >> 1] += p;
+    }
+  if (__any_sync(0xffffffffu, grew)) {
+    float alpha[1][2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      alpha[0][h] = keep ? exp2f(m_old[h] - (m[0][h] == -INFINITY ? 0.f : m[0][h])) : 1.f;
+      l[0][h] = fmaf(l[0][h], alpha[0][h], warp_sum_quad(sum[h]));
+    }
+    softmax_rescale<1, DT>(alpha, acc);
+  } else {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) l[0][h] += warp_sum_quad(sum[h]);
+  }
+}
+
 template <int MT, int NT, int DT>
 __device__ __forceinline__ void softmax_update(float (&s)[MT][NT][4], const float (&tile_max_raw)[MT][2],
                                                float scale_log2, float (&m)[MT][2], float (&l)[MT][2],
