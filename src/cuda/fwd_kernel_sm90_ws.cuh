@@ -19,8 +19,8 @@
 //     over the warpgroup); a warpgroup with a retaining pair computes P and O += P V, its warps
 //     on one path whatever their pair decided (a skipped pair's rows: P = 0, state kept, through
 //     softmax_step_or_keep, which rescales O only when a row's maximum grew; the dense instance
-//     branches and always rescales).  S of the next tile runs on the
-//     tensor cores while a tile is exponentiated (the tau > 0 instance votes before issuing it);
+//     branches and always rescales).  S of the next tile runs on the tensor cores while a tile is
+//     exponentiated (the tau > 0 instance issues it while its vote's barrier resolves);
 //     the dense instance also decides a tile while the previous tile's P V runs (the loops below
 //     say why only there).  The consumers issue no loads and never wait for each other, except
 //     through the rings' depth and when one needs the V of a tile the other has not decided yet.
@@ -226,18 +226,23 @@ __global__ void __launch_bounds__(384, 1)
     if (lane == 0) mbar_arrive(mb_empty_k + 8 * ring(t, NKB));
   };
   // Each tile in two steps:
-  //   decide(t, s): its scores complete in s: mask, row max, the test and the pair vote (tau > 0);
+  //   decide(t, s, between): its scores complete in s: mask, row max, the test and the pair vote
+  //     (tau > 0), with between() run after the vote's barrier and before its result is read (the
+  //     tau > 0 loop issues the next S there);
   //   finish(t, s, wait): P and O += P V issued and committed; waited for inside (Waited, the tau > 0
   //     loop) or left in flight (Overlap, the dense loop, which commits an empty group for a skipped
   //     tile so that its waits count the same groups).
   bool pair_retain = false, wg_any = false;
-  auto decide = [&](int t, STile& s) {
+  auto no_op = [] {};
+  auto decide = [&](int t, STile& s, auto&& between) {
     bool lane_retain = false;
     if (t <= wg_hi) {
       warp_mask_max<NT>(s, mx, t * BK, min_L_w, row_w, lane, Nq, Nk, p.causal);
       if constexpr (!kDense) lane_retain = lane_rows_block_skip_raw<1>(mx, bound);
     }
     if constexpr (kDense) {
+      (void)lane_retain;
+      between();
       pair_retain = t <= pair_hi;
       wg_any = t <= wg_hi;
     } else {
@@ -255,6 +260,7 @@ __global__ void __launch_bounds__(384, 1)
       // against 71.7-72.2 ms, s = 4 34.9-35.2 against 34.3-34.6, s = 16 30.7-31.0 against 30.1-30.3.
       // (The new maxima and alpha placed here too: ptxas sinks them behind the branch again.)
       quad_row_max<1>(mx);
+      between();
       // pair_retain is data below (softmax_scores_or_keep), not a branch: no vote for it.
       pair_retain = (cnt & (pair ? 31u : ~31u)) != 0u;
       wg_any = __any_sync(0xffffffffu, cnt != 0u);
@@ -347,7 +353,7 @@ __global__ void __launch_bounds__(384, 1)
     wgmma_wait<0>();
     s_done(sA);
     release_k(top);
-    decide(top, sA);
+    decide(top, sA, no_op);
     int t = top;
     for (; t >= 2; t -= 2) {
       issue_s(t - 1, sB);
@@ -356,7 +362,7 @@ __global__ void __launch_bounds__(384, 1)
       wgmma_wait<1>();
       s_done(sB);
       release_k(t - 1);
-      decide(t - 1, sB);
+      decide(t - 1, sB, no_op);
       wgmma_wait<0>();
       pv_done(t);
       issue_s(t - 2, sA);
@@ -365,7 +371,7 @@ __global__ void __launch_bounds__(384, 1)
       wgmma_wait<1>();
       s_done(sA);
       release_k(t - 2);
-      decide(t - 2, sA);
+      decide(t - 2, sA, no_op);
       wgmma_wait<0>();
       pv_done(t - 1);
     }
@@ -376,7 +382,7 @@ __global__ void __launch_bounds__(384, 1)
       wgmma_wait<1>();
       s_done(sB);
       release_k(0);
-      decide(0, sB);
+      decide(0, sB, no_op);
       wgmma_wait<0>();
       pv_done(1);
       finish(0, sB, Overlap{});
@@ -386,12 +392,16 @@ __global__ void __launch_bounds__(384, 1)
     wgmma_wait<0>();
     pv_done(0);
   } else if (n_tiles > 0) {
-    // tau > 0: per tile t, the vote first, with no wgmma in flight, then S(t - 1) issued, then
-    // finish(t) (its exponentials run while S(t - 1) is on the tensor cores) and its P V waited
-    // for.  Against S(t - 1) issued before the vote (H100 128K, two rounds in one call): s = 4
-    // 33.0-33.3 against 34.5 ms, s = 16 29.7-29.8 against 31.0-31.1, random 68.9-69.0 against
-    // 68.3.  (Choosing the order by the previous tile's decision, the loop twice as long: slower
-    // on every input.)
+    // tau > 0: per tile t, the vote first, with no wgmma in flight; S(t - 1) issued between the
+    // vote's barrier and the read of its result; then finish(t) (its exponentials run while
+    // S(t - 1) is on the tensor cores) and its P V waited for.  Against S(t - 1) issued before the
+    // vote (H100 128K, two rounds in one call): s = 4 33.0-33.3 against 34.5 ms, s = 16 29.7-29.8
+    // against 31.0-31.1, random 68.9-69.0 against 68.3.  Against S(t - 1) issued after the read
+    // (5 rounds in two calls): random 65.9-67.2 against 66.5-68.5 ms, s = 4 32.5-33.0 against
+    // 32.7-33.3, s = 16 29.1-29.5 against 29.5-30.1.  (Not kept: choosing the order by the
+    // previous tile's decision, the loop twice as long; the exponentials computed before the read
+    // after a retained tile, kept or dropped by the result (random 70.2-71.1 ms, s = 4 34.8-35.0);
+    // the loop orders in docs/kernels.md, twenty-second stop.)
     issue_s(top, sA);
     wgmma_commit();
     wgmma_wait<0>();
@@ -399,17 +409,19 @@ __global__ void __launch_bounds__(384, 1)
     release_k(top);
     int t = top;
     for (; t >= 2; t -= 2) {
-      decide(t, sA);
-      issue_s(t - 1, sB);
-      wgmma_commit();
+      decide(t, sA, [&] {
+        issue_s(t - 1, sB);
+        wgmma_commit();
+      });
       finish(t, sA, Waited{});
       v_release(t);
       wgmma_wait<0>();
       s_done(sB);
       release_k(t - 1);
-      decide(t - 1, sB);
-      issue_s(t - 2, sA);
-      wgmma_commit();
+      decide(t - 1, sB, [&] {
+        issue_s(t - 2, sA);
+        wgmma_commit();
+      });
       finish(t - 1, sB, Waited{});
       v_release(t - 1);
       wgmma_wait<0>();
@@ -417,19 +429,20 @@ __global__ void __launch_bounds__(384, 1)
       release_k(t - 2);
     }
     if (t == 1) {
-      decide(1, sA);
-      issue_s(0, sB);
-      wgmma_commit();
+      decide(1, sA, [&] {
+        issue_s(0, sB);
+        wgmma_commit();
+      });
       finish(1, sA, Waited{});
       v_release(1);
       wgmma_wait<0>();
       s_done(sB);
       release_k(0);
-      decide(0, sB);
+      decide(0, sB, no_op);
       finish(0, sB, Waited{});
       v_release(0);
     } else {
-      decide(0, sA);
+      decide(0, sA, no_op);
       finish(0, sA, Waited{});
       v_release(0);
     }
