@@ -261,7 +261,7 @@ __global__ void __launch_bounds__(384, 1)
       // (The new maxima and alpha placed here too: ptxas sinks them behind the branch again.)
       quad_row_max<1>(mx);
       between();
-      // pair_retain is data below (softmax_scores_or_keep), not a branch: no vote for it.
+      // pair_retain is data below (softmax_step_or_keep), not a branch: no vote for it.
       pair_retain = (cnt & (pair ? 31u : ~31u)) != 0u;
       wg_any = __any_sync(0xffffffffu, cnt != 0u);
       s_dec[8 * ring(t, R) + 4 * wg + wl] = (t << 1) | (wg_any ? 1 : 0);  // for the producer's V_t
