@@ -2,7 +2,8 @@
 # Per-instruction stall sampling of the forward kernels with Nsight Compute, on the GPU machine:
 #   bash scripts/ncu_fwd.sh BENCH_XZ_OR_BINARY [N]
 # Profiles one launch of the warp-specialized forward at tau = 0 and at tau = 1 (random inputs; the
-# fourth launch, past the benchmark's first runs, which record the tile mask) and writes, under $OUT,
+# benchmark's second launch of it, its untimed run that records the tile mask, so the kRecord
+# instance, which ncu names; the timed runs use the other one) and writes, under $OUT,
 # each report (.ncu-rep), its SASS with the sampled stall reasons per instruction (source page, CSV)
 # and its details page (CSV).  bench/results/mala_fwd_ncu_h100_tau.txt is a summary of two such runs.
 set -uo pipefail

@@ -27,6 +27,34 @@ __device__ __forceinline__ void softmax_init(float (&m)[MT][2], float (&l)[MT][2
   }
 }
 
+// The two halves of a tile's update, for one row and one m16 block, shared by the updates below:
+// softmax_row_max gives the row's new running maximum and the exponent base of its P (0 where no key
+// is legal yet; keep = false: the maximum stays and the base is +inf, so P = 0);
+// softmax_exponentiate turns s into P = exp2(s*scale_log2 - base) and sums this lane's part of
+// each row.
+__device__ __forceinline__ void softmax_row_max(float m_old, float tile_max_raw, float scale_log2, bool keep,
+                                                float& m_new, float& base) {
+  m_new = fmaxf(m_old, tile_max_raw * scale_log2);
+  base = m_new == -INFINITY ? 0.f : m_new;
+  if (!keep) {
+    m_new = m_old;
+    base = INFINITY;
+  }
+}
+template <int NT>
+__device__ __forceinline__ void softmax_exponentiate(float (&s)[NT][4], const float (&base)[2], float scale_log2,
+                                                     float (&sum)[2]) {
+  sum[0] = sum[1] = 0.f;
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      float p = exp2f(fmaf(s[nt][e], scale_log2, -base[e >> 1]));
+      s[nt][e] = p;
+      sum[e >> 1] += p;
+    }
+}
+
 // One retained tile: tile_max_raw[mt][h] is the quad-reduced raw row max of s (lane_row_max, then
 // quad_row_max).
 // softmax_scores updates m and l and turns s into P = exp2(s*scale_log2 - m_new), returning the
@@ -43,28 +71,15 @@ __device__ __forceinline__ void softmax_scores_or_keep(float (&s)[MT][NT][4], co
                                                        float (&l)[MT][2], float (&alpha)[MT][2]) {
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) {
-    float base[2];
+    float base[2], sum[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      float m_new = fmaxf(m[mt][h], tile_max_raw[mt][h] * scale_log2);
-      base[h] = m_new == -INFINITY ? 0.f : m_new;
-      alpha[mt][h] = exp2f(m[mt][h] - base[h]);
-      if (!keep) {
-        m_new = m[mt][h];
-        base[h] = INFINITY;
-        alpha[mt][h] = 1.f;
-      }
+      float m_new;
+      softmax_row_max(m[mt][h], tile_max_raw[mt][h], scale_log2, keep, m_new, base[h]);
+      alpha[mt][h] = keep ? exp2f(m[mt][h] - base[h]) : 1.f;
       m[mt][h] = m_new;
     }
-    float sum[2] = {0.f, 0.f};
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float p = exp2f(fmaf(s[mt][nt][e], scale_log2, -base[e >> 1]));
-        s[mt][nt][e] = p;
-        sum[e >> 1] += p;
-      }
+    softmax_exponentiate<NT>(s[mt], base, scale_log2, sum);
 #pragma unroll
     for (int h = 0; h < 2; ++h) l[mt][h] = fmaf(l[mt][h], alpha[mt][h], warp_sum_quad(sum[h]));
   }
@@ -97,30 +112,20 @@ template <int NT, int DT>
 __device__ __forceinline__ void softmax_step_or_keep(float (&s)[1][NT][4], const float (&tile_max_raw)[1][2],
                                                      float scale_log2, bool keep, float (&m)[1][2], float (&l)[1][2],
                                                      float (&acc)[1][DT][4]) {
-  float base[2], m_old[2];
+  float base[2], m_old[2], sum[2];
   bool grew = false;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     m_old[h] = m[0][h];
-    const float m_new = keep ? fmaxf(m_old[h], tile_max_raw[0][h] * scale_log2) : m_old[h];
-    grew |= m_new != m_old[h];
-    base[h] = !keep ? INFINITY : (m_new == -INFINITY ? 0.f : m_new);
-    m[0][h] = m_new;
+    softmax_row_max(m_old[h], tile_max_raw[0][h], scale_log2, keep, m[0][h], base[h]);
+    grew |= m[0][h] != m_old[h];
   }
-  float sum[2] = {0.f, 0.f};
-#pragma unroll
-  for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      float p = exp2f(fmaf(s[0][nt][e], scale_log2, -base[e >> 1]));
-      s[0][nt][e] = p;
-      sum[e >> 1] += p;
-    }
+  softmax_exponentiate<NT>(s[0], base, scale_log2, sum);
   if (__any_sync(0xffffffffu, grew)) {
     float alpha[1][2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      alpha[0][h] = keep ? exp2f(m_old[h] - (m[0][h] == -INFINITY ? 0.f : m[0][h])) : 1.f;
+      alpha[0][h] = keep ? exp2f(m_old[h] - base[h]) : 1.f;
       l[0][h] = fmaf(l[0][h], alpha[0][h], warp_sum_quad(sum[h]));
     }
     softmax_rescale<1, DT>(alpha, acc);
