@@ -20,8 +20,16 @@ for f in .carry/ab/*.xz; do
   xz -dc "$f" > "/tmp/ab/$name" && chmod +x "/tmp/ab/$name"
 done
 nvidia-smi --query-gpu=name,clocks.sm,power.draw,temperature.gpu --format=csv,noheader | tee "$out/device.txt"
+bins=(/tmp/ab/*)
 for r in $(seq 1 "$rounds"); do
-  for b in /tmp/ab/*; do
+  # Odd rounds in name order, even rounds reversed: a binary's place in the round (the GPU warms
+  # up along it) favours none of them over an even number of rounds.
+  order=("${bins[@]}")
+  if [ $((r % 2)) -eq 0 ]; then
+    order=()
+    for ((i = ${#bins[@]} - 1; i >= 0; --i)); do order+=("${bins[$i]}"); done
+  fi
+  for b in "${order[@]}"; do
     name=$(basename "$b")
     echo "== round $r: $name ${args[*]}" >> "$out/ab.log"
     "$b" "${args[@]}" >> "$out/ab.log" 2>&1 || echo "$name failed (exit $?)" | tee -a "$out/ab.log"

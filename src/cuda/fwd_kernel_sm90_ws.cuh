@@ -20,13 +20,11 @@
 //     on one path whatever their pair decided (a skipped pair's rows: P = 0, state kept, through
 //     softmax_step_or_keep, which rescales O only when a row's maximum grew; the dense instance
 //     branches and always rescales).  S of the next tile runs on the tensor cores while a tile is
-//     exponentiated (the tau > 0 instance issues it while its vote's barrier resolves);
-//     the dense instance also decides a tile while the previous tile's P V runs (the loops below
-//     say why only there).  The consumers issue no loads and never wait for each other, except
+//     exponentiated, and a tile is decided while the previous tile's P V runs (the tau > 0
+//     instance issues the next S while its vote's barrier resolves, and waits there for that P V
+//     before it reads the vote).  The consumers issue no loads and never wait for each other, except
 //     through the rings' depth and when one needs the V of a tile the other has not decided yet.
 #pragma once
-
-#include <type_traits>
 
 namespace mala {
 namespace cuda {
@@ -211,6 +209,9 @@ __global__ void __launch_bounds__(384, 1)
   float m[1][2], l[1][2], acc[1][DT][4];
   softmax_init<1, DT>(m, l, acc);
   float(&acc_flat)[D / 2] = *reinterpret_cast<float(*)[D / 2]>(&acc[0][0][0]);
+  // O's zeros pinned here, before the first S is issued: left free, ptxas sinks them to just before
+  // the tau > 0 loop's first P V, with an S in flight, and then serialises every wgmma (C7515).
+  if constexpr (!kDense) wgmma_fence_operands(acc_flat);
   int retained = 0;
   const uint32_t sQ = sbase + C::kOffQ + wg * QTile::kBytes;
   uint32_t qreg[KS][4];
@@ -260,10 +261,9 @@ __global__ void __launch_bounds__(384, 1)
   // Each tile in two steps:
   //   decide(t, s, between): its scores complete in s: mask, row max, the test and the pair vote
   //     (tau > 0), with between() run after the vote's barrier and before its result is read (the
-  //     tau > 0 loop issues the next S there);
-  //   finish(t, s, wait): P and O += P V issued and committed; waited for inside (Waited, the tau > 0
-  //     loop) or left in flight (Overlap, the dense loop, which commits an empty group for a skipped
-  //     tile so that its waits count the same groups).
+  //     tau > 0 loop issues the next S and waits for the previous P V there);
+  //   finish(t, s): P and O += P V issued, committed and left in flight (an empty group committed
+  //     for a skipped tile, so that the loops' waits count the same groups either way).
   bool pair_retain = false, wg_any = false;
   auto no_op = [] {};
   auto decide = [&](int t, STile& s, auto&& between) {
@@ -304,9 +304,7 @@ __global__ void __launch_bounds__(384, 1)
     if (kRecord && mask_row && lane == 0 && t <= pair_hi) mask_row[t] = pair_retain ? kTileRetained : kTileSkipped;
     stamp(t, kTlDecideEnd);
   };
-  // kWait: P V waited for inside finish (the tau > 0 loop), where ptxas sees it issued.
-  auto finish = [&](int t, STile& s, auto wait) {
-    constexpr bool kWait = decltype(wait)::value;
+  auto finish = [&](int t, STile& s) {
     const uint32_t vslot = ring(t, NVB);
     stamp(t, kTlFinishStart);
     if (wg_any) {
@@ -349,12 +347,7 @@ __global__ void __launch_bounds__(384, 1)
       for (int kk = 0; kk < BK / 16; ++kk) WgmmaRS<D, 1, T>::run(acc_flat, pa[kk], wgmma_desc_advance(dV, kk * 2048));
       wgmma_commit();
       stamp(t, kTlPvCommitted);
-      if constexpr (kWait) {
-        wgmma_wait<0>();
-        wgmma_fence_operands(acc_flat);
-        stamp(t, kTlPvDone);
-      }
-    } else if (!kWait) {
+    } else {
       wgmma_commit();  // the empty group
     }
   };
@@ -375,19 +368,13 @@ __global__ void __launch_bounds__(384, 1)
     stamp(t, kTlPvDone);
     v_release(t);
   };
-  using Overlap = std::false_type;
-  using Waited = std::true_type;
   auto s_done = [&](STile& s) { wgmma_fence_operands(*reinterpret_cast<SFlat*>(&s[0][0][0])); };
   if (n_tiles > 0 && kDense) {
     // The dense instance overlaps each tile's decide (mask and row max) with the previous tile's
     // P V: per tile t, S(t - 1) is issued, then finish(t) (its exponentials run while S(t - 1) is on
     // the tensor cores), and once S(t - 1) is complete, decide(t - 1) runs while P V(t) does (H100
-    // 128K, 4 rounds in two calls: 60.0-61.2 against 63.7-64.7 ms).  The tau > 0 instance keeps the
-    // loop below: with the overlap its random-input time did not move (66.5-67.4 against 66.2-67.6
-    // ms) and sparse inputs ran 8-12% slower, the S of a skipped tile's successor no longer
-    // overlapping its decide.  The vote's barrier is not what tau > 0 pays for: without it (one-warp
-    // decisions, no bound update, the dense producer and finish; valid only where every warp
-    // retains) random inputs still ran at 0.90x of dense (docs/kernels.md, twenty-first stop).
+    // 128K, 4 rounds in two calls: 60.0-61.2 against 63.7-64.7 ms).  The tau > 0 loop below is the
+    // same order with S(t - 2) issued inside decide(t - 1); here that cost the dense instance 2-4%.
     issue_s(top, sA);
     wgmma_commit();
     wgmma_wait<0>();
@@ -398,7 +385,7 @@ __global__ void __launch_bounds__(384, 1)
     for (; t >= 2; t -= 2) {
       issue_s(t - 1, sB);
       wgmma_commit();
-      finish(t, sA, Overlap{});
+      finish(t, sA);
       wgmma_wait<1>();
       s_done(sB);
       release_k(t - 1);
@@ -407,7 +394,7 @@ __global__ void __launch_bounds__(384, 1)
       pv_done(t);
       issue_s(t - 2, sA);
       wgmma_commit();
-      finish(t - 1, sB, Overlap{});
+      finish(t - 1, sB);
       wgmma_wait<1>();
       s_done(sA);
       release_k(t - 2);
@@ -418,74 +405,83 @@ __global__ void __launch_bounds__(384, 1)
     if (t == 1) {
       issue_s(0, sB);
       wgmma_commit();
-      finish(1, sA, Overlap{});
+      finish(1, sA);
       wgmma_wait<1>();
       s_done(sB);
       release_k(0);
       decide(0, sB, no_op);
       wgmma_wait<0>();
       pv_done(1);
-      finish(0, sB, Overlap{});
+      finish(0, sB);
     } else {
-      finish(0, sA, Overlap{});
+      finish(0, sA);
     }
     wgmma_wait<0>();
     pv_done(0);
   } else if (n_tiles > 0) {
-    // tau > 0: per tile t, the vote first, with no wgmma in flight; S(t - 1) issued between the
-    // vote's barrier and the read of its result; then finish(t) (its exponentials run while
-    // S(t - 1) is on the tensor cores) and its P V waited for.  Against S(t - 1) issued before the
-    // vote (H100 128K, two rounds in one call): s = 4 33.0-33.3 against 34.5 ms, s = 16 29.7-29.8
-    // against 31.0-31.1, random 68.9-69.0 against 68.3.  Against S(t - 1) issued after the read
-    // (5 rounds in two calls): random 65.9-67.2 against 66.5-68.5 ms, s = 4 32.5-33.0 against
-    // 32.7-33.3, s = 16 29.1-29.5 against 29.5-30.1.  (Not kept: choosing the order by the
-    // previous tile's decision, the loop twice as long; the exponentials computed before the read
-    // after a retained tile, kept or dropped by the result (random 70.2-71.1 ms, s = 4 34.8-35.0);
-    // the loop orders in docs/kernels.md, twenty-second stop.)
+    // tau > 0: the dense instance's order, with the vote's barrier resolving while S(t - 2) is
+    // issued and P V(t) completes.  Per tile t (decided; S(t - 1) in flight into s_n): finish(t) (its
+    // exponentials run while S(t - 1) is on the tensor cores, P V(t) left in flight), then
+    // decide(t - 1), whose between() issues S(t - 2) behind P V(t) and waits for P V(t) alone.  H100
+    // 128K, 4 rounds in one call, against the vote-first loop of the twenty-second stop (the vote
+    // before S(t - 1), P V waited for inside finish): random 60.5-61.0 against 66.3-66.8 ms (own
+    // tau = 0: 61.4-61.9), s = 4 32.4-32.9 against 32.8-33.0.  Waiting for P V(t) before S(t - 2)
+    // is issued instead: random 61.5-62.2 ms, s = 16 30.4-31.1 against 28.8-29.3.  (Earlier tries
+    // of this order waited for the vote's result and ran the quad max's shuffles before the P V
+    // wait, and ran no faster than the vote-first loop; docs/kernels.md, twenty-third stop.)  The
+    // same order in the dense instance: 62.8-63.3 ms against 60.6-61.9 for its loop above.
+    auto step = [&](int t, STile& s_t, STile& s_n) {  // t >= 2
+      finish(t, s_t);
+      wgmma_wait<1>();
+      s_done(s_n);
+      release_k(t - 1);
+      decide(t - 1, s_n, [&] {
+        issue_s(t - 2, s_t);
+        wgmma_commit();
+        wgmma_wait<1>();
+        pv_done(t);
+      });
+    };
+    auto step_to_0 = [&](STile& s_1, STile& s_0) {  // t = 1
+      finish(1, s_1);
+      wgmma_wait<1>();
+      s_done(s_0);
+      release_k(0);
+      decide(0, s_0, [&] {
+        wgmma_wait<0>();
+        pv_done(1);
+      });
+    };
     issue_s(top, sA);
     wgmma_commit();
     wgmma_wait<0>();
     s_done(sA);
     release_k(top);
-    int t = top;
-    for (; t >= 2; t -= 2) {
-      decide(t, sA, [&] {
-        issue_s(t - 1, sB);
-        wgmma_commit();
-      });
-      finish(t, sA, Waited{});
-      v_release(t);
-      wgmma_wait<0>();
-      s_done(sB);
-      release_k(t - 1);
-      decide(t - 1, sB, [&] {
-        issue_s(t - 2, sA);
-        wgmma_commit();
-      });
-      finish(t - 1, sB, Waited{});
-      v_release(t - 1);
-      wgmma_wait<0>();
-      s_done(sA);
-      release_k(t - 2);
-    }
-    if (t == 1) {
-      decide(1, sA, [&] {
-        issue_s(0, sB);
-        wgmma_commit();
-      });
-      finish(1, sA, Waited{});
-      v_release(1);
-      wgmma_wait<0>();
-      s_done(sB);
-      release_k(0);
-      decide(0, sB, no_op);
-      finish(0, sB, Waited{});
-      v_release(0);
-    } else {
+    if (top == 0) {
       decide(0, sA, no_op);
-      finish(0, sA, Waited{});
-      v_release(0);
+      finish(0, sA);
+    } else {
+      decide(top, sA, [&] {
+        issue_s(top - 1, sB);
+        wgmma_commit();
+      });
+      // Whole steps only (no wgmma under a branch inside the loop, which makes ptxas serialise them).
+      int t = top;
+      for (; t >= 3; t -= 2) {
+        step(t, sA, sB);
+        step(t - 1, sB, sA);
+      }
+      if (t == 2) {
+        step(2, sA, sB);
+        step_to_0(sB, sA);
+        finish(0, sA);
+      } else {
+        step_to_0(sA, sB);
+        finish(0, sB);
+      }
     }
+    wgmma_wait<0>();
+    pv_done(0);
   }
   fwd_epilogue<T, 1, DT>(p, sq, b, h, row_w, lane, m, l, acc, retained * BK);
 #endif
