@@ -269,8 +269,8 @@ __global__ void __launch_bounds__(256, 1) bwd_main_kernel_sm90(const BwdParams p
         // The same value on every lane already; through __any_sync ptxas knows it to be warp-uniform
         // (with the dO change below: H100, random tau = 1, 2 rounds in one call: 32K 0.962-0.964x of
         // tau = 0 against 0.945x, 128K 0.962-0.965x against 0.952-0.953x; s = 16 at 128K 94.7-95.6
-        // against 93.7-94.8 ms, s = 4 103.6-103.9 against 103.0-103.7; either change alone: random
-        // 0.94-0.96x, sparse up to 5% slower).
+        // against 93.7-94.8 ms, s = 4 103.6-103.9 against 103.0-103.7.  This alone: random 0.94-0.96x,
+        // sparse 2-3% slower; the dO change alone: random 0.957-0.967x, sparse 3-4% slower).
         retain = __any_sync(0xffffffffu, retain);
       }
       const bool q_late = t + 2 < n_iter;
