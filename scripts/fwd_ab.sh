@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # A/B of forward-kernel variants on the GPU machine, in one call: every benchmark binary staged in
 # .carry/ab/ (xz-compressed, NAME.xz; each a mala_bench built here, e.g. a variant selected by a
-# -D macro in CMAKE_CUDA_FLAGS) runs the same forward benchmark, the binaries alternating within
-# each round so that clock drift does not favour one of them.  Stage here:
+# -D macro in CMAKE_CUDA_FLAGS) runs the same benchmark (the forward by default; any mala_bench
+# flags, --op bwd too), the binaries alternating within each round so that clock drift does not
+# favour one of them.  Stage here:
 #   mkdir -p .carry/ab && xz -T2 -c build-x/bench/mala_bench > .carry/ab/x.xz
 # then on the GPU machine (device tool, carry [".carry/ab"]):
 #   bash scripts/fwd_ab.sh [ROUNDS] [mala_bench flags...]
-# Logs go to $OUT (or ab-logs/); the last lines printed are the table of every binary's rows.
+# Logs go to $OUT (or ab-logs/); the last lines printed are the table of every binary's forward rows
+# (backward rows, whose N is not the first column, are in ab.log under each "== round" line).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 rounds=${1:-2}

@@ -351,22 +351,19 @@ __global__ void __launch_bounds__(384, 1)
       wgmma_commit();  // the empty group
     }
   };
-  // After finish(t)'s group has completed: the V slot of tile t + 2 is given back.  Every warp gives
-  // back every tile's slot, once the producer has completed the tile's full barrier (so that a
-  // warpgroup that skips tiles cannot run a phase ahead of the producer's wait on the empty
-  // barrier), two tiles late (so that a warpgroup waits for the other's on-demand V only if it lags
-  // two tiles behind).
-  auto v_release = [&](int t) {
+  // Once finish(t)'s group has completed: O is final for the tile, and the V slot of tile t + 2 is
+  // given back.  Every warp gives back every tile's slot, once the producer has completed the tile's
+  // full barrier (so that a warpgroup that skips tiles cannot run a phase ahead of the producer's
+  // wait on the empty barrier), two tiles late (so that a warpgroup waits for the other's on-demand
+  // V only if it lags two tiles behind).
+  auto pv_done = [&](int t) {
+    wgmma_fence_operands(acc_flat);
+    stamp(t, kTlPvDone);
     if (t + 2 <= top) {
       const uint32_t rs = ring(t + 2, NVB);
       mbar_wait<true>(mb_full_v + 8 * rs, phase(t + 2, NVB));
       if (lane == 0) mbar_arrive(mb_empty_v + 8 * rs);
     }
-  };
-  auto pv_done = [&](int t) {
-    wgmma_fence_operands(acc_flat);
-    stamp(t, kTlPvDone);
-    v_release(t);
   };
   auto s_done = [&](STile& s) { wgmma_fence_operands(*reinterpret_cast<SFlat*>(&s[0][0][0])); };
   if (n_tiles > 0 && kDense) {

@@ -61,34 +61,24 @@ __device__ __forceinline__ void softmax_exponentiate(float (&s)[NT][4], const fl
 // factors alpha = exp2(m_old - m_new) that softmax_rescale applies to acc; kernels that overlap the
 // exponentials with an in-flight P V of the previous tile (fwd_kernel_sm90.cuh) rescale once that
 // P V has completed, the others at once (softmax_update).
-// softmax_scores_or_keep: the same, for a warp whose rows may belong to a skipped decision tile while
-// its warpgroup's P V runs anyway (the warp-specialized forward): keep = false turns s into P = 0
-// (base +inf) and leaves m and l bit for bit as they were (alpha = 1, l * 1 + 0), so one code path
-// serves both cases without a branch on the pair's decision.
 template <int MT, int NT>
-__device__ __forceinline__ void softmax_scores_or_keep(float (&s)[MT][NT][4], const float (&tile_max_raw)[MT][2],
-                                                       float scale_log2, bool keep, float (&m)[MT][2],
-                                                       float (&l)[MT][2], float (&alpha)[MT][2]) {
+__device__ __forceinline__ void softmax_scores(float (&s)[MT][NT][4], const float (&tile_max_raw)[MT][2],
+                                               float scale_log2, float (&m)[MT][2], float (&l)[MT][2],
+                                               float (&alpha)[MT][2]) {
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) {
     float base[2], sum[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       float m_new;
-      softmax_row_max(m[mt][h], tile_max_raw[mt][h], scale_log2, keep, m_new, base[h]);
-      alpha[mt][h] = keep ? exp2f(m[mt][h] - base[h]) : 1.f;
+      softmax_row_max(m[mt][h], tile_max_raw[mt][h], scale_log2, true, m_new, base[h]);
+      alpha[mt][h] = exp2f(m[mt][h] - base[h]);
       m[mt][h] = m_new;
     }
     softmax_exponentiate<NT>(s[mt], base, scale_log2, sum);
 #pragma unroll
     for (int h = 0; h < 2; ++h) l[mt][h] = fmaf(l[mt][h], alpha[mt][h], warp_sum_quad(sum[h]));
   }
-}
-template <int MT, int NT>
-__device__ __forceinline__ void softmax_scores(float (&s)[MT][NT][4], const float (&tile_max_raw)[MT][2],
-                                               float scale_log2, float (&m)[MT][2], float (&l)[MT][2],
-                                               float (&alpha)[MT][2]) {
-  softmax_scores_or_keep<MT, NT>(s, tile_max_raw, scale_log2, true, m, l, alpha);
 }
 template <int MT, int DT>
 __device__ __forceinline__ void softmax_rescale(const float (&alpha)[MT][2], float (&acc)[MT][DT][4]) {
@@ -102,8 +92,11 @@ __device__ __forceinline__ void softmax_rescale(const float (&alpha)[MT][2], flo
       acc[mt][dt][3] *= alpha[mt][1];
     }
 }
-// softmax_step_or_keep: softmax_scores_or_keep and softmax_rescale in one step for one m16 block
-// (MT = 1), with alpha and the rescale of acc only when some row of the warp has a new maximum (a
+// softmax_step_or_keep: softmax_scores and softmax_rescale in one step for one m16 block (MT = 1),
+// for a warp whose rows may belong to a skipped decision tile while its warpgroup's P V runs anyway
+// (the warp-specialized forward): keep = false turns s into P = 0 (base +inf) and leaves m, l and
+// acc bit for bit as they were, so one code path serves both cases without a branch on the pair's
+// decision.  alpha and the rescale of acc run only when some row of the warp has a new maximum (a
 // warp-uniform branch): where no row's maximum grew, alpha is exactly 1 (or 0 on a row with no legal
 // key yet, whose l and acc are 0), so l + sum and acc are the bits that the full update gives.  On
 // long rows a warp's maximum seldom grows after its first tiles, so most tiles skip the 2 D / 4
