@@ -1,5 +1,6 @@
 // CUDA backward (issue 3): host side of the fused MALA backward.
-//   1. preprocess kernel: D = rowsum(dO * O) (fp32) into the workspace, bwd_slots zeroed; the fp32 dQ
+//   1. preprocess kernel: D = rowsum(dO * O) (fp32) into the workspace, lse in log2 units and (tau >
+//      0) each row's skip bound on raw scores beside it, bwd_slots zeroed; the fp32 dQ
 //      accumulator (and the dK/dV accumulators when used) zeroed with cudaMemsetAsync.
 //   2. the fused key-major kernel (bwd_kernel.cuh), one instantiation per (dtype, head dim).
 //   3. convert kernel: dQ (and dK/dV when they went through the fp32 workspace) in the input dtype.
@@ -65,7 +66,7 @@ struct Plan {
   int64_t rows_q_cap = 0, rows_k_cap = 0;
   int heads_per_cta = 1, head_splits = 1;
   bool kv_atomic = false;
-  size_t off_dsum = 0, off_lse2 = 0, off_dq = 0, off_dk = 0, off_dv = 0, bytes = 0;
+  size_t off_dsum = 0, off_lse2 = 0, off_bound2 = 0, off_dq = 0, off_dk = 0, off_dv = 0, bytes = 0;
 };
 
 size_t align_up(size_t x) { return (x + 255) & ~static_cast<size_t>(255); }
@@ -109,6 +110,10 @@ Plan make_plan(const BackwardArgs& a) {
     pl.off_dv = off;
     off = align_up(off + sizeof(float) * static_cast<size_t>(a.heads_kv * pl.rows_k_cap) * d);
   }
+  // Last, so that the accumulators keep their offsets (the dQ accumulator's placement alone moved
+  // the backward by up to 12%: bench_backward.cu).
+  pl.off_bound2 = off;
+  off = align_up(off + sizeof(float) * static_cast<size_t>(a.heads_q * pl.rows_q_cap));
   pl.bytes = off;
   return pl;
 }
@@ -133,10 +138,15 @@ struct RowParams {
   Str o_s, do_s, dst_s;
   float* dsum;
   float* lse2;        // preprocess: lse * log2(e), -inf -> 0, in dsum's layout
+  float* bound2;      // preprocess, tau > 0 (else null): the row's skip bound on raw scores, dsum's layout
   const float* lse;   // preprocess: the forward's lse [B, H, N] or [H, total]
   int32_t* slots;
   const int32_t* cu;  // varlen when non-null
+  const int32_t* cu_k;  // preprocess, varlen: the key offsets (for the rows' L_q)
   int batch, seqlen, heads;
+  int seqlen_k;       // preprocess: keys per sequence (dense layout)
+  bool causal;        // preprocess
+  float log2_tau, inv_scale_log2;  // preprocess, tau > 0
   int64_t rows_cap;
   float mul;
 };
@@ -147,6 +157,28 @@ __device__ __forceinline__ int64_t rp_total(const RowParams& p) {
 __device__ __forceinline__ int64_t rp_offset(const RowParams& p, const Str& s, int64_t g, int h) {
   if (p.cu) return g * s.r + h * s.h;
   return (g / p.seqlen) * s.b + (g % p.seqlen) * s.r + h * s.h;
+}
+
+// The offline test of row g solved for the raw score (rule::skip_bound_raw): a tile's entries of the
+// row allow the skip iff none exceeds this bound, so the wgmma kernel compares its raw S^T against it
+// and scales only retained tiles.  A row without legal keys gets +inf (it never blocks a skip).
+__device__ __forceinline__ float bwd_row_skip_bound(const RowParams& p, int64_t g, float l2) {
+  int r, qlen = p.seqlen, klen = p.seqlen_k;
+  if (p.cu) {
+    int lo = 0, hi = p.batch;  // the sequence b with cu[b] <= g < cu[b + 1]
+    while (hi - lo > 1) {
+      const int mid = (lo + hi) / 2;
+      if (p.cu[mid] <= g) lo = mid; else hi = mid;
+    }
+    r = static_cast<int>(g - p.cu[lo]);
+    qlen = p.cu[lo + 1] - p.cu[lo];
+    klen = p.cu_k[lo + 1] - p.cu_k[lo];
+  } else {
+    r = static_cast<int>(g % p.seqlen);
+  }
+  const int L = rule::visible_keys(r, qlen, klen, p.causal);
+  if (L <= 0) return INFINITY;
+  return rule::skip_bound_raw(l2, rule::log_threshold(p.log2_tau, __log2f(static_cast<float>(L))), p.inv_scale_log2);
 }
 
 template <typename T, int D>
@@ -177,7 +209,9 @@ __global__ void bwd_preprocess_kernel(const RowParams p) {
     // The main kernel's offline test and P = exp2(S - lse2) read this: converted once per row instead
     // of once per visited tile (and finite, so the test needs no -inf case).
     const float l2 = p.lse[idx] * 1.4426950408889634f;
-    p.lse2[h * p.rows_cap + g] = l2 == -INFINITY ? 0.f : l2;
+    const float l2f = l2 == -INFINITY ? 0.f : l2;
+    p.lse2[h * p.rows_cap + g] = l2f;
+    if (p.bound2) p.bound2[h * p.rows_cap + g] = bwd_row_skip_bound(p, g, l2f);
     if (p.slots) p.slots[idx] = 0;
   }
 }
@@ -215,6 +249,7 @@ cudaError_t run_typed(const BackwardArgs& a, const Plan& pl, char* ws, cudaStrea
             dvs = resolve(a.dv_strides, a.seqlen_k, a.heads_kv, d);
   float* dsum = reinterpret_cast<float*>(ws + pl.off_dsum);
   float* lse2 = reinterpret_cast<float*>(ws + pl.off_lse2);
+  float* bound2 = reinterpret_cast<float*>(ws + pl.off_bound2);
   float* dq_acc = reinterpret_cast<float*>(ws + pl.off_dq);
   float* dk_acc = pl.kv_atomic ? reinterpret_cast<float*>(ws + pl.off_dk) : nullptr;
   float* dv_acc = pl.kv_atomic ? reinterpret_cast<float*>(ws + pl.off_dv) : nullptr;
@@ -240,6 +275,12 @@ cudaError_t run_typed(const BackwardArgs& a, const Plan& pl, char* ws, cudaStrea
   rq.do_s = dos;
   rq.dsum = dsum;
   rq.lse2 = lse2;
+  rq.bound2 = a.tau > 0.f ? bound2 : nullptr;
+  rq.cu_k = a.cu_seqlens_k;
+  rq.seqlen_k = static_cast<int>(a.seqlen_k);
+  rq.causal = a.causal;
+  rq.log2_tau = a.tau > 0.f ? std::log2(a.tau) : -INFINITY;
+  rq.inv_scale_log2 = 1.0f / (scale * 1.4426950408889634f);
   rq.lse = a.lse;
   rq.slots = a.bwd_slots;
   rq.cu = a.cu_seqlens_q;
@@ -288,6 +329,7 @@ cudaError_t run_typed(const BackwardArgs& a, const Plan& pl, char* ws, cudaStrea
   p.log2_tau = a.tau > 0.f ? std::log2(a.tau) : -INFINITY;
   p.dsum = dsum;
   p.lse2 = lse2;
+  p.bound2 = bound2;
   p.dq_acc = dq_acc;
   p.dk_acc = dk_acc;
   p.dv_acc = dv_acc;

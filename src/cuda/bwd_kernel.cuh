@@ -147,6 +147,19 @@ __device__ __forceinline__ void bwd_load_lse_thr(const BwdParams& p, const BwdWo
     }
   }
 }
+// The wgmma kernel's variant: lse and, when BOUND, the raw-score skip bound (both by cp.async; rows
+// past `valid` read 0, and every entry of those rows is masked to -inf, which no bound blocks).
+template <int BQ, bool BOUND>
+__device__ __forceinline__ void bwd_load_lse_bound(const BwdParams& p, const BwdWork& w, int h, int r0, int valid,
+                                                   uint32_t lse_dst, uint32_t bound_dst) {
+  const int tid = threadIdx.x;
+  if (tid < BQ) {
+    const bool ok = tid < valid;
+    const int64_t at = h * p.rows_q_cap + w.qrow0 + r0 + tid;
+    bwd_cp_async_4(lse_dst + tid * 4, ok ? p.lse2 + at : p.lse2, ok);
+    if (BOUND) bwd_cp_async_4(bound_dst + tid * 4, ok ? p.bound2 + at : p.bound2, ok);
+  }
+}
 template <int BQ>
 __device__ __forceinline__ void bwd_load_dsum(const BwdParams& p, const BwdWork& w, int h, int r0, int valid,
                                               uint32_t dst) {

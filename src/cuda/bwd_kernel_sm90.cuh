@@ -16,7 +16,10 @@
 //   dS^T -> shared memory; at the next iteration (after its top barrier, so no extra barrier):
 //   dQ[:, 64g..64g+63] += dS K   m64n64, A = dS (MN-major: dS^T is stored [key][q]), B = K (MN-major)
 //   (d = 64: warpgroup g adds dS[:, its keys] K[its keys] to all 64 columns instead)
-// A tile skipped by the test (tau > 0) stops after S^T.  Shared-memory tiles use the 128-byte swizzle
+// A tile skipped by the test (tau > 0) stops after S^T, which it compares raw against each query
+// row's bound (rule::skip_bound_raw, written by the preprocess kernel): unscaled, and masked only when
+// it crosses the diagonal or an end (measured: 557 instructions per warp and skipped tile before,
+// bench/results/mala_bwd_ab_h100_raw_bound.txt).  Shared-memory tiles use the 128-byte swizzle
 // wgmma reads (GmmaTile); loads are cp.async with the mma.sync kernel's pipeline (3 Q stages, dO only
 // for retained tiles plus a speculative dO of the next), made visible to the tensor cores' async proxy
 // by fence.proxy.async before the barrier.
@@ -45,8 +48,8 @@ struct BwdSm90 {
   static constexpr int kOffDO = kOffQ + kQStages * QTile::kBytes;   // 2 stages
   static constexpr int kOffDS = kOffDO + 2 * QTile::kBytes;         // 2 buffers
   static constexpr int kOffLse = kOffDS + 2 * STile::kBytes;        // [kQStages][BQ], log2 units
-  static constexpr int kOffThr = kOffLse + kQStages * BQ * 4;       // [kQStages][BQ], log2(tau / L_q)
-  static constexpr int kOffDsum = kOffThr + kQStages * BQ * 4;      // [2][BQ]
+  static constexpr int kOffBound = kOffLse + kQStages * BQ * 4;     // [kQStages][BQ], raw-score skip bound
+  static constexpr int kOffDsum = kOffBound + kQStages * BQ * 4;    // [2][BQ]
   static constexpr int kOffMbar = kOffDsum + 2 * BQ * 4;            // 2 x u64 mbarrier (vote)
   static constexpr int kOffVote = kOffMbar + 16;                    // 2 x u32 flags
   static constexpr int kBytes = kOffVote + 16;
@@ -77,15 +80,15 @@ __global__ void __launch_bounds__(256, 1) bwd_main_kernel_sm90(const BwdParams p
   const uint32_t sK = sbase + KC::kOffK, sV = sbase + KC::kOffV, sQ = sbase + KC::kOffQ, sDO = sbase + KC::kOffDO,
                  sDS = sbase + KC::kOffDS;
   const float* lse_s = reinterpret_cast<const float*>(smem + KC::kOffLse);
-  const float* thr_s = reinterpret_cast<const float*>(smem + KC::kOffThr);
+  const float* bound_s = reinterpret_cast<const float*>(smem + KC::kOffBound);
   const float* dsum_s = reinterpret_cast<const float*>(smem + KC::kOffDsum);
 
   auto load_q = [&](int t, int stage) {
     const int h = w.head(t), r0 = w.q_tile(t) * BQ, valid = min(BQ, qlen - r0);
     QTile::load_async<KC::kThreads>(sQ + stage * QTile::kBytes, q_base + static_cast<int64_t>(r0) * p.q_r + h * p.q_h,
                                     p.q_r, valid, tid);
-    bwd_load_lse_thr<BQ, !TAU0>(p, w, h, r0, valid, sbase + KC::kOffLse + stage * BQ * 4,
-                               reinterpret_cast<float*>(smem + KC::kOffThr) + stage * BQ);
+    bwd_load_lse_bound<BQ, !TAU0>(p, w, h, r0, valid, sbase + KC::kOffLse + stage * BQ * 4,
+                                  sbase + KC::kOffBound + stage * BQ * 4);
   };
   auto load_do = [&](int t, int stage) {
     const int h = w.head(t), r0 = w.q_tile(t) * BQ, valid = min(BQ, qlen - r0);
@@ -211,48 +214,62 @@ __global__ void __launch_bounds__(256, 1) bwd_main_kernel_sm90(const BwdParams p
       }
       wgmma_fence_operands(s);
 
-      // Scale to log2 units and mask.
       const bool need_mask = (q0 + BQ > qlen) || (kb + BK > klen) || (p.causal && kb + BK - 1 > q0 + klen - qlen);
       const float* lse_t = lse_s + qs * BQ;
+      if constexpr (TAU0) {
+        // Scale to log2 units and mask.
 #pragma unroll
-      for (int n = 0; n < 8; ++n)
+        for (int n = 0; n < 8; ++n)
 #pragma unroll
-        for (int c = 0; c < 2; ++c) {
-          int L = BK + kb;
-          if (need_mask) {
+          for (int c = 0; c < 2; ++c) {
+            int L = BK + kb;
+            if (need_mask) {
+              const int qr = q0 + n * 8 + 2 * tig + c;
+              L = qr < qlen ? rule::visible_keys(qr, qlen, klen, p.causal) : 0;
+            }
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh) {
+              const int e = 4 * n + 2 * hh + c;
+              float x = s[e] * p.scale_log2;
+              if (need_mask && kb + krow + hh * 8 >= L) x = -INFINITY;
+              s[e] = x;
+            }
+          }
+      } else if (need_mask) {
+        // tau > 0 tests raw scores and scales only a retained tile's (below); the mask is a branch of
+        // its own, taken by the tiles that cross the diagonal or an end only: written into the scaling
+        // loop, ptxas computed it for every tile (a third of the skip path's instructions).
+        // Entry 4n + 2hh + c: key krow + 8hh, query row q0 + 8n + 2tig + c.
+#pragma unroll
+        for (int n = 0; n < 8; ++n)
+#pragma unroll
+          for (int c = 0; c < 2; ++c) {
             const int qr = q0 + n * 8 + 2 * tig + c;
-            L = qr < qlen ? rule::visible_keys(qr, qlen, klen, p.causal) : 0;
-          }
+            const int L = qr < qlen ? rule::visible_keys(qr, qlen, klen, p.causal) : 0;
 #pragma unroll
-          for (int hh = 0; hh < 2; ++hh) {
-            const int e = 4 * n + 2 * hh + c;
-            float x = s[e] * p.scale_log2;
-            if (need_mask && kb + krow + hh * 8 >= L) x = -INFINITY;
-            s[e] = x;
+            for (int hh = 0; hh < 2; ++hh)
+              if (kb + krow + hh * 8 >= L) s[4 * n + 2 * hh + c] = -INFINITY;
           }
-        }
+      }
       bool retain = true;
       // After a retained tile (dp_early), P = exp2(S - lse) is computed before the vote, so that the
-      // exponentials overlap the test and the vote; the test then reads S - lse, which rounds to the
-      // same value as max(S) - lse (subtracting lse is monotone), so the decision is the same.
+      // exponentials overlap the test and the vote.
       constexpr bool p_early = dp_early && !TAU0;
       if (!TAU0) {
-        // The offline test on the max of this thread's two entries per query, then the CTA vote.
-        const float* thr_t = thr_s + qs * BQ;
+        // The offline test on the max of this thread's two raw entries per query against the row's
+        // bound (rule::skip_bound_raw, from the preprocess kernel), then the CTA vote.
+        const float* bound_t = bound_s + qs * BQ;
         bool allow = true;
 #pragma unroll
         for (int n = 0; n < 8; ++n)
 #pragma unroll
           for (int c = 0; c < 2; ++c) {
             const int col = n * 8 + 2 * tig + c;
+            allow &= rule::row_allows_skip_raw(fmaxf(s[4 * n + c], s[4 * n + 2 + c]), bound_t[col]);
             if constexpr (p_early) {
               const float l2 = lse_t[col];
-              const float xa = s[4 * n + c] - l2, xb = s[4 * n + 2 + c] - l2;
-              allow &= rule::row_allows_skip_finite_norm(fmaxf(xa, xb), 0.f, thr_t[col]);
-              s[4 * n + c] = exp2f(xa);
-              s[4 * n + 2 + c] = exp2f(xb);
-            } else {
-              allow &= rule::row_allows_skip_finite_norm(fmaxf(s[4 * n + c], s[4 * n + 2 + c]), lse_t[col], thr_t[col]);
+              s[4 * n + c] = exp2f(s[4 * n + c] * p.scale_log2 - l2);
+              s[4 * n + 2 + c] = exp2f(s[4 * n + 2 + c] * p.scale_log2 - l2);
             }
           }
         // bwd_vote, written out: calling the shared function (and bwd_issue_retained below) measured
@@ -317,13 +334,14 @@ __global__ void __launch_bounds__(256, 1) bwd_main_kernel_sm90(const BwdParams p
       do_ready = spec;
       // P = exp2(S - lse) while dP^T is computed (unless it was computed before the vote).
       if constexpr (!p_early) {
+        const float scale = TAU0 ? 1.f : p.scale_log2;  // tau = 0 scaled with the mask
 #pragma unroll
         for (int n = 0; n < 8; ++n)
 #pragma unroll
           for (int c = 0; c < 2; ++c) {
             const float l2 = lse_t[n * 8 + 2 * tig + c];
-            s[4 * n + c] = exp2f(s[4 * n + c] - l2);
-            s[4 * n + 2 + c] = exp2f(s[4 * n + 2 + c] - l2);
+            s[4 * n + c] = exp2f(s[4 * n + c] * scale - l2);
+            s[4 * n + 2 + c] = exp2f(s[4 * n + 2 + c] * scale - l2);
           }
       }
       wgmma_wait<0>();

@@ -51,6 +51,7 @@ struct BwdParams {
   // dk_acc/dv_acc: [heads_kv, rows_k_cap, d] or null (direct dK/dV stores).
   float* dsum;
   float* lse2;           // [heads_q, rows_q_cap]: lse in log2 units, -inf -> 0 (preprocess kernel)
+  float* bound2;         // [heads_q, rows_q_cap], tau > 0: the test's bound on raw scores (preprocess kernel)
   float* dq_acc;
   float* dk_acc;
   float* dv_acc;
