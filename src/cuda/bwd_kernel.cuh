@@ -72,6 +72,20 @@ struct BwdWork {
   int64_t qrow0, krow0, total_q;
   __device__ __forceinline__ int head(int t) const { return h0 + t / n_iq; }
   __device__ __forceinline__ int q_tile(int t) const { return i_start + t % n_iq; }
+  // Iteration t's (head, query tile) in one word (head << 16 | query tile; n_q_tiles < 65536, which
+  // launch_bwd_main checks), for the wgmma kernel, which steps from one to the next (next) instead of
+  // dividing by n_iq (head(t), q_tile(t)).
+  struct Tile {
+    uint32_t v;
+    __device__ __forceinline__ int h() const { return static_cast<int>(v >> 16); }
+    __device__ __forceinline__ int qi() const { return static_cast<int>(v & 0xffffu); }
+  };
+  __device__ __forceinline__ Tile tile(int t) const {
+    return {static_cast<uint32_t>(head(t)) << 16 | static_cast<uint32_t>(q_tile(t))};
+  }
+  __device__ __forceinline__ Tile next(Tile x) const {
+    return x.qi() + 1 < i_start + n_iq ? Tile{x.v + 1} : Tile{(x.v & 0xffff0000u) + 0x10000u + i_start};
+  }
   // (query head h, row) in lse and bwd_slots: [B, Hq, Nq], or [Hq, total rows] for varlen.
   __device__ __forceinline__ int64_t row_index(const BwdParams& p, int h, int row) const {
     return varlen ? h * total_q + qrow0 + row : (static_cast<int64_t>(b) * p.heads_q + h) * p.seqlen_q + row;
@@ -653,7 +667,8 @@ cudaError_t launch_bwd_main_sm90(const BwdParams& p, cudaStream_t stream);
 template <typename T, int D>
 cudaError_t launch_bwd_main(const BwdParams& p, cudaStream_t stream) {
   if constexpr (D == 64 || D == 128) {
-    if (bwd_use_sm90<T, D>()) return launch_bwd_main_sm90<T, D>(p, stream);
+    // (BwdWork::Tile packs a head and a query tile into 16 bits each.)
+    if (p.n_q_tiles < 65536 && p.heads_q < 65536 && bwd_use_sm90<T, D>()) return launch_bwd_main_sm90<T, D>(p, stream);
   }
   using KC = BwdKernel<T, D>;
   const int smem = KC::smem_bytes(p.q_stages);

@@ -52,7 +52,8 @@ struct BwdSm90 {
   static constexpr int kOffDsum = kOffBound + kQStages * BQ * 4;    // [2][BQ]
   static constexpr int kOffMbar = kOffDsum + 2 * BQ * 4;            // 2 x u64 mbarrier (vote)
   static constexpr int kOffVote = kOffMbar + 16;                    // 2 x u32 flags
-  static constexpr int kBytes = kOffVote + 16;
+  static constexpr int kOffTile = kOffVote + 16;                    // [kQStages] BwdWork::Tile of each Q stage
+  static constexpr int kBytes = kOffTile + 16;
   static constexpr int kSmem = kBytes + 1024;  // slack to align the base to 1024 bytes
 };
 
@@ -83,15 +84,21 @@ __global__ void __launch_bounds__(256, 1) bwd_main_kernel_sm90(const BwdParams p
   const float* bound_s = reinterpret_cast<const float*>(smem + KC::kOffBound);
   const float* dsum_s = reinterpret_cast<const float*>(smem + KC::kOffDsum);
 
-  auto load_q = [&](int t, int stage) {
-    const int h = w.head(t), r0 = w.q_tile(t) * BQ, valid = min(BQ, qlen - r0);
+  // The tile of each Q stage, written by thread 0 with its load and read after a later top barrier:
+  // each iteration finds its own tile and the next one there (t + 2's is w.next of t + 1's), so no
+  // tile is carried in registers and none is divided out of t (the divisions cost the dense instance
+  // 6%; carried in registers, the tiles spilled in the tau > 0 instance: docs/kernels.md).
+  uint32_t* tile_s = reinterpret_cast<uint32_t*>(smem + KC::kOffTile);
+  auto load_q = [&](BwdWork::Tile x, int stage) {
+    if (tid == 0) tile_s[stage] = x.v;
+    const int h = x.h(), r0 = x.qi() * BQ, valid = min(BQ, qlen - r0);
     QTile::load_async<KC::kThreads>(sQ + stage * QTile::kBytes, q_base + static_cast<int64_t>(r0) * p.q_r + h * p.q_h,
                                     p.q_r, valid, tid);
     bwd_load_lse_bound<BQ, !TAU0>(p, w, h, r0, valid, sbase + KC::kOffLse + stage * BQ * 4,
                                   sbase + KC::kOffBound + stage * BQ * 4);
   };
-  auto load_do = [&](int t, int stage) {
-    const int h = w.head(t), r0 = w.q_tile(t) * BQ, valid = min(BQ, qlen - r0);
+  auto load_do = [&](BwdWork::Tile x, int stage) {
+    const int h = x.h(), r0 = x.qi() * BQ, valid = min(BQ, qlen - r0);
     QTile::load_async<KC::kThreads>(sDO + stage * QTile::kBytes,
                                     do_base + static_cast<int64_t>(r0) * p.do_r + h * p.do_h, p.do_r, valid, tid);
     bwd_load_dsum<BQ>(p, w, h, r0, valid, sbase + KC::kOffDsum + stage * BQ * 4);
@@ -151,13 +158,14 @@ __global__ void __launch_bounds__(256, 1) bwd_main_kernel_sm90(const BwdParams p
   // only for a retained tile, and dO_{t+1} speculatively when tile t is retained.
   bool do_ready = false;
   if (n_iter > 0) {
-    load_q(0, 0);
+    const BwdWork::Tile first = w.tile(0);
+    load_q(first, 0);
     cp_async_commit();
-    load_do(0, 0);
+    load_do(first, 0);
     cp_async_commit();
     do_ready = true;
     if (n_iter > 1) {
-      load_q(1, 1);
+      load_q(w.next(first), 1);
       cp_async_commit();
     }
   }
@@ -167,7 +175,6 @@ __global__ void __launch_bounds__(256, 1) bwd_main_kernel_sm90(const BwdParams p
   const int krow = 64 * wg + 16 * wl + gid;  // this thread's first key row in the tile (+8: second)
   for (int t = 0; t < n_iter; ++t) {
     const int st = t & 1, qs = t % NQS;
-    const int h = w.head(t), q0 = w.q_tile(t) * BQ;
     if (t + 1 < n_iter)
       cp_async_wait<1>();  // Q_{t+1} may stay in flight
     else
@@ -175,6 +182,13 @@ __global__ void __launch_bounds__(256, 1) bwd_main_kernel_sm90(const BwdParams p
     fence_proxy_async_smem();
     __syncthreads();  // Q_t (and dO_t when prefetched) visible; older stages and dS^T buffer st free
     if (!TAU0 && tid == 0) vote_s[st ^ 1] = 0u;
+    // The tiles of this iteration and the next (both words written before this barrier, with their Q
+    // loads), read where they are used: volatile, so that ptxas reloads them rather than holding
+    // them in registers across the step (which spilled).
+    auto tile_of = [&](int stage) { return BwdWork::Tile{*reinterpret_cast<volatile uint32_t*>(tile_s + stage)}; };
+    const int qs1 = qs == NQS - 1 ? 0 : qs + 1;
+    const BwdWork::Tile x0 = tile_of(qs);
+    const int h = x0.h(), q0 = x0.qi() * BQ;
     if (recording && t > 0) record(t - 1, last_retain);
     if (pend) {
       do_dq(pend_h, pend_q0, pend_buf);
@@ -216,29 +230,10 @@ __global__ void __launch_bounds__(256, 1) bwd_main_kernel_sm90(const BwdParams p
 
       const bool need_mask = (q0 + BQ > qlen) || (kb + BK > klen) || (p.causal && kb + BK - 1 > q0 + klen - qlen);
       const float* lse_t = lse_s + qs * BQ;
-      if constexpr (TAU0) {
-        // Scale to log2 units and mask.
-#pragma unroll
-        for (int n = 0; n < 8; ++n)
-#pragma unroll
-          for (int c = 0; c < 2; ++c) {
-            int L = BK + kb;
-            if (need_mask) {
-              const int qr = q0 + n * 8 + 2 * tig + c;
-              L = qr < qlen ? rule::visible_keys(qr, qlen, klen, p.causal) : 0;
-            }
-#pragma unroll
-            for (int hh = 0; hh < 2; ++hh) {
-              const int e = 4 * n + 2 * hh + c;
-              float x = s[e] * p.scale_log2;
-              if (need_mask && kb + krow + hh * 8 >= L) x = -INFINITY;
-              s[e] = x;
-            }
-          }
-      } else if (need_mask) {
-        // tau > 0 tests raw scores and scales only a retained tile's (below); the mask is a branch of
-        // its own, taken by the tiles that cross the diagonal or an end only: written into the scaling
-        // loop, ptxas computed it for every tile (a third of the skip path's instructions).
+      if (need_mask) {
+        // Masked entries -inf: a branch of its own, taken only by the tiles that cross the diagonal or
+        // an end (written into a loop over every tile, ptxas computed the mask for every tile).  The
+        // scores stay raw: tau > 0 tests them raw, and P = exp2(S scale - lse) scales them.
         // Entry 4n + 2hh + c: key krow + 8hh, query row q0 + 8n + 2tig + c.
 #pragma unroll
         for (int n = 0; n < 8; ++n)
@@ -295,7 +290,7 @@ __global__ void __launch_bounds__(256, 1) bwd_main_kernel_sm90(const BwdParams p
       if (!retain) {
         if constexpr (dp_early) wgmma_wait<0>();  // its reads of V and dO_t end before the next loads
         if (q_late) {
-          load_q(t + 2, (t + 2) % NQS);
+          load_q(w.next(tile_of(qs1)), (t + 2) % NQS);
           cp_async_commit();
         }
         do_ready = false;
@@ -308,16 +303,16 @@ __global__ void __launch_bounds__(256, 1) bwd_main_kernel_sm90(const BwdParams p
       const bool had_do = dp_early || do_ready;
       if (!TAU0) {
         if (!had_do) {
-          load_do(t, st);
+          load_do(tile_of(qs), st);
           cp_async_commit();
         }
       }
       if (spec) {
-        load_do(t + 1, st ^ 1);
+        load_do(tile_of(qs1), st ^ 1);
         cp_async_commit();
       }
       if (q_late) {
-        load_q(t + 2, (t + 2) % NQS);
+        load_q(w.next(tile_of(qs1)), (t + 2) % NQS);
         cp_async_commit();
       }
       if (!TAU0) {
@@ -334,14 +329,13 @@ __global__ void __launch_bounds__(256, 1) bwd_main_kernel_sm90(const BwdParams p
       do_ready = spec;
       // P = exp2(S - lse) while dP^T is computed (unless it was computed before the vote).
       if constexpr (!p_early) {
-        const float scale = TAU0 ? 1.f : p.scale_log2;  // tau = 0 scaled with the mask
 #pragma unroll
         for (int n = 0; n < 8; ++n)
 #pragma unroll
           for (int c = 0; c < 2; ++c) {
             const float l2 = lse_t[n * 8 + 2 * tig + c];
-            s[4 * n + c] = exp2f(s[4 * n + c] * scale - l2);
-            s[4 * n + 2 + c] = exp2f(s[4 * n + 2 + c] * scale - l2);
+            s[4 * n + c] = exp2f(s[4 * n + c] * p.scale_log2 - l2);
+            s[4 * n + 2 + c] = exp2f(s[4 * n + 2 + c] * p.scale_log2 - l2);
           }
       }
       wgmma_wait<0>();
