@@ -177,8 +177,7 @@ __device__ __forceinline__ float bwd_row_skip_bound(const RowParams& p, int64_t 
     r = static_cast<int>(g % p.seqlen);
   }
   const int L = rule::visible_keys(r, qlen, klen, p.causal);
-  if (L <= 0) return INFINITY;
-  return rule::skip_bound_raw(l2, rule::log_threshold(p.log2_tau, __log2f(static_cast<float>(L))), p.inv_scale_log2);
+  return rule::skip_bound_raw(l2, cuda::bwd_row_log2_thr(p.log2_tau, L), p.inv_scale_log2);
 }
 
 template <typename T, int D>

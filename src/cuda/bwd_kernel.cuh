@@ -157,7 +157,7 @@ __device__ __forceinline__ void bwd_load_lse_thr(const BwdParams& p, const BwdWo
     bwd_cp_async_4(lse_dst + tid * 4, ok ? l2 : p.lse2, ok);
     if (THR) {
       const int L = ok ? rule::visible_keys(r0 + tid, w.qlen, w.klen, p.causal) : 0;
-      thr_dst[tid] = L > 0 ? rule::log_threshold(p.log2_tau, __log2f(static_cast<float>(L))) : INFINITY;
+      thr_dst[tid] = bwd_row_log2_thr(p.log2_tau, L);
     }
   }
 }

@@ -3,7 +3,10 @@
 #pragma once
 
 #include <cuda_runtime.h>
+#include <math.h>
 #include <stdint.h>
+
+#include "common/rule.h"
 
 namespace mala {
 namespace cuda {
@@ -59,6 +62,13 @@ struct BwdParams {
   int head_splits;      // group / heads_per_cta
   int q_stages;         // 2 or 3 shared-memory stages of Q (3 where the shared memory allows)
 };
+
+// log2(tau / L_q) of a query row that sees L keys (rule::log_threshold); +inf for a row that sees
+// none, which then never blocks a skip.  The mma.sync kernel computes it per visited query tile, the
+// preprocess kernel once per row for the wgmma kernel's raw-score bound.
+__device__ __forceinline__ float bwd_row_log2_thr(float log2_tau, int L) {
+  return L > 0 ? rule::log_threshold(log2_tau, __log2f(static_cast<float>(L))) : INFINITY;
+}
 
 template <typename T, int D>
 cudaError_t launch_bwd_main(const BwdParams& p, cudaStream_t stream);
