@@ -189,6 +189,12 @@ __global__ void __launch_bounds__(256, 1) bwd_main_kernel_sm90(const BwdParams p
     const int qs1 = qs == NQS - 1 ? 0 : qs + 1;
     const BwdWork::Tile x0 = tile_of(qs);
     const int h = x0.h(), q0 = x0.qi() * BQ;
+    // The bounds of this thread's first two query rows (columns 2 tig, 2 tig + 1) for the retained-tile
+    // shortcut of tau > 0 below, read here, before any wgmma of the iteration is in flight: read
+    // behind S^T's and dP^T's wgmma, the test's bounds waited ~9% of the kernel's stall samples
+    // (Nsight Compute, 32K random; bench/results/mala_bwd_ab_h100_cert.txt).
+    float2 early_bound = make_float2(0.f, 0.f);
+    if (!TAU0 && do_ready) early_bound = *reinterpret_cast<const float2*>(bound_s + qs * BQ + 2 * tig);
     if (recording && t > 0) record(t - 1, last_retain);
     if (pend) {
       do_dq(pend_h, pend_q0, pend_buf);
@@ -247,29 +253,32 @@ __global__ void __launch_bounds__(256, 1) bwd_main_kernel_sm90(const BwdParams p
           }
       }
       bool retain = true;
-      // After a retained tile (dp_early), P = exp2(S - lse) is computed before the vote, so that the
-      // exponentials overlap the test and the vote.
-      constexpr bool p_early = dp_early && !TAU0;
       if (!TAU0) {
-        // The offline test on the max of this thread's two raw entries per query against the row's
+        // The offline test on the max of this thread's two raw entries per query row against the row's
         // bound (rule::skip_bound_raw, from the preprocess kernel), then the CTA vote.
-        const float* bound_t = bound_s + qs * BQ;
-        bool allow = true;
+        auto blocks_skip = [&](int n, int c, float bound) {
+          return !rule::row_allows_skip_raw(fmaxf(s[4 * n + c], s[4 * n + 2 + c]), bound);
+        };
+        // After a retained tile (the dp_early copy) this one is likely retained too: a warp first tests
+        // only its first two query rows against the bounds read at the top (32 x 4 entries per warp;
+        // on random inputs some entry blocks the skip), and tests every row only when none of those
+        // does.  Either way it retains exactly when some entry exceeds its row's bound: the decisions
+        // are those of the full test.  (Measured: random tau = 1 0.97x of tau = 0 at 32K and 128K,
+        // against 0.89-0.92x with the full test reading its bounds behind the wgmma.)
+        bool warp_retain = false;
+        if constexpr (dp_early)
+          warp_retain = __any_sync(0xffffffffu, blocks_skip(0, 0, early_bound.x) || blocks_skip(0, 1, early_bound.y));
+        if (!warp_retain) {
+          const float* bound_t = bound_s + qs * BQ;
+          bool block = false;
 #pragma unroll
-        for (int n = 0; n < 8; ++n)
+          for (int n = 0; n < 8; ++n)
 #pragma unroll
-          for (int c = 0; c < 2; ++c) {
-            const int col = n * 8 + 2 * tig + c;
-            allow &= rule::row_allows_skip_raw(fmaxf(s[4 * n + c], s[4 * n + 2 + c]), bound_t[col]);
-            if constexpr (p_early) {
-              const float l2 = lse_t[col];
-              s[4 * n + c] = exp2f(s[4 * n + c] * p.scale_log2 - l2);
-              s[4 * n + 2 + c] = exp2f(s[4 * n + 2 + c] * p.scale_log2 - l2);
-            }
-          }
+            for (int c = 0; c < 2; ++c) block |= blocks_skip(n, c, bound_t[n * 8 + 2 * tig + c]);
+          warp_retain = __any_sync(0xffffffffu, block);
+        }
         // bwd_vote, written out: calling the shared function (and bwd_issue_retained below) measured
         // 2.9% slower on random inputs at 32K (H100, 17.14 vs 16.66 ms, A/B in one call); inline 16.77.
-        const bool warp_retain = __any_sync(0xffffffffu, !allow);
         if (lane == 0) {
           if (warp_retain) atomicOr(&vote_s[st], 1u);
           mbar_arrive(mbar_s + st * 8);
@@ -327,17 +336,16 @@ __global__ void __launch_bounds__(256, 1) bwd_main_kernel_sm90(const BwdParams p
         }
       }
       do_ready = spec;
-      // P = exp2(S - lse) while dP^T is computed (unless it was computed before the vote).
-      if constexpr (!p_early) {
+      // P = exp2(S - lse) while dP^T is computed.  (Computed before the vote in the dp_early copy, as
+      // from the sixteenth stop to the twenty-fourth, it cost sparse inputs 2-4% once the test got cheap.)
 #pragma unroll
-        for (int n = 0; n < 8; ++n)
+      for (int n = 0; n < 8; ++n)
 #pragma unroll
-          for (int c = 0; c < 2; ++c) {
-            const float l2 = lse_t[n * 8 + 2 * tig + c];
-            s[4 * n + c] = exp2f(s[4 * n + c] * p.scale_log2 - l2);
-            s[4 * n + 2 + c] = exp2f(s[4 * n + 2 + c] * p.scale_log2 - l2);
-          }
-      }
+        for (int c = 0; c < 2; ++c) {
+          const float l2 = lse_t[n * 8 + 2 * tig + c];
+          s[4 * n + c] = exp2f(s[4 * n + c] * p.scale_log2 - l2);
+          s[4 * n + 2 + c] = exp2f(s[4 * n + 2 + c] * p.scale_log2 - l2);
+        }
       wgmma_wait<0>();
       wgmma_fence_operands(dp);
       const float* dsum_t = dsum_s + st * BQ;
