@@ -19,7 +19,9 @@
 // A tile skipped by the test (tau > 0) stops after S^T, which it compares raw against each query
 // row's bound (rule::skip_bound_raw, written by the preprocess kernel): unscaled, and masked only when
 // it crosses the diagonal or an end (measured: 557 instructions per warp and skipped tile before,
-// bench/results/mala_bwd_ab_h100_raw_bound.txt).  Shared-memory tiles use the 128-byte swizzle
+// bench/results/mala_bwd_ab_h100_raw_bound.txt); after a retained tile a warp first tests only its
+// first two query rows, against bounds read before the iteration's wgmma, and the rest only when
+// those allow the skip (same decisions; bench/results/mala_bwd_ab_h100_cert.txt).  Shared-memory tiles use the 128-byte swizzle
 // wgmma reads (GmmaTile); loads are cp.async with the mma.sync kernel's pipeline (3 Q stages, dO only
 // for retained tiles plus a speculative dO of the next), made visible to the tensor cores' async proxy
 // by fence.proxy.async before the barrier.
