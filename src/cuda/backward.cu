@@ -253,6 +253,9 @@ cudaError_t run_typed(const BackwardArgs& a, const Plan& pl, char* ws, cudaStrea
   float* dk_acc = pl.kv_atomic ? reinterpret_cast<float*>(ws + pl.off_dk) : nullptr;
   float* dv_acc = pl.kv_atomic ? reinterpret_cast<float*>(ws + pl.off_dv) : nullptr;
   const float scale = a.softmax_scale > 0.f ? a.softmax_scale : 1.0f / std::sqrt(static_cast<float>(d));
+  // Shared by the preprocess kernel (the raw-score bound) and the main kernel (P, the test).
+  const float scale_log2 = scale * 1.4426950408889634f;
+  const float log2_tau = a.tau > 0.f ? std::log2(a.tau) : -INFINITY;
   cudaError_t err;
 
   // 1. zero accumulators, tile_mask; D and slot zeroing.
@@ -278,8 +281,8 @@ cudaError_t run_typed(const BackwardArgs& a, const Plan& pl, char* ws, cudaStrea
   rq.cu_k = a.cu_seqlens_k;
   rq.seqlen_k = static_cast<int>(a.seqlen_k);
   rq.causal = a.causal;
-  rq.log2_tau = a.tau > 0.f ? std::log2(a.tau) : -INFINITY;
-  rq.inv_scale_log2 = 1.0f / (scale * 1.4426950408889634f);
+  rq.log2_tau = log2_tau;
+  rq.inv_scale_log2 = 1.0f / scale_log2;
   rq.lse = a.lse;
   rq.slots = a.bwd_slots;
   rq.cu = a.cu_seqlens_q;
@@ -324,8 +327,8 @@ cudaError_t run_typed(const BackwardArgs& a, const Plan& pl, char* ws, cudaStrea
   p.causal = a.causal;
   p.tau_zero = a.tau == 0.f;
   p.scale = scale;
-  p.scale_log2 = scale * 1.4426950408889634f;
-  p.log2_tau = a.tau > 0.f ? std::log2(a.tau) : -INFINITY;
+  p.scale_log2 = scale_log2;
+  p.log2_tau = log2_tau;
   p.dsum = dsum;
   p.lse2 = lse2;
   p.bound2 = bound2;
