@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "cuda/backend.h"
 #include "mala/mala.h"
 
 namespace mala_bench {
@@ -34,7 +35,9 @@ struct Options {
   bool flush_l2 = true;
   uint64_t seed = 0;
   std::vector<int64_t> decode_batch = {1, 8};            // decode only
-  std::string variant;                                   // kernel variant (tuning builds only)
+  // Kernel override (src/cuda/backend.h): --fwd-kernel, --bwd-kernel, --decode-kernel,
+  // --bwd-q-stages, --bwd-head-splits; set for the whole run by main.
+  mala::cuda_backend::KernelOverride kernels;
   bool check = false;                                    // also compare with the CPU (small N only)
   // Forward: time the taus of one input in alternation (tau_a, tau_b, tau_a, ... per iteration)
   // instead of one after the other, so GPU clock drift (power limit, heating) does not favour
@@ -141,8 +144,10 @@ inline int64_t parse_len(const std::string& s) {  // "4096", "4K", "128k"
 // --profile, --no-synthetic, --overhead; see bench_decode.cu):
 //   --op fwd|bwd|decode|all   --n 1K,4K,...   --tau 0,1   --regime random,synthetic
 //   --sharpness 1,4,16   --batch B   --hq H   --hkv H   --d D   --dtype bf16|fp16   --noncausal
-//   --iters N   --warmup N   --no-flush   --seed S   --decode-batch 1,8   --variant NAME   --check
+//   --iters N   --warmup N   --no-flush   --seed S   --decode-batch 1,8   --check
 //   --interleave   --real PREFIX,...   --varlen (forward, batch 1)
+//   --fwd-kernel auto|mma_sync|wgmma_cp_async   --bwd-kernel auto|mma_sync   --decode-kernel auto|small_smem
+//   --bwd-q-stages 2|3   --bwd-head-splits S   (the kernel override, for comparing kernels on one device)
 inline Options parse_options(int argc, char** argv) {
   Options o;
   for (int i = 1; i < argc; ++i) {
@@ -164,7 +169,18 @@ inline Options parse_options(int argc, char** argv) {
     else if (a == "--no-flush") o.flush_l2 = false;
     else if (a == "--seed") o.seed = std::stoull(next());
     else if (a == "--decode-batch") { o.decode_batch.clear(); for (auto& x : split_list(next())) o.decode_batch.push_back(std::stoll(x)); }
-    else if (a == "--variant") o.variant = next();
+    else if (a == "--fwd-kernel" || a == "--bwd-kernel" || a == "--decode-kernel") {
+      const std::string v = next();
+      const bool ok = a == "--fwd-kernel"   ? mala::cuda_backend::parse_variant(v, &o.kernels.fwd)
+                      : a == "--bwd-kernel" ? mala::cuda_backend::parse_variant(v, &o.kernels.bwd)
+                                            : mala::cuda_backend::parse_variant(v, &o.kernels.decode);
+      if (!ok) {
+        std::fprintf(stderr, "mala_bench: unknown %s %s\n", a.c_str(), v.c_str());
+        std::exit(2);
+      }
+    }
+    else if (a == "--bwd-q-stages") o.kernels.bwd_q_stages = std::stoi(next());
+    else if (a == "--bwd-head-splits") o.kernels.bwd_head_splits = std::stoi(next());
     else if (a == "--check") o.check = true;
     else if (a == "--interleave") o.interleave = true;
     else if (a == "--real") o.real = split_list(next());

@@ -7,9 +7,7 @@
 // drift at the power limit does not favour the tau timed first).  TFLOP/s use the dense causal
 // count 4 * sum_q L_q * d * Hq (the same count for every tau, so they are "effective" TFLOP/s for
 // tau > 0); speedup is against our tau = 0 on the same inputs.
-//
-// Tuning builds (-DMALA_BENCH_TUNE, never in CMake) add --variant to time other tile configurations
-// of the same kernel template (d = 128, bf16, contiguous, no optional outputs).
+
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -24,9 +22,6 @@
 #include "bench.h"
 #include "npy.h"
 
-#ifdef MALA_BENCH_TUNE
-#include "cuda/fwd_kernel.cuh"
-#endif
 
 namespace mala_bench {
 
@@ -50,66 +45,9 @@ float* flush_buffer(size_t* bytes) {
   return reinterpret_cast<float*>(buf);
 }
 
-#ifdef MALA_BENCH_TUNE
-template <int MT, int W, int BK, bool LAZY = true> struct TuneCfg {
-  static constexpr int kMT = MT, kWarps = W, kBk = BK;
-  static constexpr bool kLazyV = LAZY;
-};
 
-bool variant_tiles(const std::string& name, int* bq, int* bk) {
-  if (name.size() < 7 || name[0] != 'm' || name[2] != 'w' || name[4] != 'k') return false;
-  *bq = 16 * (name[1] - '0');
-  *bk = std::stoi(name.substr(5, 2));
-  return true;
-}
-
-// Launches a tuning variant on contiguous inputs; returns false for an unknown name.
-bool launch_variant(const std::string& name, const mala::ForwardArgs& a, int* bq, int* bk) {
-  mala::cuda::FwdParams p{};
-  const int64_t d = a.head_dim;
-  p.q = a.q, p.k = a.k, p.v = a.v, p.o = a.o;
-  p.lse = a.lse, p.slots = a.fwd_slots, p.tile_mask = a.tile_mask;
-  p.q_sh = d, p.q_sr = a.heads_q * d, p.q_sb = a.seqlen_q * p.q_sr;
-  p.o_sh = p.q_sh, p.o_sr = p.q_sr, p.o_sb = p.q_sb;
-  p.k_sh = d, p.k_sr = a.heads_kv * d, p.k_sb = a.seqlen_k * p.k_sr;
-  p.v_sh = p.k_sh, p.v_sr = p.k_sr, p.v_sb = p.k_sb;
-  p.batch = (int)a.batch, p.seqlen_q = (int)a.seqlen_q, p.seqlen_k = (int)a.seqlen_k;
-  p.heads_q = (int)a.heads_q, p.heads_kv = (int)a.heads_kv, p.group = (int)(a.heads_q / a.heads_kv);
-  p.causal = a.causal;
-  p.scale_log2 = 1.4426950408889634f / std::sqrt((float)d);
-  p.log2_tau = a.tau > 0 ? std::log2(a.tau) : -INFINITY;
-  using T = __nv_bfloat16;
-  auto go = [&](auto cfg) {
-    using C = decltype(cfg);
-    *bq = 16 * C::kMT, *bk = C::kBk;
-    p.n_q_tiles_mask = (int)((a.seqlen_q + *bq - 1) / *bq);
-    p.n_k_tiles_mask = (int)((a.seqlen_k + *bk - 1) / *bk);
-    static bool printed = false;
-    if (!printed) {
-      printed = true;
-      std::printf("   variant %s: %d CTAs/SM\n", name.c_str(), mala::cuda::fwd_blocks_per_sm<T, 128, C>());
-    }
-    BENCH_CUDA((mala::cuda::launch_fwd_cfg<T, 128, C>(p, (cudaStream_t)a.stream)));
-    return true;
-  };
-  if (d != 128 || a.dtype != mala::DType::bf16) return false;
-  if (name == "m2w4k64") return go(TuneCfg<2, 4, 64>{});
-  if (name == "m2w4k64e") return go(TuneCfg<2, 4, 64, false>{});  // V always prefetched
-  return false;
-}
-#endif
-
-// Runs the forward (library or tuning variant).  Prints and exits on failure.
+// Runs the forward.  Prints and exits on failure.
 void run_fwd(const Options& opt, const mala::ForwardArgs& a, int* bq, int* bk) {
-#ifdef MALA_BENCH_TUNE
-  if (!opt.variant.empty()) {
-    if (!launch_variant(opt.variant, a, bq, bk)) {
-      std::fprintf(stderr, "unknown variant %s\n", opt.variant.c_str());
-      std::exit(2);
-    }
-    return;
-  }
-#endif
   (void)opt;
   mala::Tiles t = mala::forward_tiles(a);
   *bq = t.block_q, *bk = t.block_k;
@@ -261,9 +199,6 @@ int run_forward_input(const Options& opt, int64_t n, const std::string& label, d
       mala::Tiles t = mala::forward_tiles(ar);
       bq = t.block_q, bk = t.block_k;
     }
-#ifdef MALA_BENCH_TUNE
-    if (!opt.variant.empty() && !variant_tiles(opt.variant, &bq, &bk)) return 2;
-#endif
     const int64_t nqt = (n + bq - 1) / bq, nkt = (n + bk - 1) / bk;
     DevMem mask((size_t)B * hq * nqt * nkt);
     mala::ForwardArgs aw = ar;
@@ -362,7 +297,6 @@ int run_forward_bench(const Options& opt) {
   std::printf("\n== forward: %s %s %s, median of %d (warm-up %d)%s, L2 %s\n", shape, mala::dtype_name(opt.dtype),
               opt.causal ? "causal" : "non-causal", opt.iters, opt.warmup,
               opt.interleave ? ", taus interleaved" : "", opt.flush_l2 ? "flushed" : "warm");
-  if (!opt.variant.empty()) std::printf("   kernel variant: %s\n", opt.variant.c_str());
   if (opt.varlen) {
     if (B != 1 || !opt.real.empty()) {
       std::fprintf(stderr, "mala_bench: --varlen takes batch 1 and the generated regimes\n");

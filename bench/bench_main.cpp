@@ -23,6 +23,16 @@ int main(int argc, char** argv) {
     return 0;
   }
   std::printf("mala_bench on %s\n", mala::device_name().c_str());
+  mala::cuda_backend::set_kernel_override(opt.kernels);
+  {
+    namespace cb = mala::cuda_backend;
+    const cb::KernelOverride& k = opt.kernels;
+    if (k.fwd != cb::FwdVariant::automatic || k.bwd != cb::BwdVariant::automatic ||
+        k.decode != cb::DecodeVariant::automatic || k.bwd_q_stages || k.bwd_head_splits)
+      std::printf("kernel override: fwd %s, bwd %s, decode %s, bwd q stages %d, bwd head splits %d (0: auto)\n",
+                  cb::variant_name(k.fwd), cb::variant_name(k.bwd), cb::variant_name(k.decode), k.bwd_q_stages,
+                  k.bwd_head_splits);
+  }
   int rc = 0;
   const bool all = opt.op == "all";
   if (all || opt.op == "fwd") rc |= mala_bench::run_forward_bench(opt);

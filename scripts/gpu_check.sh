@@ -4,9 +4,11 @@
 #                                         benchmark and the CLI for sm_90a into build-gpu/ and stages the
 #                                         binaries in .carry/gpu/
 #   scripts/gpu_check.sh run [--quick]    on the GPU machine (device tool: carry [".carry/gpu"]): GPU tests
-#                                         (every kernel against the CPU implementation), compute-sanitizer
-#                                         memcheck + racecheck on the small-shape tests, the benchmark, and
-#                                         `mala report` on the GPU.  Logs go to $OUT (or gpu-logs/).
+#                                         (every kernel against the CPU implementation; the tests select
+#                                         each kernel variant in-process, as a gtest parameter),
+#                                         compute-sanitizer memcheck + racecheck on the small-shape tests
+#                                         (every variant), the benchmark, and `mala report` on the GPU.
+#                                         Logs go to $OUT (or gpu-logs/).
 # Environment: CUDA_ARCHS (default 90a), MALA_BENCH_ARGS (extra benchmark flags),
 #              MALA_SANITIZER_FILTER (gtest filter of the small-shape tests, default *Small*).
 set -uo pipefail
@@ -33,21 +35,9 @@ run)
   mkdir -p "$out"
   status=0
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$out/device.txt"
-  echo "== GPU tests (every kernel against the CPU implementation)"
+  echo "== GPU tests (every kernel against the CPU implementation, every kernel variant)"
   "$bin/mala_gpu_tests" --gtest_brief=1 2>&1 | tee "$out/gpu_tests.log" | tail -40 || status=1
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
-  # The tests again under an environment switch that selects another kernel or load path:
-  # variant LOG_NAME GTEST_FILTER VAR=VALUE "what it runs"
-  variant() {
-    echo "== GPU tests with $4 ($3)"
-    env "$3" "$bin/mala_gpu_tests" --gtest_brief=1 --gtest_filter="$2" 2>&1 | tee "$out/gpu_tests_$1.log" | tail -3
-    [ "${PIPESTATUS[0]}" = 0 ] || status=1
-  }
-  variant decode_small_smem 'GpuDecode*' MALA_DECODE_SMALL_SMEM=1 "the sm_80-sized (163 KB shared memory) decode instance"
-  variant backward_mma_sync 'Backward*' MALA_BWD_WGMMA=0 "the mma.sync backward on this device too"
-  variant forward_cp_async 'CudaForward*' MALA_FWD_TMA=0 "the wgmma forward's cp.async loads (varlen uses them anyway)"
-  variant forward_two_warpgroups 'CudaForward*' MALA_FWD_WS=0 "the two-warpgroup wgmma forward instead of the warp-specialized one"
-  variant forward_mma_sync 'CudaForward*' MALA_FWD_WGMMA=0 "the mma.sync forward on this device too"
   if command -v compute-sanitizer >/dev/null; then
     filter=${MALA_SANITIZER_FILTER:-*Small*}
     for tool in memcheck racecheck; do
@@ -55,12 +45,6 @@ run)
       compute-sanitizer --tool "$tool" --error-exitcode 3 "$bin/mala_gpu_tests" --gtest_brief=1 \
         --gtest_filter="$filter" >"$out/sanitizer_$tool.log" 2>&1
       rc=$?
-      # the wgmma forward's cp.async loads, and the mma.sync forward (other devices, d = 64 and 256),
-      # on their small case too
-      for switch in MALA_FWD_TMA=0 MALA_FWD_WGMMA=0; do
-        env "$switch" compute-sanitizer --tool "$tool" --error-exitcode 3 "$bin/mala_gpu_tests" --gtest_brief=1 \
-          --gtest_filter='CudaForward*Small*' >>"$out/sanitizer_$tool.log" 2>&1 || rc=$?
-      done
       tail -3 "$out/sanitizer_$tool.log"
       [ $rc = 0 ] || { echo "compute-sanitizer $tool: exit $rc"; status=1; }
       # racecheck reports hazards it only suspects as warnings, which do not set the exit code

@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "cpu/cpu.h"
-#include "cpu/layout.h"
+#include "common/layout.h"
 #include "cuda/backend.h"
 #include "mala/mala.h"
 

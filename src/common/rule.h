@@ -13,6 +13,14 @@
 namespace mala {
 namespace rule {
 
+// tau = 0 is exact dense attention: nothing can be skipped, and every kernel runs its dense instance
+// (compiled without the test).  The one spelling of "tau = 0" in the code: dense / kDense.
+MALA_HD bool dense(float tau) { return !(tau > 0.f); }
+// log2(tau), the kernels' base-2 form of tau (-inf for tau = 0).
+inline float log2_tau(float tau) { return tau > 0.f ? log2f(tau) : -INFINITY; }
+// softmax_scale * log2(e): the factor that puts raw scores q.k in the kernels' base-2 units.
+MALA_HD float scale_log2(float softmax_scale) { return softmax_scale * 1.4426950408889634f; }
+
 // Keys visible to query row `row` (0-based): bottom-right causal alignment, so row q sees keys
 // k <= q + (seqlen_k - seqlen_q).  Clamped to [0, seqlen_k].  Non-causal rows see every key.
 MALA_HD int visible_keys(int row, int seqlen_q, int seqlen_k, bool causal) {

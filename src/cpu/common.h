@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "common/rule.h"
-#include "cpu/layout.h"
+#include "common/layout.h"
 #include "mala/mala.h"
 
 namespace mala {

@@ -340,7 +340,7 @@ TEST(Decode, PackedGqaEqualsForwardOverPackedRows) {
 
 }  // namespace
 
-#include "cpu/layout.h"
+#include "common/layout.h"
 
 namespace {
 

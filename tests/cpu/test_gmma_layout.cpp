@@ -6,7 +6,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "cuda/gmma_layout.h"
+#include "cuda/core/gmma_layout.h"
 
 namespace {
 

@@ -5,7 +5,7 @@
 #include <cmath>
 #include <cstring>
 
-#include "cpu/layout.h"
+#include "common/layout.h"
 #include "test_util.h"
 
 using namespace mala_test;

@@ -4,11 +4,13 @@
 //   - tile_mask equal except near-margin flips (|margin| < 2e-3 natural-log units, counted),
 //   - dQ/dK/dV rel L2 < 1e-2 vs the CPU fp32 result, no poison left, no NaN,
 //   - bwd_slots equal to the CPU's (exact when there is no flip).
-#include <cstdlib>
+// Every test runs once per backward kernel (the kernel override of src/cuda/backend.h, a test
+// parameter): the dispatch's own choice and the mma.sync kernel (the same on devices without wgmma).
 #include <string>
 #include <vector>
 
 #include "common/rule.h"
+#include "cuda/backend.h"
 #include "gpu_util.h"
 
 namespace {
@@ -28,7 +30,7 @@ struct Case {
   double sharpness = 2.0;
   bool strided = false;
   std::vector<int> varlen_q, varlen_k;  // per-sequence lengths (varlen when non-empty)
-  int head_splits = 0;                  // MALA_BWD_HEAD_SPLITS (0 = heuristic)
+  int head_splits = 0;                  // the override's bwd_head_splits (0 = heuristic)
   bool outputs = true;                  // request tile_mask and bwd_slots
   bool user_workspace = false;
   uint64_t seed = 1;
@@ -88,10 +90,13 @@ void run_case(const Case& c) {
                                     << " causal=" << c.causal << " tau=" << c.tau << " regime=" << c.regime
                                     << " strided=" << c.strided << " varlen=" << !c.varlen_q.empty()
                                     << " splits=" << c.head_splits);
-  if (c.head_splits > 0)
-    setenv("MALA_BWD_HEAD_SPLITS", std::to_string(c.head_splits).c_str(), 1);
-  else
-    unsetenv("MALA_BWD_HEAD_SPLITS");
+  // The head splits through the kernel override, beside the fixture's kernel.
+  auto set_head_splits = [](int splits) {
+    mala::cuda_backend::KernelOverride o = mala::cuda_backend::kernel_override();
+    o.bwd_head_splits = splits;
+    mala::cuda_backend::set_kernel_override(o);
+  };
+  set_head_splits(c.head_splits);
   const bool varlen = !c.varlen_q.empty();
   std::vector<int> cu_q{0}, cu_k{0};
   int64_t nq = c.nq, nk = c.nk, batch = c.batch;
@@ -252,7 +257,7 @@ void run_case(const Case& c) {
   ASSERT_TRUE(s.ok) << s.message;
   MALA_CUDA_CHECK(cudaDeviceSynchronize());
   MALA_CUDA_CHECK(cudaGetLastError());
-  unsetenv("MALA_BWD_HEAD_SPLITS");
+  set_head_splits(0);
 
   // Decisions.
   int64_t flips = 0, legal = 0, retained = 0;
@@ -328,15 +333,42 @@ void run_case(const Case& c) {
   }
 }
 
+using mala::cuda_backend::BwdVariant;
+
+// The fixtures: the backward kernel of the test parameter, selected in-process.
+class BackwardKernels : public ::testing::TestWithParam<BwdVariant> {
+ protected:
+  void SetUp() override {
+    mala::cuda_backend::KernelOverride o;
+    o.bwd = GetParam();
+    mala::cuda_backend::set_kernel_override(o);
+  }
+  void TearDown() override { mala::cuda_backend::set_kernel_override({}); }
+};
+class BackwardGpuSmall : public BackwardKernels {};
+class BackwardGpu : public BackwardKernels {};
+
+}  // namespace
+
+auto bwd_variant_name = [](const ::testing::TestParamInfo<BwdVariant>& i) {
+  return std::string(mala::cuda_backend::variant_name(i.param));
+};
+INSTANTIATE_TEST_SUITE_P(Kernels, BackwardGpuSmall, ::testing::Values(BwdVariant::automatic, BwdVariant::mma_sync),
+                         bwd_variant_name);
+INSTANTIATE_TEST_SUITE_P(Kernels, BackwardGpu, ::testing::Values(BwdVariant::automatic, BwdVariant::mma_sync),
+                         bwd_variant_name);
+
+namespace {
+
 // ---- small shapes (also run under compute-sanitizer: names contain "Small") -------------------
 
-TEST(BackwardGpuSmall, Basic) {
+TEST_P(BackwardGpuSmall, Basic) {
   Case c;
   c.nq = c.nk = 200;
   run_case(c);
 }
 
-TEST(BackwardGpuSmall, AllDimsDtypesMasks) {
+TEST_P(BackwardGpuSmall, AllDimsDtypesMasks) {
   for (DType t : {DType::bf16, DType::f16})
     for (int64_t d : {64, 128, 256})
       for (bool causal : {true, false})
@@ -352,7 +384,7 @@ TEST(BackwardGpuSmall, AllDimsDtypesMasks) {
         }
 }
 
-TEST(BackwardGpuSmall, SharpSkipping) {
+TEST_P(BackwardGpuSmall, SharpSkipping) {
   for (int64_t d : {64, 128, 256}) {
     Case c;
     c.regime = "sharp";
@@ -364,7 +396,7 @@ TEST(BackwardGpuSmall, SharpSkipping) {
   }
 }
 
-TEST(BackwardGpuSmall, VarlenStrided) {
+TEST_P(BackwardGpuSmall, VarlenStrided) {
   Case c;
   c.varlen_q = {70, 0, 130, 257};
   c.varlen_k = {70, 33, 200, 100};
@@ -378,7 +410,7 @@ TEST(BackwardGpuSmall, VarlenStrided) {
 
 // ---- larger shapes -----------------------------------------------------------------------------
 
-TEST(BackwardGpu, UnequalLengths) {
+TEST_P(BackwardGpu, UnequalLengths) {
   for (auto nn : {std::pair<int, int>{200, 517}, {517, 200}, {1, 300}, {300, 1}})
     for (bool causal : {true, false})
       for (float tau : {0.f, 1.f}) {
@@ -394,7 +426,7 @@ TEST(BackwardGpu, UnequalLengths) {
       }
 }
 
-TEST(BackwardGpu, BatchStridedGqa) {
+TEST_P(BackwardGpu, BatchStridedGqa) {
   for (int splits : {0, 1, 2, 4}) {
     Case c;
     c.batch = 2;
@@ -409,7 +441,7 @@ TEST(BackwardGpu, BatchStridedGqa) {
   }
 }
 
-TEST(BackwardGpu, MhaNoOutputs) {
+TEST_P(BackwardGpu, MhaNoOutputs) {
   Case c;
   c.hq = c.hkv = 3;
   c.nq = c.nk = 333;
@@ -418,7 +450,7 @@ TEST(BackwardGpu, MhaNoOutputs) {
   run_case(c);
 }
 
-TEST(BackwardGpu, SyntheticWorkload) {
+TEST_P(BackwardGpu, SyntheticWorkload) {
   for (int64_t d : {64, 128}) {
     for (double sharp : {1.0, 4.0}) {
       Case c;

@@ -1,15 +1,18 @@
-// GPU decode (src/cuda/decode.cu) against the CPU implementation (mala::decode, Device::cpu) run on
+// GPU decode (src/cuda/decode/) against the CPU implementation (mala::decode, Device::cpu) run on
 // the same rounded inputs in fp32 with the kernel's tiles and num_splits.
 //   O, lse rel L2 < 1e-2; tile_mask equal except rounding flips (counted, < 0.1% of legal tiles or
 //   at most 1 in small cases); fwd_slots equal where no flip happened; poisoned outputs all written;
 //   no NaN; batch > 1 with different lengths; paged == contiguous; appended K/V present in the cache;
 //   num_splits = 1 equals the forward's last row; CUDA-graph capture replayed with new cache_seqlens.
+// Every test runs once per split-kernel instance (the kernel override of src/cuda/backend.h, a test
+// parameter): the dispatch's own choice and the instance sized for sm_80's shared memory.
 #include <algorithm>
 #include <cstdio>
 #include <numeric>
 #include <string>
 #include <vector>
 
+#include "cuda/backend.h"
 #include "gpu_util.h"
 #include "mala/mala.h"
 
@@ -331,7 +334,29 @@ bool have_gpu() { return mala::cuda_available(); }
 #define REQUIRE_GPU() \
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device"
 
-TEST(GpuDecode, SingleTokenBatchDifferentLengths) {
+using mala::cuda_backend::DecodeVariant;
+
+// The split-kernel instance of the test parameter, selected in-process.
+class GpuDecode : public ::testing::TestWithParam<DecodeVariant> {
+ protected:
+  void SetUp() override {
+    mala::cuda_backend::KernelOverride o;
+    o.decode = GetParam();
+    mala::cuda_backend::set_kernel_override(o);
+  }
+  void TearDown() override { mala::cuda_backend::set_kernel_override({}); }
+};
+
+}  // namespace
+
+INSTANTIATE_TEST_SUITE_P(Kernels, GpuDecode, ::testing::Values(DecodeVariant::automatic, DecodeVariant::small_smem),
+                         [](const ::testing::TestParamInfo<DecodeVariant>& i) {
+                           return std::string(mala::cuda_backend::variant_name(i.param));
+                         });
+
+namespace {
+
+TEST_P(GpuDecode, SingleTokenBatchDifferentLengths) {
   REQUIRE_GPU();
   Case c;
   c.batch = 3;
@@ -346,7 +371,7 @@ TEST(GpuDecode, SingleTokenBatchDifferentLengths) {
   }
 }
 
-TEST(GpuDecode, SyntheticSharp) {
+TEST_P(GpuDecode, SyntheticSharp) {
   REQUIRE_GPU();
   Case c;
   c.batch = 2;
@@ -362,7 +387,7 @@ TEST(GpuDecode, SyntheticSharp) {
   check_case(c, "synthetic splits=auto");
 }
 
-TEST(GpuDecode, HeadDimsSplitsAndGqa) {
+TEST_P(GpuDecode, HeadDimsSplitsAndGqa) {
   REQUIRE_GPU();
   for (int64_t d : {64, 128, 256})
     for (int splits : {1, 3, 0}) {
@@ -379,7 +404,7 @@ TEST(GpuDecode, HeadDimsSplitsAndGqa) {
     }
 }
 
-TEST(GpuDecode, MultiTokenAppendPackedAndUnpacked) {
+TEST_P(GpuDecode, MultiTokenAppendPackedAndUnpacked) {
   REQUIRE_GPU();
   for (bool pack : {true, false})
     for (int64_t d : {64, 128}) {
@@ -399,7 +424,7 @@ TEST(GpuDecode, MultiTokenAppendPackedAndUnpacked) {
     }
 }
 
-TEST(GpuDecode, EmptyRowsAndEmptyCache) {
+TEST_P(GpuDecode, EmptyRowsAndEmptyCache) {
   REQUIRE_GPU();
   Case c;
   c.batch = 3;
@@ -421,7 +446,7 @@ TEST(GpuDecode, EmptyRowsAndEmptyCache) {
   check_case(c, "non-causal");
 }
 
-TEST(GpuDecode, PagedEqualsContiguous) {
+TEST_P(GpuDecode, PagedEqualsContiguous) {
   REQUIRE_GPU();
   for (int64_t page : {16, 256, 100}) {
     Case c;
@@ -451,7 +476,7 @@ TEST(GpuDecode, PagedEqualsContiguous) {
 
 // num_splits = 1 reproduces the forward's last row: forward over N = k * block + 1 tokens (its last
 // query tile holds only the last row), decode of that row against the N keys, pack_gqa = false.
-TEST(GpuDecode, OneSplitEqualsForwardLastRow) {
+TEST_P(GpuDecode, OneSplitEqualsForwardLastRow) {
   REQUIRE_GPU();
   const int64_t hq = 4, hkv = 2, d = 128;
   for (double sharp : {0.0, 4.0}) {
@@ -520,7 +545,7 @@ TEST(GpuDecode, OneSplitEqualsForwardLastRow) {
 }
 
 // Capture once (workspace given), replay with three different cache_seqlens, compare with eager calls.
-TEST(GpuDecode, GraphCaptureReplay) {
+TEST_P(GpuDecode, GraphCaptureReplay) {
   REQUIRE_GPU();
   for (float tau : {0.f, 1.f}) {
     Case c;
@@ -595,7 +620,7 @@ TEST(GpuDecode, GraphCaptureReplay) {
   }
 }
 
-TEST(GpuDecode, SmallForSanitizer) {
+TEST_P(GpuDecode, SmallForSanitizer) {
   REQUIRE_GPU();
   Case c;
   c.batch = 2;

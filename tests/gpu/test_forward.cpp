@@ -3,6 +3,10 @@
 // Checks: tile_mask equal except rare near-threshold flips (counted, < 0.1% of legal tiles), O rel L2
 // < 1e-2 against the CPU's fp32 O, lse close, fwd_slots consistent with the kernel's tile_mask, every
 // output written (poisoned buffers), no NaN.
+// Every test that runs kernels runs once per forward kernel (the kernel override of
+// src/cuda/backend.h, a test parameter): the dispatch's own choice, the mma.sync kernel, and the
+// two-warpgroup wgmma kernel with cp.async loads (on devices without wgmma, the last two run what
+// the dispatch chooses there).
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -11,6 +15,7 @@
 #include <vector>
 
 #include "common/rule.h"
+#include "cuda/backend.h"
 #include "gpu_util.h"
 
 namespace {
@@ -267,17 +272,36 @@ Case mk(std::string name, DType t, int d, bool causal, int nq, int nk, int hq, i
   return c;
 }
 
+using mala::cuda_backend::FwdVariant;
+
+// The kernel tests, once per forward kernel (the test parameter), which the fixture selects
+// in-process through the kernel override.
+class CudaForwardKernels : public ::testing::TestWithParam<FwdVariant> {
+ protected:
+  void SetUp() override {
+    mala::cuda_backend::KernelOverride o;
+    o.fwd = GetParam();
+    mala::cuda_backend::set_kernel_override(o);
+  }
+  void TearDown() override { mala::cuda_backend::set_kernel_override({}); }
+};
+
 }  // namespace
 
+INSTANTIATE_TEST_SUITE_P(Kernels, CudaForwardKernels,
+                         ::testing::Values(FwdVariant::automatic, FwdVariant::mma_sync, FwdVariant::wgmma_cp_async),
+                         [](const ::testing::TestParamInfo<FwdVariant>& i) {
+                           return std::string(mala::cuda_backend::variant_name(i.param));
+                         });
 
-TEST(CudaForward, DenseMatchesCpuAtTauZero) {
+TEST_P(CudaForwardKernels, DenseMatchesCpuAtTauZero) {
   if (!mala::cuda_available()) GTEST_SKIP() << "no CUDA device";
   run_case(mk("bf16 d128 causal gqa8/1 N=1000 tau0", DType::bf16, 128, true, 1000, 1000, 8, 1, 0.f, Input::random));
   run_case(mk("fp16 d64 causal mha N=2049 tau0 local", DType::f16, 64, true, 2049, 2049, 2, 2, 0.f, Input::local));
   run_case(mk("bf16 d256 noncausal N=300/77 tau0", DType::bf16, 256, false, 300, 77, 4, 2, 0.f, Input::random));
 }
 
-TEST(CudaForward, HeadDimsDtypesCausality) {
+TEST_P(CudaForwardKernels, HeadDimsDtypesCausality) {
   if (!mala::cuda_available()) GTEST_SKIP() << "no CUDA device";
   for (DType t : {DType::bf16, DType::f16})
     for (int d : {64, 128, 256})
@@ -288,7 +312,7 @@ TEST(CudaForward, HeadDimsDtypesCausality) {
       }
 }
 
-TEST(CudaForward, RandomInputsTauOne) {
+TEST_P(CudaForwardKernels, RandomInputsTauOne) {
   if (!mala::cuda_available()) GTEST_SKIP() << "no CUDA device";
   run_case(mk("bf16 d128 causal gqa8/1 N=2049 tau1 random", DType::bf16, 128, true, 2049, 2049, 8, 1, 1.f, Input::random));
   Case c = mk("fp16 d64 causal mha batch2 N=77 tau1 random", DType::f16, 64, true, 77, 77, 2, 2, 1.f, Input::random);
@@ -296,7 +320,7 @@ TEST(CudaForward, RandomInputsTauOne) {
   run_case(c);
 }
 
-TEST(CudaForward, RaggedLengths) {
+TEST_P(CudaForwardKernels, RaggedLengths) {
   if (!mala::cuda_available()) GTEST_SKIP() << "no CUDA device";
   run_case(mk("bf16 d128 causal N=1", DType::bf16, 128, true, 1, 1, 8, 1, 1.f, Input::random));
   run_case(mk("bf16 d128 causal Nq=1 Nk=2049 local", DType::bf16, 128, true, 1, 2049, 8, 1, 1.f, Input::local));
@@ -307,7 +331,7 @@ TEST(CudaForward, RaggedLengths) {
   run_case(mk("bf16 d64 causal N=2049 gqa8/1 local", DType::bf16, 64, true, 2049, 2049, 8, 1, 1.f, Input::local));
 }
 
-TEST(CudaForward, BatchStridedVarlen) {
+TEST_P(CudaForwardKernels, BatchStridedVarlen) {
   if (!mala::cuda_available()) GTEST_SKIP() << "no CUDA device";
   Case c = mk("bf16 d128 causal batch2 strided N=1000 local", DType::bf16, 128, true, 1000, 1000, 4, 2, 1.f, Input::local);
   c.batch = 2, c.strided = true;
@@ -332,7 +356,7 @@ TEST(CudaForward, BatchStridedVarlen) {
   run_case(c);
 }
 
-TEST(CudaForward, SyntheticWorkload) {
+TEST_P(CudaForwardKernels, SyntheticWorkload) {
   if (!mala::cuda_available()) GTEST_SKIP() << "no CUDA device";
   Case c = mk("bf16 d128 causal gqa8/1 N=2048 synthetic", DType::bf16, 128, true, 2048, 2048, 8, 1, 1.f, Input::workload);
   run_case(c);
@@ -355,7 +379,7 @@ TEST(CudaForward, RejectsUnsupported) {
 }
 
 // Tiny shapes for compute-sanitizer (memcheck / racecheck): run with --gtest_filter=*Sanitizer*.
-TEST(CudaForward, SanitizerSmall) {
+TEST_P(CudaForwardKernels, SanitizerSmall) {
   if (!mala::cuda_available()) GTEST_SKIP() << "no CUDA device";
   run_case(mk("bf16 d128 causal N=150", DType::bf16, 128, true, 150, 150, 2, 1, 1.f, Input::local));
   run_case(mk("fp16 d64 noncausal Nq=70 Nk=130", DType::f16, 64, false, 70, 130, 2, 2, 1.f, Input::random));

@@ -1,8 +1,14 @@
-// CUDA backward (issue 3): host side of the fused MALA backward.
-//   1. preprocess kernel: D = rowsum(dO * O) (fp32) into the workspace, lse in log2 units and (tau >
-//      0) each row's skip bound on raw scores beside it, bwd_slots zeroed; the fp32 dQ
-//      accumulator (and the dK/dV accumulators when used) zeroed with cudaMemsetAsync.
-//   2. the fused key-major kernel (bwd_kernel.cuh), one instantiation per (dtype, head dim).
+// The CUDA backward's host side: the plan (tiles, head splits, workspace), the three steps, and the
+// choice of the main kernel -- the only place where that happens:
+//   sm_90 (sm_90a build), d = 64 and 128: the wgmma kernel (bwd/kernel_sm90.cuh), while the query
+//     tiles and heads fit its packed 16-bit tile words;
+//   everything else: the mma.sync kernel (bwd/kernel_sm80.cuh).
+// Each kernel's tau = 0 instance runs at tau = 0.  The kernel override (backend.h) forces the
+// mma.sync kernel, the Q stages or the head splits for tests and benchmarks.
+//   1. preprocess kernel (bwd/rowwise.cuh): D = rowsum(dO * O) (fp32) into the workspace, lse in
+//      log2 units and (tau > 0) each row's skip bound on raw scores beside it, bwd_slots zeroed;
+//      the fp32 dQ accumulator (and the dK/dV accumulators when used) zeroed with cudaMemsetAsync.
+//   2. the fused key-major main kernel, one instantiation per (dtype, head dim).
 //   3. convert kernel: dQ (and dK/dV when they went through the fp32 workspace) in the input dtype.
 // GQA: a CTA loops over `heads_per_cta` query heads of one KV group with dK/dV in registers.  When
 // one CTA per (key tile, KV head) would leave the GPU underfilled the group is split and the CTAs
@@ -12,13 +18,13 @@
 #include <cuda_runtime.h>
 
 #include <cmath>
-#include <cstdlib>
 #include <string>
 
+#include "common/layout.h"
 #include "common/rule.h"
 #include "cuda/backend.h"
-#include "cuda/bwd_params.cuh"
-#include "cuda/ptx.cuh"
+#include "cuda/bwd/launch.h"
+#include "cuda/bwd/rowwise.cuh"
 
 namespace mala {
 namespace cuda_backend {
@@ -26,6 +32,8 @@ namespace cuda_backend {
 namespace {
 
 using cuda::BwdParams;
+using cuda::RowParams;
+using cuda::RowStrides;
 
 Tiles tiles_for_dim(int64_t d) {
   switch (d) {
@@ -45,12 +53,11 @@ int device_sm_count() {
   return n > 0 ? n : 132;
 }
 
-// 3 Q stages where the device's opt-in shared memory holds them (H100: yes; A100 at d = 128: no).
+// 3 Q stages where the device's opt-in shared memory holds them (H100: yes; A100 at d = 128: no):
+// they pay on the skip path, where a tile's Q is all it loads.
 int pick_q_stages(int bytes3) {
-  if (const char* env = std::getenv("MALA_BWD_Q_STAGES")) {
-    const int s = std::atoi(env);
-    if (s == 2 || s == 3) return s;
-  }
+  const int forced = kernel_override().bwd_q_stages;
+  if (forced == 2 || forced == 3) return forced;
   int dev = 0, optin = 0;
   if (cudaGetDevice(&dev) != cudaSuccess ||
       cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess) {
@@ -81,9 +88,9 @@ Plan make_plan(const BackwardArgs& a) {
   const int group = static_cast<int>(a.heads_q / a.heads_kv);
   // Split the query-head group over CTAs only while the grid is small against the GPU.
   int splits = 1;
-  if (const char* env = std::getenv("MALA_BWD_HEAD_SPLITS")) {
-    int s = std::atoi(env);
-    if (s >= 1 && s <= group && group % s == 0) splits = s;
+  const int forced = kernel_override().bwd_head_splits;
+  if (forced >= 1 && forced <= group && group % forced == 0) {
+    splits = forced;
   } else {
     const int64_t base = static_cast<int64_t>(pl.n_k_tiles) * a.batch * a.heads_kv;
     const int64_t want = 4LL * device_sm_count();
@@ -110,142 +117,43 @@ Plan make_plan(const BackwardArgs& a) {
     pl.off_dv = off;
     off = align_up(off + sizeof(float) * static_cast<size_t>(a.heads_kv * pl.rows_k_cap) * d);
   }
-  // Last, so that the accumulators keep their offsets (the dQ accumulator's placement alone moved
-  // the backward by up to 12%: bench_backward.cu).
+  // Last, so that the accumulators keep their offsets (the backward's speed is sensitive to the dQ
+  // accumulator's placement).
   pl.off_bound2 = off;
   off = align_up(off + sizeof(float) * static_cast<size_t>(a.heads_q * pl.rows_q_cap));
   pl.bytes = off;
   return pl;
 }
 
-struct Str {
-  int64_t b, r, h;
-};
-Str resolve(const Strides& s, int64_t seqlen, int64_t heads, int64_t d) {
-  Str r;
-  r.h = s.head != 0 ? s.head : d;
-  r.r = s.row != 0 ? s.row : heads * r.h;
-  r.b = s.batch != 0 ? s.batch : seqlen * r.r;
-  return r;
+RowStrides strides(const Strides& s, int64_t seqlen, int64_t heads, int64_t d) {
+  const layout::Resolved r = layout::resolve(s, seqlen, heads, d);
+  return {r.batch, r.row, r.head};
 }
 
-// Rows handled by the row-wise kernels: one warp per (row, head) of the dense/packed row space.
-struct RowParams {
-  const void* o;
-  const void* dout;
-  void* dst;          // convert: output tensor
-  const float* src;   // convert: fp32 accumulator [heads, rows_cap, d]
-  Str o_s, do_s, dst_s;
-  float* dsum;
-  float* lse2;        // preprocess: lse * log2(e), -inf -> 0, in dsum's layout
-  float* bound2;      // preprocess, tau > 0 (else null): the row's skip bound on raw scores, dsum's layout
-  const float* lse;   // preprocess: the forward's lse [B, H, N] or [H, total]
-  int32_t* slots;
-  const int32_t* cu;  // varlen when non-null
-  const int32_t* cu_k;  // preprocess, varlen: the key offsets (for the rows' L_q)
-  int batch, seqlen, heads;
-  int seqlen_k;       // preprocess: keys per sequence (dense layout)
-  bool causal;        // preprocess
-  float log2_tau, inv_scale_log2;  // preprocess, tau > 0
-  int64_t rows_cap;
-  float mul;
-};
-
-__device__ __forceinline__ int64_t rp_total(const RowParams& p) {
-  return p.cu ? static_cast<int64_t>(p.cu[p.batch]) : p.rows_cap;
-}
-__device__ __forceinline__ int64_t rp_offset(const RowParams& p, const Str& s, int64_t g, int h) {
-  if (p.cu) return g * s.r + h * s.h;
-  return (g / p.seqlen) * s.b + (g % p.seqlen) * s.r + h * s.h;
-}
-
-// The offline test of row g solved for the raw score (rule::skip_bound_raw): a tile's entries of the
-// row allow the skip iff none exceeds this bound, so the wgmma kernel compares its raw S^T against it
-// and scales only retained tiles.  A row without legal keys gets +inf (it never blocks a skip).
-__device__ __forceinline__ float bwd_row_skip_bound(const RowParams& p, int64_t g, float l2) {
-  int r, qlen = p.seqlen, klen = p.seqlen_k;
-  if (p.cu) {
-    int lo = 0, hi = p.batch;  // the sequence b with cu[b] <= g < cu[b + 1]
-    while (hi - lo > 1) {
-      const int mid = (lo + hi) / 2;
-      if (p.cu[mid] <= g) lo = mid; else hi = mid;
-    }
-    r = static_cast<int>(g - p.cu[lo]);
-    qlen = p.cu[lo + 1] - p.cu[lo];
-    klen = p.cu_k[lo + 1] - p.cu_k[lo];
-  } else {
-    r = static_cast<int>(g % p.seqlen);
-  }
-  const int L = rule::visible_keys(r, qlen, klen, p.causal);
-  return rule::skip_bound_raw(l2, cuda::bwd_row_log2_thr(p.log2_tau, L), p.inv_scale_log2);
-}
-
+// The main kernel for this call (see the top of the file).
 template <typename T, int D>
-__global__ void bwd_preprocess_kernel(const RowParams p) {
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int64_t w = static_cast<int64_t>(blockIdx.x) * 8 + warp;
-  const int64_t g = w / p.heads;
-  const int h = static_cast<int>(w % p.heads);
-  const int64_t total = rp_total(p);
-  if (g >= total) return;
-  const T* o = static_cast<const T*>(p.o) + rp_offset(p, p.o_s, g, h);
-  const T* dout = static_cast<const T*>(p.dout) + rp_offset(p, p.do_s, g, h);
-  float acc = 0.f;
-#pragma unroll
-  for (int c = lane * 8; c < D; c += 256) {
-    const uint4 ov = *reinterpret_cast<const uint4*>(o + c);
-    const uint4 dv = *reinterpret_cast<const uint4*>(dout + c);
-    const T* oe = reinterpret_cast<const T*>(&ov);
-    const T* de = reinterpret_cast<const T*>(&dv);
-#pragma unroll
-    for (int e = 0; e < 8; ++e) acc += cuda::to_float<T>(oe[e]) * cuda::to_float<T>(de[e]);
-  }
-#pragma unroll
-  for (int m = 16; m >= 1; m >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, m);
-  if (lane == 0) {
-    p.dsum[h * p.rows_cap + g] = acc;
-    const int64_t idx = p.cu ? h * total + g : ((g / p.seqlen) * p.heads + h) * p.seqlen + g % p.seqlen;
-    // The main kernel's offline test and P = exp2(S - lse2) read this: converted once per row instead
-    // of once per visited tile (and finite, so the test needs no -inf case).
-    const float l2 = p.lse[idx] * 1.4426950408889634f;
-    const float l2f = l2 == -INFINITY ? 0.f : l2;
-    p.lse2[h * p.rows_cap + g] = l2f;
-    if (p.bound2) p.bound2[h * p.rows_cap + g] = bwd_row_skip_bound(p, g, l2f);
-    if (p.slots) p.slots[idx] = 0;
-  }
-}
-
-template <typename T, int D>
-__global__ void bwd_convert_kernel(const RowParams p) {
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int64_t w = static_cast<int64_t>(blockIdx.x) * 8 + warp;
-  const int64_t g = w / p.heads;
-  const int h = static_cast<int>(w % p.heads);
-  if (g >= rp_total(p)) return;
-  const float* src = p.src + (h * p.rows_cap + g) * D;
-  T* dst = static_cast<T*>(p.dst) + rp_offset(p, p.dst_s, g, h);
-#pragma unroll
-  for (int c = lane * 8; c < D; c += 256) {
-    const float4 x0 = *reinterpret_cast<const float4*>(src + c);
-    const float4 x1 = *reinterpret_cast<const float4*>(src + c + 4);
-    uint4 out;
-    out.x = cuda::pack2<T>(x0.x * p.mul, x0.y * p.mul);
-    out.y = cuda::pack2<T>(x0.z * p.mul, x0.w * p.mul);
-    out.z = cuda::pack2<T>(x1.x * p.mul, x1.y * p.mul);
-    out.w = cuda::pack2<T>(x1.z * p.mul, x1.w * p.mul);
-    *reinterpret_cast<uint4*>(dst + c) = out;
-  }
+cuda::BwdLaunch choose_kernel(const BwdParams& p, bool dense) {
+  cuda::BwdLaunch l;
+  l.dense = dense;
+  l.kernel = cuda::BwdKernelKind::sm80;
+  // (BwdWork::Tile packs a head and a query tile into 16 bits each.)
+  if (kernel_override().bwd != BwdVariant::mma_sync && p.n_q_tiles < 65536 && p.heads_q < 65536 &&
+      cuda::bwd_wgmma_usable<T, D>())
+    l.kernel = cuda::BwdKernelKind::sm90;
+  return l;
 }
 
 template <typename T, int D>
 cudaError_t run_typed(const BackwardArgs& a, const Plan& pl, char* ws, cudaStream_t stream) {
   const int64_t d = a.head_dim;
-  const Str qs = resolve(a.q_strides, a.seqlen_q, a.heads_q, d), ks = resolve(a.k_strides, a.seqlen_k, a.heads_kv, d),
-            vs = resolve(a.v_strides, a.seqlen_k, a.heads_kv, d), os = resolve(a.o_strides, a.seqlen_q, a.heads_q, d),
-            dos = resolve(a.dout_strides, a.seqlen_q, a.heads_q, d),
-            dqs = resolve(a.dq_strides, a.seqlen_q, a.heads_q, d),
-            dks = resolve(a.dk_strides, a.seqlen_k, a.heads_kv, d),
-            dvs = resolve(a.dv_strides, a.seqlen_k, a.heads_kv, d);
+  const RowStrides qs = strides(a.q_strides, a.seqlen_q, a.heads_q, d),
+                   ks = strides(a.k_strides, a.seqlen_k, a.heads_kv, d),
+                   vs = strides(a.v_strides, a.seqlen_k, a.heads_kv, d),
+                   os = strides(a.o_strides, a.seqlen_q, a.heads_q, d),
+                   dos = strides(a.dout_strides, a.seqlen_q, a.heads_q, d),
+                   dqs = strides(a.dq_strides, a.seqlen_q, a.heads_q, d),
+                   dks = strides(a.dk_strides, a.seqlen_k, a.heads_kv, d),
+                   dvs = strides(a.dv_strides, a.seqlen_k, a.heads_kv, d);
   float* dsum = reinterpret_cast<float*>(ws + pl.off_dsum);
   float* lse2 = reinterpret_cast<float*>(ws + pl.off_lse2);
   float* bound2 = reinterpret_cast<float*>(ws + pl.off_bound2);
@@ -254,8 +162,9 @@ cudaError_t run_typed(const BackwardArgs& a, const Plan& pl, char* ws, cudaStrea
   float* dv_acc = pl.kv_atomic ? reinterpret_cast<float*>(ws + pl.off_dv) : nullptr;
   const float scale = a.softmax_scale > 0.f ? a.softmax_scale : 1.0f / std::sqrt(static_cast<float>(d));
   // Shared by the preprocess kernel (the raw-score bound) and the main kernel (P, the test).
-  const float scale_log2 = scale * 1.4426950408889634f;
-  const float log2_tau = a.tau > 0.f ? std::log2(a.tau) : -INFINITY;
+  const float scale_log2 = rule::scale_log2(scale);
+  const float log2_tau = rule::log2_tau(a.tau);
+  const bool dense = rule::dense(a.tau);
   cudaError_t err;
 
   // 1. zero accumulators, tile_mask; D and slot zeroing.
@@ -277,7 +186,7 @@ cudaError_t run_typed(const BackwardArgs& a, const Plan& pl, char* ws, cudaStrea
   rq.do_s = dos;
   rq.dsum = dsum;
   rq.lse2 = lse2;
-  rq.bound2 = a.tau > 0.f ? bound2 : nullptr;
+  rq.bound2 = dense ? nullptr : bound2;
   rq.cu_k = a.cu_seqlens_k;
   rq.seqlen_k = static_cast<int>(a.seqlen_k);
   rq.causal = a.causal;
@@ -292,7 +201,7 @@ cudaError_t run_typed(const BackwardArgs& a, const Plan& pl, char* ws, cudaStrea
   rq.rows_cap = pl.rows_q_cap;
   const int64_t q_warps = pl.rows_q_cap * a.heads_q;
   if (q_warps > 0) {
-    bwd_preprocess_kernel<T, D><<<static_cast<unsigned>((q_warps + 7) / 8), 256, 0, stream>>>(rq);
+    cuda::bwd_preprocess_kernel<T, D><<<static_cast<unsigned>((q_warps + 7) / 8), 256, 0, stream>>>(rq);
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
   }
 
@@ -325,7 +234,6 @@ cudaError_t run_typed(const BackwardArgs& a, const Plan& pl, char* ws, cudaStrea
   p.rows_q_cap = pl.rows_q_cap;
   p.rows_k_cap = pl.rows_k_cap;
   p.causal = a.causal;
-  p.tau_zero = a.tau == 0.f;
   p.scale = scale;
   p.scale_log2 = scale_log2;
   p.log2_tau = log2_tau;
@@ -336,11 +244,9 @@ cudaError_t run_typed(const BackwardArgs& a, const Plan& pl, char* ws, cudaStrea
   p.dk_acc = dk_acc;
   p.dv_acc = dv_acc;
   p.heads_per_cta = pl.heads_per_cta;
-  // 3 Q stages where they fit (they pay on the skip path: 10.66 -> 10.44 ms at 32K, 6% retained;
-  // dense tau = 0 measured within 1% either way).  MALA_BWD_Q_STAGES=2|3 overrides.
   p.q_stages = pick_q_stages(cuda::bwd_smem_bytes<D>(3));
   p.head_splits = pl.head_splits;
-  if ((err = cuda::launch_bwd_main<T, D>(p, stream)) != cudaSuccess) return err;
+  if ((err = cuda::launch_bwd_main<T, D>(p, choose_kernel<T, D>(p, dense), stream)) != cudaSuccess) return err;
 
   // 3. converts.
   if (q_warps > 0) {
@@ -349,7 +255,7 @@ cudaError_t run_typed(const BackwardArgs& a, const Plan& pl, char* ws, cudaStrea
     rc.dst_s = dqs;
     rc.src = dq_acc;
     rc.mul = scale;
-    bwd_convert_kernel<T, D><<<static_cast<unsigned>((q_warps + 7) / 8), 256, 0, stream>>>(rc);
+    cuda::bwd_convert_kernel<T, D><<<static_cast<unsigned>((q_warps + 7) / 8), 256, 0, stream>>>(rc);
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
   }
   if (pl.kv_atomic) {
@@ -365,11 +271,11 @@ cudaError_t run_typed(const BackwardArgs& a, const Plan& pl, char* ws, cudaStrea
       rk.dst = a.dk;
       rk.dst_s = dks;
       rk.src = dk_acc;
-      bwd_convert_kernel<T, D><<<static_cast<unsigned>((k_warps + 7) / 8), 256, 0, stream>>>(rk);
+      cuda::bwd_convert_kernel<T, D><<<static_cast<unsigned>((k_warps + 7) / 8), 256, 0, stream>>>(rk);
       rk.dst = a.dv;
       rk.dst_s = dvs;
       rk.src = dv_acc;
-      bwd_convert_kernel<T, D><<<static_cast<unsigned>((k_warps + 7) / 8), 256, 0, stream>>>(rk);
+      cuda::bwd_convert_kernel<T, D><<<static_cast<unsigned>((k_warps + 7) / 8), 256, 0, stream>>>(rk);
       if ((err = cudaGetLastError()) != cudaSuccess) return err;
     }
   }

@@ -14,7 +14,7 @@
 #include <math.h>
 
 #include "common/rule.h"
-#include "cuda/ptx.cuh"
+#include "cuda/core/ptx.cuh"
 
 namespace mala {
 namespace cuda {

@@ -1,5 +1,5 @@
-// Parameters of the split-KV decode kernels (src/cuda/decode_kernel.cuh), filled by decode.cu.
-// Plain data, no CUDA types, so decode.cu's host code and the instantiation files share it.
+// Parameters and shared-memory configuration of the split-KV decode kernels (decode/kernel.cuh),
+// filled by decode/dispatch.cu.  Plain data, no CUDA types.
 #pragma once
 
 #include <stdint.h>
@@ -17,6 +17,32 @@ constexpr int kDecodeThreads = 128;  // 4 warps
 // (32.5 vs 32.3 us at 128K) while the sparse variant paid its exposed V latency on twice as many
 // tiles (0.79x instead of 0.94x of tau = 0 on random inputs); 128 is kept.
 constexpr int decode_block_k(int head_dim) { return head_dim == 256 ? 64 : 128; }
+
+// kLargeSmem: the sm_90 opt-in shared memory (227 KB per block); otherwise sm_80's 163 KB.  The
+// host picks the instance from the device's cudaDevAttrMaxSharedMemoryPerBlockOptin.
+template <int D, bool kLargeSmem>
+struct DecodeConfig {
+  static constexpr int BK = decode_block_k(D);
+  static constexpr int TILE_BYTES = BK * D * 2;
+  static constexpr int P_BYTES = kDecodeBlockQ * BK * 2;
+  static constexpr int SMEM_BUDGET = (kLargeSmem ? 227 : 163) * 1024;
+  // Sparse variant: V of a retained tile is read after its test and consumed DEFER tiles later
+  // (its P, m and V wait in rings of NV slots), so the V latency hides behind the next tiles' QK.
+  static constexpr int NV = kLargeSmem ? 3 : 2, DEFER = NV - 1;
+  // Q, P (NV slots sparse, 1 dense), the [4 warps][16 rows] row-max exchange, the row-sum exchange
+  // (two parities sparse, one dense) and, sparse, the m of each P slot.
+  static constexpr int extra_bytes(bool dense) {
+    return kDecodeBlockQ * D * 2 + (dense ? 1 : NV) * P_BYTES + 4 * kDecodeBlockQ * 4 +
+           (dense ? 1 : 2) * 4 * kDecodeBlockQ * 4 + (dense ? 0 : NV * kDecodeBlockQ * 4);
+  }
+  // Tile buffers, as many as fit (decode is memory-bound: they are the bytes in flight per SM).
+  // Dense: NBUF_DENSE / 2 (K, V) stages.  Sparse: NBUF_SPARSE - NV K stages and NV V slots.
+  static constexpr int NBUF_DENSE = (SMEM_BUDGET - extra_bytes(true)) / TILE_BYTES / 2 * 2;
+  static constexpr int NBUF_SPARSE = (SMEM_BUDGET - extra_bytes(false)) / TILE_BYTES;
+  static constexpr int smem_bytes(bool dense) {
+    return (dense ? NBUF_DENSE : NBUF_SPARSE) * TILE_BYTES + extra_bytes(dense);
+  }
+};
 
 struct DecodeParams {
   const void* q;

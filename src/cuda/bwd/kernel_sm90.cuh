@@ -29,10 +29,10 @@
 
 #include <type_traits>
 
-#include "cuda/arch.cuh"
-#include "cuda/bwd_kernel.cuh"
-#include "cuda/gmma_layout.h"
-#include "cuda/wgmma.cuh"
+#include "cuda/bwd/common.cuh"
+#include "cuda/core/gmma_layout.h"
+#include "cuda/core/smem_tile.cuh"
+#include "cuda/core/wgmma.cuh"
 
 namespace mala {
 namespace cuda {
@@ -422,17 +422,11 @@ __global__ void __launch_bounds__(256, 1) bwd_main_kernel_sm90(const BwdParams p
 #endif
 }
 
+// Launches the instance `dense` names (grid as the mma.sync kernel's).
 template <typename T, int D>
-bool bwd_use_sm90() {
-  static const bool ok =
-      wgmma_kernel_usable(reinterpret_cast<const void*>(bwd_main_kernel_sm90<T, D, true>), "MALA_BWD_WGMMA");
-  return ok;
-}
-
-template <typename T, int D>
-cudaError_t launch_bwd_main_sm90(const BwdParams& p, cudaStream_t stream) {
+cudaError_t launch_bwd_sm90(const BwdParams& p, bool dense, cudaStream_t stream) {
   using KC = BwdSm90<D>;
-  auto kernel = p.tau_zero ? bwd_main_kernel_sm90<T, D, true> : bwd_main_kernel_sm90<T, D, false>;
+  auto kernel = dense ? bwd_main_kernel_sm90<T, D, true> : bwd_main_kernel_sm90<T, D, false>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, KC::kSmem);
   if (err != cudaSuccess) return err;
   const int64_t grid = static_cast<int64_t>(p.n_k_tiles) * p.batch * p.heads_kv * p.head_splits;

@@ -1,25 +1,64 @@
-// CUDA forward entry point: resolves the arguments into FwdParams and dispatches on dtype x head
-// dim to the instantiations in instantiations/fwd_*.cu (kernel in fwd_kernel.cuh).
+// The CUDA forward's host side: checks what the kernels need, resolves the arguments into FwdParams,
+// and chooses the kernel -- the only place where that happens:
+//   sm_90 (sm_90a build), d = 128: the warp-specialized wgmma kernel where the TMA can describe K and
+//     V (fwd/kernel_sm90_ws.cuh), else the two-warpgroup wgmma kernel with cp.async loads
+//     (fwd/kernel_sm90.cuh: varlen inputs without total_k, strides the TMA cannot take);
+//   everything else: the mma.sync kernel (fwd/kernel_sm80.cuh).
+// Each kernel's tau = 0 instance runs at tau = 0 (the mma.sync kernel's where FwdConfig has one).
+// All of them make the same decisions (tiles of FwdConfig), so the choice changes no result beyond
+// rounding.  The kernel override (backend.h) forces another kernel for tests and benchmarks.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <cmath>
+#include <type_traits>
 #include <string>
 
-#include "cpu/layout.h"
+#include "common/layout.h"
+#include "common/rule.h"
 #include "cuda/backend.h"
-#include "cuda/fwd_params.h"
+#include "cuda/core/tma.cuh"
+#include "cuda/fwd/launch.h"
 
 namespace mala {
-namespace cuda {
-// Defined in instantiations/fwd_<dtype>_d<D>.cu.
-template <typename T, int D> cudaError_t launch_fwd(const FwdParams& p, cudaStream_t stream);
-}  // namespace cuda
 
 namespace cuda_backend {
 
 namespace {
+
+// The kernel for this call (see the top of the file).
+template <typename T, int D>
+cuda::FwdLaunch choose_kernel(const cuda::FwdParams& p, bool dense) {
+  const FwdVariant forced = kernel_override().fwd;
+  cuda::FwdLaunch l;
+  l.kernel = cuda::FwdKernelKind::sm80;
+  l.dense = dense && cuda::FwdConfig<D>::kDenseInstance;
+  l.record = p.tile_mask != nullptr;
+  if (forced == FwdVariant::mma_sync || !cuda::fwd_wgmma_usable<T, D>()) return l;
+  l.dense = dense;
+  // K and V by TMA when it can describe them.  Varlen: only when the caller gave the packed
+  // tensors' row count (total_k; cu_seqlens_k lives on the device), mapped as one batch entry of
+  // total_k rows.  A sequence's last tile then reads the next sequence's first rows (or zeros past
+  // total_k) where cp.async reads zeros: those keys are masked and their P is zero.
+  constexpr bool kBf16 = std::is_same<T, __nv_bfloat16>::value;
+  const bool varlen = p.cu_k != nullptr;
+  const int map_rows = varlen ? p.total_k : p.seqlen_k, map_batch = varlen ? 1 : p.batch;
+  const int box_rows = cuda::FwdConfig<D>::kBk;
+  const bool tma = forced != FwdVariant::wgmma_cp_async && (!varlen || p.total_k > 0) &&
+                   cuda::make_kv_tensor_map(&l.tmap_k, p.k, kBf16, D, map_rows, p.heads_kv, map_batch, p.k_sr,
+                                            p.k_sh, p.k_sb, box_rows) &&
+                   cuda::make_kv_tensor_map(&l.tmap_v, p.v, kBf16, D, map_rows, p.heads_kv, map_batch, p.v_sr,
+                                            p.v_sh, p.v_sb, box_rows);
+  l.kernel = tma ? cuda::FwdKernelKind::sm90_ws : cuda::FwdKernelKind::sm90;
+  return l;
+}
+
+template <typename T, int D>
+cudaError_t run(const cuda::FwdParams& p, bool dense, cudaStream_t stream) {
+  return cuda::launch_fwd<T, D>(p, choose_kernel<T, D>(p, dense), stream);
+}
+
 bool supported_head_dim(int64_t d) { return d == 64 || d == 128 || d == 256; }
 
 Tiles native_tiles(int64_t d) {
@@ -89,17 +128,18 @@ Status forward(const ForwardArgs& a) {
   p.n_k_tiles_mask = static_cast<int>((a.seqlen_k + t.block_k - 1) / t.block_k);
   p.causal = a.causal;
   const float scale = a.softmax_scale > 0.f ? a.softmax_scale : 1.0f / std::sqrt(static_cast<float>(d));
-  p.scale_log2 = scale * 1.4426950408889634f;
-  p.log2_tau = a.tau > 0.f ? std::log2(a.tau) : -INFINITY;
+  p.scale_log2 = rule::scale_log2(scale);
+  p.log2_tau = rule::log2_tau(a.tau);
 
   if (a.batch == 0 || a.seqlen_q == 0) return Status::success();
   cudaStream_t stream = static_cast<cudaStream_t>(a.stream);
   cudaError_t err = cudaSuccess;
   const bool bf16 = a.dtype == DType::bf16;
+  const bool dense = rule::dense(a.tau);
   switch (d) {
-    case 64: err = bf16 ? cuda::launch_fwd<__nv_bfloat16, 64>(p, stream) : cuda::launch_fwd<__half, 64>(p, stream); break;
-    case 128: err = bf16 ? cuda::launch_fwd<__nv_bfloat16, 128>(p, stream) : cuda::launch_fwd<__half, 128>(p, stream); break;
-    case 256: err = bf16 ? cuda::launch_fwd<__nv_bfloat16, 256>(p, stream) : cuda::launch_fwd<__half, 256>(p, stream); break;
+    case 64: err = bf16 ? run<__nv_bfloat16, 64>(p, dense, stream) : run<__half, 64>(p, dense, stream); break;
+    case 128: err = bf16 ? run<__nv_bfloat16, 128>(p, dense, stream) : run<__half, 128>(p, dense, stream); break;
+    case 256: err = bf16 ? run<__nv_bfloat16, 256>(p, dense, stream) : run<__half, 256>(p, dense, stream); break;
   }
   if (err != cudaSuccess)
     return Status::error(std::string("device: CUDA forward launch failed: ") + cudaGetErrorString(err));

@@ -19,8 +19,8 @@
 
 #include <stdint.h>
 
-#include "cuda/gmma_layout.h"
-#include "cuda/ptx.cuh"
+#include "cuda/core/gmma_layout.h"
+#include "cuda/core/ptx.cuh"
 
 namespace mala {
 namespace cuda {

@@ -1,9 +1,14 @@
-// CUDA decode (issue 4): split-KV MALA decode over a contiguous or paged KV cache.
-// Host side: tiles, the num_splits heuristic, the workspace, parameter packing and dispatch.  The
-// kernels are in decode_kernel.cuh (instantiated in instantiations/decode_*.cu).
+// The CUDA decode's host side (split-KV MALA decode over a contiguous or paged KV cache): tiles, the
+// num_splits heuristic, the workspace, parameter packing, and the choice of the split kernel's
+// instance -- the only place where that happens: the dense instance at tau = 0, and the instance
+// sized for 227 KB of shared memory where the device lets a block have it (sm_90; A100: 163 KB),
+// else the 163 KB one.  The kernel override (backend.h) forces the 163 KB instance for tests.  The
+// kernels are in decode/kernel.cuh (split), combine.cuh and append.cuh.
 //
 // CUDA-graph safe: the host never reads cache_seqlens (the kernels do), never synchronizes, and
 // allocates nothing when args.workspace is given (otherwise stream-ordered cudaMallocAsync/FreeAsync).
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -11,9 +16,10 @@
 #include <cstdint>
 #include <string>
 
-#include "cpu/layout.h"
+#include "common/layout.h"
+#include "common/rule.h"
 #include "cuda/backend.h"
-#include "cuda/decode_launch.cuh"
+#include "cuda/decode/launch.h"
 
 namespace mala {
 namespace cuda_backend {
@@ -80,6 +86,42 @@ WorkspaceLayout workspace_layout(const DecodeArgs& a, int splits) {
   w.cnt_bytes = align256(entries * sizeof(int));
   w.total = w.o_bytes + w.lse_bytes + w.cnt_bytes;
   return w;
+}
+
+struct DeviceCaps {
+  bool pdl = false;    // programmatic dependent launch (sm_90+)
+  int smem_optin = 0;  // bytes of shared memory one block may opt in to
+};
+const DeviceCaps& device_caps() {
+  static const DeviceCaps caps = [] {
+    DeviceCaps c;
+    int dev = 0, major = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&c.smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess) {
+      cudaGetLastError();
+      return c;
+    }
+    c.pdl = major >= 9;
+    return c;
+  }();
+  return caps;
+}
+
+// The split kernel's instance for this call (see the top of the file).
+template <int D>
+cuda::DecodeLaunch choose_instance(bool dense) {
+  const DeviceCaps& caps = device_caps();
+  cuda::DecodeLaunch l;
+  l.dense = dense;
+  l.large_smem = kernel_override().decode != DecodeVariant::small_smem &&
+                 caps.smem_optin >= cuda::DecodeConfig<D, true>::smem_bytes(dense);
+  l.pdl = caps.pdl;
+  return l;
+}
+
+template <typename T, int D>
+cudaError_t run(const cuda::DecodeParams& p, bool dense, cudaStream_t stream) {
+  return cuda::launch_decode<T, D>(p, choose_instance<D>(dense), stream);
 }
 
 Status aligned(const void* p, const char* what) {
@@ -185,8 +227,8 @@ Status decode(const DecodeArgs& a) {
   p.causal = a.causal ? 1 : 0;
   p.pack = a.pack_gqa ? 1 : 0;
   const float scale = a.softmax_scale > 0.f ? a.softmax_scale : 1.0f / std::sqrt(static_cast<float>(d));
-  p.scale_log2 = scale * 1.4426950408889634f;
-  p.log2_tau = a.tau > 0.f ? std::log2(a.tau) : -INFINITY;
+  p.scale_log2 = rule::scale_log2(scale);
+  p.log2_tau = rule::log2_tau(a.tau);
   p.q_sb = qs.batch, p.q_sr = qs.row, p.q_sh = qs.head;
   p.o_sb = os.batch, p.o_sr = os.row, p.o_sh = os.head;
   p.k_sb = ks.batch, p.k_sr = ks.row, p.k_sh = ks.head;
@@ -215,13 +257,13 @@ Status decode(const DecodeArgs& a) {
     p.ws_cnt = reinterpret_cast<int*>(base + wl.o_bytes + wl.lse_bytes);
   }
 
-  const bool dense = !(a.tau > 0.f);
+  const bool dense = rule::dense(a.tau);
   const bool bf16 = a.dtype == DType::bf16;
   cudaError_t err;
   switch (d) {
-    case 64: err = bf16 ? cuda::launch_decode_bf16_d64(p, dense, stream) : cuda::launch_decode_fp16_d64(p, dense, stream); break;
-    case 128: err = bf16 ? cuda::launch_decode_bf16_d128(p, dense, stream) : cuda::launch_decode_fp16_d128(p, dense, stream); break;
-    case 256: err = bf16 ? cuda::launch_decode_bf16_d256(p, dense, stream) : cuda::launch_decode_fp16_d256(p, dense, stream); break;
+    case 64: err = bf16 ? run<__nv_bfloat16, 64>(p, dense, stream) : run<__half, 64>(p, dense, stream); break;
+    case 128: err = bf16 ? run<__nv_bfloat16, 128>(p, dense, stream) : run<__half, 128>(p, dense, stream); break;
+    case 256: err = bf16 ? run<__nv_bfloat16, 256>(p, dense, stream) : run<__half, 256>(p, dense, stream); break;
     default: err = cudaErrorInvalidValue; break;
   }
   if (owned) {

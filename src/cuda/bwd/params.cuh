@@ -1,5 +1,5 @@
-// Parameters of the fused MALA backward kernels (src/cuda/backward.cu builds them, the kernel
-// templates in bwd_kernel.cuh read them, src/cuda/instantiations/bwd_*.cu instantiate them).
+// Parameters of the fused MALA backward kernels (bwd/dispatch.cu builds them, the kernels in
+// bwd/kernel_sm80.cuh and bwd/kernel_sm90.cuh read them).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -11,7 +11,7 @@
 namespace mala {
 namespace cuda {
 
-// Tile configuration of the fused backward per head dim (see bwd_kernel.cuh for the warp layout).
+// Tile configuration of the fused backward per head dim (see kernel_sm80.cuh for the warp layout).
 //   BQ: query rows per visited tile, BK: keys per CTA, WARPS_D: warps that share one 16-key slab
 //   and split the head dim of its dK/dV accumulators (d = 256 only).
 template <int D> struct BwdConfig;
@@ -45,7 +45,6 @@ struct BwdParams {
   int n_q_tiles, n_k_tiles;
   int64_t rows_q_cap, rows_k_cap;  // batch * seqlen (>= total rows for varlen)
   bool causal;
-  bool tau_zero;        // tau == 0: every visited tile is retained, no test
   float scale;          // softmax scale
   float scale_log2;     // scale * log2(e)
   float log2_tau;       // log2(tau)
@@ -70,13 +69,10 @@ __device__ __forceinline__ float bwd_row_log2_thr(float log2_tau, int L) {
   return L > 0 ? rule::log_threshold(log2_tau, __log2f(static_cast<float>(L))) : INFINITY;
 }
 
-template <typename T, int D>
-cudaError_t launch_bwd_main(const BwdParams& p, cudaStream_t stream);
-
 // Bytes of dynamic shared memory of the main kernel with q_stages Q stages (host-computable).
 template <int D>
 constexpr int bwd_smem_bytes(int q_stages) {
-  // Mirrors BwdKernel<T, D> (bwd_kernel.cuh): K, V, dO x2, dS^T x2, D x2, lse x3, thr x3, vote 128 B, Q x q_stages.
+  // Mirrors BwdKernel<T, D> (kernel_sm80.cuh): K, V, dO x2, dS^T x2, D x2, lse x3, thr x3, vote 128 B, Q x q_stages.
   return 2 * BwdConfig<D>::BK * D * 2 + 2 * BwdConfig<D>::BQ * D * 2 + 2 * BwdConfig<D>::BK * BwdConfig<D>::BQ * 2 +
          8 * BwdConfig<D>::BQ * 4 + 128 + q_stages * BwdConfig<D>::BQ * D * 2;
 }

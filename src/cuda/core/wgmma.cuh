@@ -5,12 +5,12 @@
 // mma.sync m16n8k16 A fragment of the warp's 16 rows), B from shared memory.  TA / TB = 1 reads the
 // operand MN-major (transposed), 0 K-major.  The accumulator layout: warp w of the warpgroup holds
 // rows 16w..16w+15; d[4j + e] is (row 16w + lane/4 + 8*(e/2), column 8j + 2*(lane%4) + e%2).
-// Shared-memory operands use the 128-byte swizzle (wgmma_desc); see smem layout in bwd_kernel_sm90.cuh.
+// Shared-memory operands use the 128-byte swizzle (wgmma_desc); GmmaTile (core/smem_tile.cuh) is that layout.
 #pragma once
 
 #include <stdint.h>
 
-#include "cuda/ptx.cuh"
+#include "cuda/core/ptx.cuh"
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define MALA_WGMMA_ENABLED 1

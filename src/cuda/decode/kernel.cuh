@@ -1,5 +1,4 @@
-// Split-KV MALA decode kernels (issue 4): the split kernel, the lse-weighted combine, and the
-// k_new/v_new append.  Included by src/cuda/instantiations/decode_*.cu (one dtype x head_dim each).
+// The split-KV decode's split kernel (the combine and the append are in combine.cuh and append.cuh).
 //
 // Split kernel: one CTA of 4 warps per (query tile of 16 packed rows, split, query-tile owner, batch).
 // It walks the split's legal key tiles newest first (rule::split_tiles of ceil(Nk/BK) tiles) with its
@@ -28,39 +27,13 @@
 #include <stdlib.h>
 
 #include "common/rule.h"
-#include "cuda/decode_params.cuh"
-#include "cuda/ptx.cuh"
-#include "cuda/tile_test.cuh"
+#include "cuda/decode/params.h"
+#include "cuda/core/ptx.cuh"
+#include "cuda/attn/tile_test.cuh"
 #include "mala/mala.h"
 
 namespace mala {
 namespace cuda {
-
-// kLargeSmem: the sm_90 opt-in shared memory (227 KB per block); otherwise sm_80's 163 KB.  The
-// host picks the instance from the device's cudaDevAttrMaxSharedMemoryPerBlockOptin.
-template <int D, bool kLargeSmem>
-struct DecodeConfig {
-  static constexpr int BK = decode_block_k(D);
-  static constexpr int TILE_BYTES = BK * D * 2;
-  static constexpr int P_BYTES = kDecodeBlockQ * BK * 2;
-  static constexpr int SMEM_BUDGET = (kLargeSmem ? 227 : 163) * 1024;
-  // Sparse variant: V of a retained tile is read after its test and consumed DEFER tiles later
-  // (its P, m and V wait in rings of NV slots), so the V latency hides behind the next tiles' QK.
-  static constexpr int NV = kLargeSmem ? 3 : 2, DEFER = NV - 1;
-  // Q, P (NV slots sparse, 1 dense), the [4 warps][16 rows] row-max exchange, the row-sum exchange
-  // (two parities sparse, one dense) and, sparse, the m of each P slot.
-  static constexpr int extra_bytes(bool dense) {
-    return kDecodeBlockQ * D * 2 + (dense ? 1 : NV) * P_BYTES + 4 * kDecodeBlockQ * 4 +
-           (dense ? 1 : 2) * 4 * kDecodeBlockQ * 4 + (dense ? 0 : NV * kDecodeBlockQ * 4);
-  }
-  // Tile buffers, as many as fit (decode is memory-bound: they are the bytes in flight per SM).
-  // Dense: NBUF_DENSE / 2 (K, V) stages.  Sparse: NBUF_SPARSE - NV K stages and NV V slots.
-  static constexpr int NBUF_DENSE = (SMEM_BUDGET - extra_bytes(true)) / TILE_BYTES / 2 * 2;
-  static constexpr int NBUF_SPARSE = (SMEM_BUDGET - extra_bytes(false)) / TILE_BYTES;
-  static constexpr int smem_bytes(bool dense) {
-    return (dense ? NBUF_DENSE : NBUF_SPARSE) * TILE_BYTES + extra_bytes(dense);
-  }
-};
 
 // Benchmark-only timeline (DecodeParams::trace): thread 0 of a CTA writes the globaltimer to stamp
 // `i` of its CTA's kTraceSlots; `dep` is a value the stamp must wait for (so the stamp follows its load).
@@ -137,111 +110,6 @@ __device__ __noinline__ void decode_load_tile(uint32_t sdst, const T* base, int6
         src = hbase + static_cast<int64_t>(page) * sb + static_cast<int64_t>(pr) * sr;
       }
       cp_async_16(sdst + swz<DCH>(row, ch0) * 2, src, valid);
-    }
-  }
-}
-
-// lse-weighted merge of the split partials (the combine kernel).  One work item = (output row,
-// 32-dim chunk), done by one CTA of kDecodeThreads threads: thread t owns float4 (t % 8) of the
-// chunk and the splits t / 8, t / 8 + 16, ...; it loads all of them at once (one L2 round trip for
-// up to 16 * kMergePre splits), merges them online into its own (m, l, acc), and the 16 subsets are
-// merged through shared memory after one barrier.  (Measured on the H100 with the globaltimer
-// timeline of `mala_bench --op decode --overhead`: the previous combine, a block-wide max and sum of
-// the split lse before the weighted sum, took 2.5 us after its wait at 132 splits, this one 1.7.)
-// It is the whole of its CTA's work (one item per CTA), so it ends without a barrier.
-constexpr int kMergeDims = 32;
-constexpr int kMergeSubs = kDecodeThreads / (kMergeDims / 4);  // 16 split subsets
-constexpr int kMergePre = 16;  // splits per thread loaded up front (more are merged one at a time)
-__host__ __device__ constexpr int merge_smem_bytes() { return kMergeSubs * (kMergeDims + 2) * 4; }
-template <int D>
-__host__ __device__ inline int64_t merge_items(const DecodeParams& p) {
-  return static_cast<int64_t>(p.B) * p.HS * p.R * (D / kMergeDims);
-}
-
-template <typename T, int D>
-__device__ void merge_item(const DecodeParams& p, int64_t item, float* sm, int64_t cta) {
-  constexpr int NCH = D / kMergeDims;
-  float* red = sm;                                // [kMergeSubs][kMergeDims]
-  float* red_m = sm + kMergeSubs * kMergeDims;    // [kMergeSubs]
-  float* red_l = red_m + kMergeSubs;              // [kMergeSubs]
-  const int chunk = static_cast<int>(item % NCH);
-  const int64_t gr = item / NCH;
-  const int r = static_cast<int>(gr % p.R), hs = static_cast<int>((gr / p.R) % p.HS),
-            b = static_cast<int>(gr / (static_cast<int64_t>(p.R) * p.HS));
-  const int qt = r / kDecodeBlockQ, lr = r % kDecodeBlockQ;
-  const int64_t idx0 = ((static_cast<int64_t>(b) * p.HS + hs) * p.NQT + qt) * p.S;
-  const int t = threadIdx.x, f4 = t % (kMergeDims / 4), sub = t / (kMergeDims / 4);
-  const float* col = p.ws_o + (idx0 * kDecodeBlockQ + lr) * D + chunk * kMergeDims + f4 * 4;
-  const float* lse_col = p.ws_lse + idx0 * kDecodeBlockQ + lr;
-  const int64_t split_stride = static_cast<int64_t>(kDecodeBlockQ) * D;
-  // A split's partial O is normalized by its own l, and lse_s = log2 of that l plus its m: the row's
-  // O = sum_s 2^(lse_s - lse) O_s.  Splits that saw nothing for the row have lse_s = -inf, O_s = 0.
-  float4 v[kMergePre];
-  float ls[kMergePre];
-#pragma unroll
-  for (int k = 0; k < kMergePre; ++k) {
-    const int s = sub + k * kMergeSubs;
-    const bool ok = s < p.S;
-    v[k] = ok ? __ldcg(reinterpret_cast<const float4*>(col + s * split_stride)) : make_float4(0.f, 0.f, 0.f, 0.f);
-    ls[k] = ok ? __ldcg(lse_col + s * kDecodeBlockQ) : -INFINITY;
-  }
-  float m = -INFINITY, l = 0.f;
-  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-  for (int k = 0; k < kMergePre; ++k) m = fmaxf(m, ls[k]);
-  trace_stamp(p, cta, 8, __float_as_int(m) ^ __float_as_int(v[0].x));
-  if (m != -INFINITY) {
-#pragma unroll
-    for (int k = 0; k < kMergePre; ++k) {
-      const float w = exp2f(ls[k] - m);
-      l += w;
-      acc.x += w * v[k].x, acc.y += w * v[k].y, acc.z += w * v[k].z, acc.w += w * v[k].w;
-    }
-  }
-  for (int s = sub + kMergePre * kMergeSubs; s < p.S; s += kMergeSubs) {
-    const float lv = __ldcg(lse_col + s * kDecodeBlockQ);
-    const float4 ov = __ldcg(reinterpret_cast<const float4*>(col + s * split_stride));
-    if (lv == -INFINITY) continue;
-    const float m_new = fmaxf(m, lv), f = exp2f(m - m_new), w = exp2f(lv - m_new);
-    l = l * f + w;
-    acc.x = acc.x * f + w * ov.x, acc.y = acc.y * f + w * ov.y, acc.z = acc.z * f + w * ov.z, acc.w = acc.w * f + w * ov.w;
-    m = m_new;
-  }
-  *reinterpret_cast<float4*>(red + sub * kMergeDims + f4 * 4) = acc;
-  if (f4 == 0) {
-    red_m[sub] = m;
-    red_l[sub] = l;
-  }
-  trace_stamp(p, cta, 9, __float_as_int(acc.x));
-  __syncthreads();
-  trace_stamp(p, cta, 10);
-  float M = -INFINITY;
-#pragma unroll
-  for (int k = 0; k < kMergeSubs; ++k) M = fmaxf(M, red_m[k]);
-  const int tok = p.pack ? r / p.G : r, head = p.pack ? hs * p.G + r % p.G : hs;
-  if (t < kMergeDims / 2) {
-    float L = 0.f, o0 = 0.f, o1 = 0.f;
-    if (M != -INFINITY) {
-#pragma unroll
-      for (int k = 0; k < kMergeSubs; ++k) {
-        const float w = exp2f(red_m[k] - M);  // 0 for subsets without a finite lse
-        L += w * red_l[k];
-        o0 += w * red[k * kMergeDims + 2 * t];
-        o1 += w * red[k * kMergeDims + 2 * t + 1];
-      }
-    }
-    const float inv = L > 0.f ? 1.f / L : 0.f;
-    T* out = static_cast<T*>(p.o) + b * p.o_sb + tok * p.o_sr + head * p.o_sh + chunk * kMergeDims + 2 * t;
-    *reinterpret_cast<uint32_t*>(out) = pack2<T>(o0 * inv, o1 * inv);
-    if (t == 0 && chunk == 0) {
-      const int64_t idx = (static_cast<int64_t>(b) * p.Hq + head) * p.Nq + tok;
-      if (p.lse) p.lse[idx] = L > 0.f ? (M + __log2f(L)) * 0.69314718055994531f : -INFINITY;
-      if (p.slots) {
-        int cnt = 0;
-        for (int s = 0; s < p.S; ++s) cnt += __ldcg(p.ws_cnt + idx0 + s);
-        const int Lq = rule::visible_keys(tok, p.Nq, min(max(p.cache_seqlens[b] + p.seqlen_new, 0), p.capacity), p.causal != 0);
-        p.slots[idx] = Lq > 0 ? cnt * decode_block_k(D) : 0;
-      }
     }
   }
 }
@@ -596,113 +464,6 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) decode_split_kernel(const D
     if (tid == 0) p.ws_cnt[idx] = retained;
     trace_stamp(p, cta, 5);
   }
-}
-
-// The combine kernel: one CTA per merge item, launched as a programmatic dependent of the split kernel.
-template <typename T, int D>
-__global__ void __launch_bounds__(kDecodeThreads) decode_combine_kernel(const DecodeParams p) {
-  // Timeline stamps after the split CTAs': 0 entry, 6 after the wait, 8 partials loaded, 9 merged
-  // per thread, 10 after the barrier, 7 done.
-  const int64_t cta = static_cast<int64_t>(p.NQT) * p.S * p.HS * p.B + blockIdx.x;
-  trace_stamp(p, cta, 0);
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");  // (the next call's split kernel)
-  asm volatile("griddepcontrol.wait;" ::: "memory");  // the split kernel's partials are complete
-#endif
-  trace_stamp(p, cta, 6);
-  extern __shared__ __align__(16) float cmb_smem[];
-  merge_item<T, D>(p, blockIdx.x, cmb_smem, cta);
-  trace_stamp(p, cta, 7);
-}
-
-// k_new / v_new -> cache rows cache_seqlens[b] + t.  Block: 2 * D/8 threads (K then V), 16 B each.
-template <typename T, int D>
-__global__ void decode_append_kernel(const DecodeParams p) {
-  constexpr int DCH = D / 8;
-  const int t = blockIdx.x / p.Hkv, h = blockIdx.x % p.Hkv, b = blockIdx.y;
-  const int which = threadIdx.x / DCH, ch = threadIdx.x % DCH;
-  const int pos = p.cache_seqlens[b] + t;
-  if (pos < 0 || pos >= p.capacity) return;
-  const T* src = static_cast<const T*>(which ? p.v_new : p.k_new) +
-                 b * (which ? p.vn_sb : p.kn_sb) + t * (which ? p.vn_sr : p.kn_sr) + h * (which ? p.vn_sh : p.kn_sh) +
-                 ch * 8;
-  const int64_t sb = which ? p.v_sb : p.k_sb, sr = which ? p.v_sr : p.k_sr, sh = which ? p.v_sh : p.k_sh;
-  int64_t off;
-  if (p.block_table) {
-    const int page = p.block_table[b * p.bt_stride + pos / p.page_size];
-    off = static_cast<int64_t>(page) * sb + static_cast<int64_t>(pos % p.page_size) * sr;
-  } else {
-    off = static_cast<int64_t>(b) * sb + static_cast<int64_t>(pos) * sr;
-  }
-  T* dst = static_cast<T*>(which ? p.v_cache : p.k_cache) + off + h * sh + ch * 8;
-  *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
-}
-
-// A decode kernel launched as a programmatic dependent of the stream's previous work when `pdl`
-// (sm_90+): it may be scheduled before that work completes and waits for it (griddepcontrol.wait).
-inline cudaError_t launch_decode_kernel(void (*kernel)(DecodeParams), dim3 grid, size_t smem, bool pdl,
-                                        const DecodeParams& p, cudaStream_t stream) {
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = grid;
-  cfg.blockDim = dim3(kDecodeThreads);
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = pdl ? 1 : 0;
-  return cudaLaunchKernelEx(&cfg, kernel, p);
-}
-
-template <typename T, int D, bool kDense, bool kLargeSmem>
-cudaError_t launch_split_kernel(const DecodeParams& p, bool pdl, cudaStream_t stream) {
-  constexpr int smem = DecodeConfig<D, kLargeSmem>::smem_bytes(kDense);
-  static cudaError_t err =
-      cudaFuncSetAttribute(decode_split_kernel<T, D, kDense, kLargeSmem>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  if (err != cudaSuccess) return err;
-  return launch_decode_kernel(decode_split_kernel<T, D, kDense, kLargeSmem>, dim3(p.NQT * p.S, p.HS, p.B), smem, pdl, p,
-                              stream);
-}
-
-// Enqueues append (when seqlen_new > 0), split kernel and combine (when S > 1) on the stream.
-template <typename T, int D>
-cudaError_t launch_decode_impl(const DecodeParams& p, bool dense, cudaStream_t stream) {
-  struct DeviceCaps {
-    bool pdl = false;    // programmatic dependent launch of the split kernel and the combine (sm_90+)
-    int smem_optin = 0;  // bytes of shared memory one block may opt in to
-  };
-  static const DeviceCaps caps = [] {
-    DeviceCaps c;
-    int dev = 0, major = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
-        cudaDeviceGetAttribute(&c.smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess) {
-      cudaGetLastError();
-      return c;
-    }
-    c.pdl = major >= 9;
-    return c;
-  }();
-  if (p.seqlen_new > 0) {
-    decode_append_kernel<T, D><<<dim3(p.seqlen_new * p.Hkv, p.B), 2 * (D / 8), 0, stream>>>(p);
-  }
-  // The sm_90 instance where the device lets a block have its shared memory (A100: 163 KB, no).
-  // MALA_DECODE_SMALL_SMEM=1 forces the 163 KB instance (so that the GPU tests can cover it on an H100).
-  static const bool force_small = [] {
-    const char* e = getenv("MALA_DECODE_SMALL_SMEM");
-    return e != nullptr && e[0] == '1';
-  }();
-  const bool large = !force_small && caps.smem_optin >= DecodeConfig<D, true>::smem_bytes(dense);
-  const bool pdl = caps.pdl;
-  cudaError_t err = dense ? (large ? launch_split_kernel<T, D, true, true>(p, pdl, stream) : launch_split_kernel<T, D, true, false>(p, pdl, stream))
-                          : (large ? launch_split_kernel<T, D, false, true>(p, pdl, stream) : launch_split_kernel<T, D, false, false>(p, pdl, stream));
-  if (err != cudaSuccess) return err;
-  if (p.S > 1) {
-    err = launch_decode_kernel(decode_combine_kernel<T, D>, dim3(static_cast<unsigned>(merge_items<D>(p))),
-                               merge_smem_bytes(), pdl, p, stream);
-    if (err != cudaSuccess) return err;
-  }
-  return cudaGetLastError();
 }
 
 }  // namespace cuda

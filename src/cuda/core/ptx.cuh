@@ -143,6 +143,12 @@ __device__ __forceinline__ uint32_t bar_red_popc_warp_any(int id, int nthreads, 
       : "memory");
   return count;
 }
+// Barrier of one warpgroup of the wgmma kernels (ids 1 and 2; 0 is __syncthreads).  The id from a
+// register: one instruction instead of a branch between two immediate ids (ptxas then reserves all
+// 16 barriers, which costs nothing at one CTA per SM).
+__device__ __forceinline__ void warpgroup_barrier_sync(int wg) {
+  asm volatile("bar.sync %0, 128;\n" ::"r"(wg + 1) : "memory");
+}
 __device__ __forceinline__ float warp_max_quad(float x) {  // over the 4 lanes sharing an mma row
   x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, 1));
   x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, 2));

@@ -1,11 +1,8 @@
-// The two-warpgroup forward kernel on Hopper tensor cores (wgmma), head dim 128, sm_90a (launch_fwd
-// in fwd_kernel.cuh; the mma.sync kernel there serves d = 64 and 256 and other devices).  Since the
-// seventeenth stop it runs only where the TMA cannot describe K and V (varlen without total_k,
-// odd strides: its cp.async instances) and under MALA_FWD_WS=0; everything else runs the
-// warp-specialized kernel (fwd_kernel_sm90_ws.cuh), 15-22% faster at every tau (H100,
-// docs/kernels.md).  At d = 64
-// this kernel is slower than the mma.sync one (H100, dense 32K: 246 against 288 TFLOP/s, s = 16 2.78
-// against 2.04 ms, with the final version of this kernel), so it is not instantiated there.
+// The two-warpgroup forward kernel on Hopper tensor cores (wgmma), head dim 128, sm_90a, with K and V
+// loaded by cp.async.  The dispatch runs it where the TMA cannot describe K and V (varlen inputs
+// without total_k, strides the TMA cannot take); everything else on sm_90 at d = 128 runs the
+// warp-specialized kernel (fwd/kernel_sm90_ws.cuh).  (At d = 64 it is slower than the mma.sync
+// kernel, so it is not instantiated there.)
 // Same decisions as the mma.sync kernel: the decision tile is 32 query rows x 64 keys (FwdConfig),
 // key tiles are visited from the diagonal down, the online test reads the running normaliser, and V
 // is loaded lazily -- so the tile mask, the slots and the outputs are those of the mma.sync kernel.
@@ -13,8 +10,8 @@
 // A CTA is two warpgroups (256 threads) over 128 query rows; warpgroup g owns rows 64g..64g+63, its
 // warp w rows 16w..16w+15 of those, and the warp pair w/2 one decision tile's 32 rows.  Per key tile:
 //   S = Q K^T       m64n64 per warpgroup, A = Q from registers (loaded once), B = K (K-major)
-//   mask, row max, test per warp; the pair's decision from the two warps' votes (shared flags and
-//   the warpgroup's named barrier; no vote at tau = 0)
+//   mask, row max, test per warp; the pair's decision from the two warps' votes (the flag vote,
+//   attn/tile_test.cuh; no vote at tau = 0)
 //   retained pair: online-softmax update, P = exp2(S - m);  skipped pair: P = 0, m, l, O untouched
 //   O += P V        m64nD, A = P from registers, B = V (MN-major); only if a pair of the warpgroup
 //                   retains (P V is one warpgroup instruction: a skipped pair's zero rows add
@@ -22,25 +19,18 @@
 // Two key tiles per step: P V of tile j, then tiles j - 1 and j - 2 decided in order, with S_{j-2}
 // running on the tensor cores while tile j - 1 is tested and exponentiated; the main loop does two
 // such steps per iteration, the second with its barrier moved ahead so that S_{j-3} runs while j - 2
-// is decided (H100, 128K s = 16: 45.1 against 46.0 ms).  The accumulator layout of wgmma is the
-// mma.sync C layout per warp (wgmma.cuh), so masks, the test, the online softmax and the epilogue
-// are the mma.sync kernel's fragment functions with MT = 1.  K and V (4-tile rings, V lazily) live
-// in 128-byte-swizzled tiles (GmmaTile), issued two tiles at a time at a CTA barrier every second
-// iteration (which frees the buffers they overwrite and or-reduces the retention of the tile that
-// decides the next V prefetch): by TMA from one thread, each ring slot's mbarrier saying when its
-// tile has landed (H100, against cp.async in the same call: 32K dense 4.91 vs 5.10 ms, random
-// tau = 1 5.76 vs 6.02, 128K s = 16 48.5 vs 52.1), or, for varlen inputs without total_k and
-// strides the TMA cannot describe, by cp.async from every thread, made visible to the tensor cores'
-// async proxy by fence.proxy.async before the barrier.  One barrier per two tiles instead of one per
-// tile: the warpgroups drift apart by up to a tile, so one's exponentials overlap the other's
-// products (H100, 32K dense: 368 against 358 TFLOP/s).  A V that was not prefetched is loaded by a warpgroup that retains the tile
-// into its own buffer, so no vote needs the whole CTA (128K s = 16: 55.0 against 59.2 ms).
+// is decided.  K and V (4-tile rings, V lazily) live in 128-byte-swizzled tiles (GmmaTile), issued
+// two tiles at a time by cp.async from every thread at a CTA barrier every second iteration (which
+// frees the buffers they overwrite and or-reduces the retention of the tile that decides the next V
+// prefetch), made visible to the tensor cores' async proxy by fence.proxy.async before the barrier.
+// One barrier per two tiles lets the warpgroups drift apart by up to a tile, so one's exponentials
+// overlap the other's products.  A V that was not prefetched is loaded by a warpgroup that retains
+// the tile into its own buffer, so no vote needs the whole CTA.
 #pragma once
 
-#include "cuda/arch.cuh"
-#include "cuda/fwd_kernel.cuh"
-#include "cuda/tma.cuh"
-#include "cuda/wgmma.cuh"
+#include "cuda/core/smem_tile.cuh"
+#include "cuda/core/wgmma.cuh"
+#include "cuda/fwd/common.cuh"
 
 namespace mala {
 namespace cuda {
@@ -61,33 +51,17 @@ struct FwdSm90 {
   static constexpr int kOffVOwn = kOffV + kVBufs * KVTile::kBytes;  // [2]: each warpgroup's on-demand V
   static constexpr int kOffQ = kOffVOwn + 2 * KVTile::kBytes;
   static constexpr int kOffVote = kOffQ + QTile::kBytes;        // [2][8] per-warp retention flags
-  static constexpr int kOffMbar = kOffVote + 16 * 4;            // TMA: [4] K ring, [4] V ring mbarriers
-  static constexpr int kBytes = kOffMbar + 8 * 8;
+  static constexpr int kBytes = kOffVote + 16 * 4;
   static constexpr int kSmem = kBytes + 1024;  // slack to align the base to 1024 bytes
-  // One CTA of two warpgroups per SM.  CTAs of one warpgroup (64 rows, two per SM: independent
-  // barriers, twice the K/V traffic) measured slower: 32K dense 260 against 279 TFLOP/s at the time.
+  // One CTA of two warpgroups per SM (CTAs of one warpgroup, two per SM, have independent barriers
+  // but twice the K/V traffic, and ran slower).
   static constexpr int kMinBlocks = 1;
 };
 
-// Barrier of one warpgroup (ids 1 and 2; 0 is __syncthreads).  The id from a register: one
-// instruction instead of a branch between two immediate ids (ptxas then reserves all 16 barriers,
-// which costs nothing at one CTA per SM).  (Letting a warp that retains only arrive -- it knows the
-// outcome it needs -- measured slower: 32K synthetic s = 16, 4.10 against 3.92 ms; again in the
-// fifteenth stop, with flags and ids rotating over four tiles: random 2% faster, s = 4 and 16 2.5%
-// slower, and racecheck hazards.)
-__device__ __forceinline__ void warpgroup_barrier_sync(int wg) {
-  asm volatile("bar.sync %0, 128;\n" ::"r"(wg + 1) : "memory");
-}
-
-// kDense: the instance for tau = 0, without the test, the vote and the lazy V (H100, 32K: 5.09
-// against 5.67 ms for the kDense = false instance at tau = 0; 217 against 245 registers).
-// kTma: K and V ring tiles come by TMA (tma.cuh; one thread issues them, an mbarrier per ring slot
-// says when a tile has landed), else by cp.async from every thread (varlen without total_k, or
-// strides the TMA cannot describe).
-template <typename T, int D, bool kDense, bool kTma>
+// kDense: the instance for tau = 0, without the test, the vote and the lazy V (fewer registers).
+template <typename T, int D, bool kDense>
 __global__ void __launch_bounds__(FwdSm90<D>::kThreads, FwdSm90<D>::kMinBlocks)
-    mala_fwd_kernel_sm90(const FwdParams p, const __grid_constant__ CUtensorMap tmap_k,
-                         const __grid_constant__ CUtensorMap tmap_v) {
+    mala_fwd_kernel_sm90(const FwdParams p) {
 #ifdef MALA_WGMMA_ENABLED
   using C = FwdSm90<D>;
   constexpr int BQ = C::BQ, BK = C::BK, NT = BK / 8, DT = D / 8, KS = D / 16, NTH = C::kThreads;
@@ -131,31 +105,15 @@ __global__ void __launch_bounds__(FwdSm90<D>::kThreads, FwdSm90<D>::kMinBlocks)
 
   const uint32_t sK0 = sbase + C::kOffK, sV0 = sbase + C::kOffV, sQ = sbase + C::kOffQ;
   // Tile t's K and V live in buffer t % 4 of their rings (barrier_top below says when each is loaded).
-  // TMA: K slot s's mbarrier completes once per K tile, in tile order, so tile t's phase is
-  // ((n_tiles - 1 - t) / 4) & 1; V tiles are loaded lazily, so each thread counts the V loads of
-  // each slot (v_phase bit s: parity of the slot's last load; the loads are CTA-uniform).
-  const uint32_t mbar_k = sbase + C::kOffMbar, mbar_v = mbar_k + 4 * 8;
-  const int hk = h / p.group;
-  const int k_row0 = sq.k_off, k_batch = p.cu_k ? 0 : b;  // TMA: varlen maps the packed rows as one batch entry
-  uint32_t v_phase = 0xfu;
   auto load_k = [&](int t) {
     const int slot = t & (C::kKBufs - 1);
-    if constexpr (kTma) {
-      if (tid == 0) tma_load_tile<BK, D>(sK0 + slot * KVTile::kBytes, &tmap_k, mbar_k + 8 * slot, k_row0 + t * BK, hk, k_batch);
-    } else {
-      KVTile::template load_async<NTH>(sK0 + slot * KVTile::kBytes, sq.k + (int64_t)t * BK * p.k_sr, p.k_sr,
-                                       Nk - t * BK, tid);
-    }
+    KVTile::template load_async<NTH>(sK0 + slot * KVTile::kBytes, sq.k + (int64_t)t * BK * p.k_sr, p.k_sr,
+                                     Nk - t * BK, tid);
   };
   auto load_v = [&](int t) {
     const int slot = t & (C::kVBufs - 1);
-    if constexpr (kTma) {
-      v_phase ^= 1u << slot;
-      if (tid == 0) tma_load_tile<BK, D>(sV0 + slot * KVTile::kBytes, &tmap_v, mbar_v + 8 * slot, k_row0 + t * BK, hk, k_batch);
-    } else {
-      KVTile::template load_async<NTH>(sV0 + slot * KVTile::kBytes, sq.v + (int64_t)t * BK * p.v_sr, p.v_sr,
-                                       Nk - t * BK, tid);
-    }
+    KVTile::template load_async<NTH>(sV0 + slot * KVTile::kBytes, sq.v + (int64_t)t * BK * p.v_sr, p.v_sr,
+                                     Nk - t * BK, tid);
   };
 
   uint32_t qreg[KS][4];
@@ -170,7 +128,6 @@ __global__ void __launch_bounds__(FwdSm90<D>::kThreads, FwdSm90<D>::kMinBlocks)
     SFlat& s_flat = *reinterpret_cast<SFlat*>(&s[0][0][0]);
 #pragma unroll
     for (int e = 0; e < BK / 2; ++e) s_flat[e] = 0.f;
-    if constexpr (kTma) mbar_wait<true>(mbar_k + 8 * (t & (C::kKBufs - 1)), ((n_tiles - 1 - t) >> 2) & 1);
     wgmma_fence();
     const uint64_t dK = wgmma_desc(sK0 + (t & (C::kKBufs - 1)) * KVTile::kBytes, 16, 1024);
 #pragma unroll
@@ -224,16 +181,11 @@ __global__ void __launch_bounds__(FwdSm90<D>::kThreads, FwdSm90<D>::kMinBlocks)
 
   // Prologue: Q, K and V of the first two tiles, K of the third; the first tile's scores and decision.
   // (It repeats finish_tile's steps rather than calling it: defining the loop's lambdas first and
-  // calling finish_tile here changed register allocation and measured 4% slower dense, H100.)
+  // calling finish_tile here changed the register allocation for the worse.)
   const int top = n_tiles - 1;
   bool cur_retain = false, cur_wg_any = false;  // decisions of the tile whose P V is next
   bool cur_v_own = false;  // the V of the tile whose P V is next is in this warpgroup's own buffer
   if (n_tiles > 0) {
-    if (kTma && tid == 0) {
-#pragma unroll
-      for (int i = 0; i < 8; ++i) mbar_init(mbar_k + 8 * i, 1);  // the issuing thread's arrival
-      fence_mbarrier_init();
-    }
     QTile::template load_async<NTH>(sQ, sq.q + (int64_t)row_cta * p.q_sr, p.q_sr, Nq - row_cta, tid);
     load_k(top);
     load_v(top);
@@ -269,10 +221,8 @@ __global__ void __launch_bounds__(FwdSm90<D>::kThreads, FwdSm90<D>::kMinBlocks)
   // below reuse.  It also or-reduces the retention of tile j: V_{j-2} and V_{j-3} are prefetched
   // when some warp retained it.  Returns whether they were.
   auto barrier_top = [&](int j) {
-    if constexpr (!kTma) {  // (TMA writes and wgmma reads are both in the async proxy)
-      cp_async_wait<0>();
-      fence_proxy_async_smem();
-    }
+    cp_async_wait<0>();
+    fence_proxy_async_smem();
     bool pref_v = true;
     if (kDense) {
       __syncthreads();
@@ -302,10 +252,6 @@ __global__ void __launch_bounds__(FwdSm90<D>::kThreads, FwdSm90<D>::kMinBlocks)
   // O += P V for tile j; completes inside its branch (see below).
   auto pv_tile = [&](int j) {
     if (cur_wg_any) {
-      if (kTma && !cur_v_own) {
-        const int slot = j & (C::kVBufs - 1);
-        mbar_wait<true>(mbar_v + 8 * slot, (v_phase >> slot) & 1u);
-      }
       wgmma_fence();
       const uint64_t dV = wgmma_desc(cur_v_own ? sVOwn : sV0 + (j & (C::kVBufs - 1)) * KVTile::kBytes, KVTile::kBlockBytes, 1024);
 #pragma unroll
@@ -369,8 +315,8 @@ __global__ void __launch_bounds__(FwdSm90<D>::kThreads, FwdSm90<D>::kMinBlocks)
   // (of j - 2) comes ahead of tile j - 2's decision so that S_{j-3} runs on the tensor cores while
   // j - 2 is decided; only the last decision of the four waits with nothing in flight.  (The
   // barrier's or-reduction then carries tile j - 1's retention, which only steers the V prefetch.)
-  // Six or eight tiles per iteration in the same way measured slower (H100, 128K s = 16: 46.1 and
-  // 46.8 against 42.3 ms: code size and schedule).  The two-tile loop takes what is left.
+  // (Six or eight tiles per iteration in the same way ran slower: code size and schedule.)  The
+  // two-tile loop takes what is left.
   for (; j >= 4; j -= 4) {
     two_tiles(j);
     // The second step, its barrier ahead of tile j - 2's decision.
@@ -410,54 +356,16 @@ __global__ void __launch_bounds__(FwdSm90<D>::kThreads, FwdSm90<D>::kMinBlocks)
 #endif
 }
 
-// A wgmma forward kernel over the grid (query tiles of bq rows, heads, batch) with its shared memory.
-using WgmmaFwdKernel = void (*)(const FwdParams, const CUtensorMap, const CUtensorMap);
-inline cudaError_t launch_wgmma_fwd(WgmmaFwdKernel kernel, int threads, int smem, int bq, const FwdParams& p,
-                                    const CUtensorMap& tk, const CUtensorMap& tv, cudaStream_t stream) {
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  if (err != cudaSuccess) return err;
-  dim3 grid(rule::ceil_div(p.seqlen_q, bq), p.heads_q, p.batch);
-  kernel<<<grid, threads, smem, stream>>>(p, tk, tv);
-  return cudaGetLastError();
-}
-
-}  // namespace cuda
-}  // namespace mala
-#include "cuda/fwd_kernel_sm90_ws.cuh"
-namespace mala {
-namespace cuda {
-
+// Launches the instance `dense` names (grid: query tiles of 128 rows, heads, batch).
 template <typename T, int D>
-bool fwd_sm90_usable() {
-  static const bool ok =
-      wgmma_kernel_usable(reinterpret_cast<const void*>(mala_fwd_kernel_sm90<T, D, false, false>), "MALA_FWD_WGMMA");
-  return ok;
-}
-
-template <typename T, int D>
-cudaError_t launch_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
+cudaError_t launch_fwd_sm90(const FwdParams& p, bool dense, cudaStream_t stream) {
   using C = FwdSm90<D>;
-  // K and V by TMA when it can describe them.  Varlen: only when the caller gave the packed
-  // tensors' row count (total_k; cu_seqlens_k lives on the device), mapped as one batch entry of
-  // total_k rows.  A sequence's last tile then reads the next sequence's first rows (or zeros past
-  // total_k) where cp.async reads zeros: those keys are masked and their P is zero.
-  static const bool tma_switch_on = env_switch_on("MALA_FWD_TMA");  // MALA_FWD_TMA=0: cp.async (tests)
-  CUtensorMap tk{}, tv{};
-  constexpr bool kBf16 = std::is_same<T, __nv_bfloat16>::value;
-  const bool varlen = p.cu_k != nullptr;
-  const int map_rows = varlen ? p.total_k : p.seqlen_k, map_batch = varlen ? 1 : p.batch;
-  const bool tma = (!varlen || p.total_k > 0) && tma_switch_on &&
-                   make_kv_tensor_map(&tk, p.k, kBf16, D, map_rows, p.heads_kv, map_batch, p.k_sr, p.k_sh, p.k_sb, C::BK) &&
-                   make_kv_tensor_map(&tv, p.v, kBf16, D, map_rows, p.heads_kv, map_batch, p.v_sr, p.v_sh, p.v_sb, C::BK);
-  const bool dense = fwd_tau_zero(p);
-  // With the TMA: the warp-specialized kernel (fwd_kernel_sm90_ws.cuh; MALA_FWD_WS=0 runs this
-  // file's kernel instead, for the tests and A/B runs).
-  static const bool ws_switch_on = env_switch_on("MALA_FWD_WS");
-  if (tma && ws_switch_on)
-    return dense ? launch_fwd_sm90_ws<T, D, true>(p, tk, tv, stream) : launch_fwd_sm90_ws<T, D, false>(p, tk, tv, stream);
-  auto kernel = dense ? (tma ? mala_fwd_kernel_sm90<T, D, true, true> : mala_fwd_kernel_sm90<T, D, true, false>)
-                      : (tma ? mala_fwd_kernel_sm90<T, D, false, true> : mala_fwd_kernel_sm90<T, D, false, false>);
-  return launch_wgmma_fwd(kernel, C::kThreads, C::kSmem, C::BQ, p, tk, tv, stream);
+  auto kernel = dense ? mala_fwd_kernel_sm90<T, D, true> : mala_fwd_kernel_sm90<T, D, false>;
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmem);
+  if (err != cudaSuccess) return err;
+  dim3 grid(rule::ceil_div(p.seqlen_q, C::BQ), p.heads_q, p.batch);
+  kernel<<<grid, C::kThreads, C::kSmem, stream>>>(p);
+  return cudaGetLastError();
 }
 
 }  // namespace cuda

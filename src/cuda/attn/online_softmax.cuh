@@ -11,7 +11,7 @@
 
 #include <math.h>
 
-#include "cuda/ptx.cuh"
+#include "cuda/core/ptx.cuh"
 
 namespace mala {
 namespace cuda {

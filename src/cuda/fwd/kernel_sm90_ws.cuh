@@ -26,6 +26,11 @@
 //     through the rings' depth and when one needs the V of a tile the other has not decided yet.
 #pragma once
 
+#include "cuda/core/smem_tile.cuh"
+#include "cuda/core/tma.cuh"
+#include "cuda/core/wgmma.cuh"
+#include "cuda/fwd/common.cuh"
+
 namespace mala {
 namespace cuda {
 
@@ -41,23 +46,6 @@ __device__ __forceinline__ void setmaxnreg_inc240() {
 #endif
 }
 
-// Phase boundaries stamped by the diagnostic build below (scripts/fwd_timeline.py names them alike).
-enum FwdTimelineEvent { kTlDecideStart, kTlDecideEnd, kTlFinishStart, kTlPvCommitted, kTlPvDone, kTlSIssued,
-                        kTlTestDone, kTlQuadMaxDone, kTlKReady, kTlEvents };
-#ifdef MALA_FWD_TIMELINE
-// Diagnostic build (-DMALA_FWD_TIMELINE; scripts/fwd_timeline.py reads its output): warp 0 of each
-// consumer warpgroup of one CTA (blockIdx (8, 0, 0): long causal rows) stamps the SM clock at the
-// phase boundaries below for 64 of its key tiles, and the sixth launch of each instance prints them
-// from a kernel of its own (a printf in the forward makes ptxas serialize its wgmma, C7510).
-static __device__ unsigned int g_fwd_timeline[2][64][kTlEvents];
-static __global__ void print_fwd_timeline(int dense) {
-  for (int g = 0; g < 2; ++g)
-    for (int i = 0; i < 64; ++i) {
-      const unsigned int* e = g_fwd_timeline[g][i];
-      printf("TL %d wg%d i%d %u %u %u %u %u %u %u %u %u\n", dense, g, i, e[0], e[1], e[2], e[3], e[4], e[5], e[6], e[7], e[8]);
-    }
-}
-#endif
 template <int D_>
 struct FwdWs {
   static constexpr int D = D_;
@@ -228,32 +216,17 @@ __global__ void __launch_bounds__(384, 1)
   using SFlat = float[BK / 2];
   float sA[1][NT][4], sB[1][NT][4], mx[1][2];
   uint32_t pa[BK / 16][4];
-#ifdef MALA_FWD_TIMELINE
-  const bool tl_on = blockIdx.x == 8 && blockIdx.y == 0 && blockIdx.z == 0 && wl == 0 && lane == 0;
-  const int tl_lo = top - 96;  // tiles [tl_lo, tl_lo + 64), past the first ones
-  auto stamp = [&](int t, int ev) {
-    if (tl_on && t >= tl_lo && t < tl_lo + 64) {
-      unsigned int c;
-      asm volatile("mov.u32 %0, %%clock;" : "=r"(c));
-      g_fwd_timeline[wg][t - tl_lo][ev] = c;
-    }
-  };
-#else
-  auto stamp = [](int, int) {};  // compiled out: the kernels' SASS is that of the build without it
-#endif
   auto issue_s = [&](int t, STile& s) {
     SFlat& s_flat = *reinterpret_cast<SFlat*>(&s[0][0][0]);
 #pragma unroll
     for (int e = 0; e < BK / 2; ++e) s_flat[e] = 0.f;
     const uint32_t slot = ring(t, NKB);
     mbar_wait<true>(mb_full_k + 8 * slot, phase(t, NKB));
-    stamp(t, kTlKReady);
     wgmma_fence();
     const uint64_t dK = wgmma_desc(sK0 + slot * KVTile::kBytes, 16, 1024);
 #pragma unroll
     for (int ks = 0; ks < KS; ++ks)
       WgmmaRS<BK, 0, T>::run(s_flat, qreg[ks], wgmma_desc_advance(dK, (ks >> 2) * KVTile::kBlockBytes + (ks & 3) * 32));
-    stamp(t, kTlSIssued);
   };
   auto release_k = [&](int t) {
     if (lane == 0) mbar_arrive(mb_empty_k + 8 * ring(t, NKB));
@@ -267,7 +240,6 @@ __global__ void __launch_bounds__(384, 1)
   bool pair_retain = false, wg_any = false;
   auto no_op = [] {};
   auto decide = [&](int t, STile& s, auto&& between) {
-    stamp(t, kTlDecideStart);
     bool lane_retain = false;
     if (t <= wg_hi) {
       warp_mask_max<NT>(s, mx, t * BK, min_L_w, row_w, lane, Nq, Nk, p.causal);
@@ -287,14 +259,12 @@ __global__ void __launch_bounds__(384, 1)
       // without divergence handling (random inputs 128K: 75.2 against 80.6 ms, when both
       // decisions were branches).  The warp's any over its lanes' tests is taken inside the same
       // asm block.  Pair 0's count is a multiple of 32, pair 1's below 32.
-      stamp(t, kTlTestDone);
       const uint32_t cnt = bar_red_popc_warp_any(wg + 1, 128, lane_retain, vote_counted);
       // The row max reduced over the quad while the barrier resolves (bar.red defers blocking to the
       // read of its result), for every tile: H100 128K, 3 rounds in one call, random 70.1-70.9
       // against 71.7-72.2 ms, s = 4 34.9-35.2 against 34.3-34.6, s = 16 30.7-31.0 against 30.1-30.3.
       // (The new maxima and alpha placed here too: ptxas sinks them behind the branch again.)
       quad_row_max<1>(mx);
-      stamp(t, kTlQuadMaxDone);
       between();
       // pair_retain is data below (softmax_step_or_keep), not a branch: no vote for it.
       pair_retain = (cnt & (pair ? 31u : ~31u)) != 0u;
@@ -302,11 +272,9 @@ __global__ void __launch_bounds__(384, 1)
       s_dec[8 * ring(t, R) + 4 * wg + wl] = (t << 1) | (wg_any ? 1 : 0);  // for the producer's V_t
     }
     if (kRecord && mask_row && lane == 0 && t <= pair_hi) mask_row[t] = pair_retain ? kTileRetained : kTileSkipped;
-    stamp(t, kTlDecideEnd);
   };
   auto finish = [&](int t, STile& s) {
     const uint32_t vslot = ring(t, NVB);
-    stamp(t, kTlFinishStart);
     if (wg_any) {
       if constexpr (kDense) {
         if (pair_retain) {
@@ -346,7 +314,6 @@ __global__ void __launch_bounds__(384, 1)
 #pragma unroll
       for (int kk = 0; kk < BK / 16; ++kk) WgmmaRS<D, 1, T>::run(acc_flat, pa[kk], wgmma_desc_advance(dV, kk * 2048));
       wgmma_commit();
-      stamp(t, kTlPvCommitted);
     } else {
       wgmma_commit();  // the empty group
     }
@@ -358,7 +325,6 @@ __global__ void __launch_bounds__(384, 1)
   // V only if it lags two tiles behind).
   auto pv_done = [&](int t) {
     wgmma_fence_operands(acc_flat);
-    stamp(t, kTlPvDone);
     if (t + 2 <= top) {
       const uint32_t rs = ring(t + 2, NVB);
       mbar_wait<true>(mb_full_v + 8 * rs, phase(t + 2, NVB));
@@ -484,18 +450,18 @@ __global__ void __launch_bounds__(384, 1)
 #endif
 }
 
-template <typename T, int D, bool kDense>
-cudaError_t launch_fwd_sm90_ws(const FwdParams& p, const CUtensorMap& tk, const CUtensorMap& tv, cudaStream_t stream) {
+// Launches the instance (dense, record) names (grid: query tiles of 128 rows, heads, batch).
+template <typename T, int D>
+cudaError_t launch_fwd_sm90_ws(const FwdParams& p, bool dense, bool record, const CUtensorMap& tk,
+                               const CUtensorMap& tv, cudaStream_t stream) {
   using C = FwdWs<D>;
-  auto kernel = p.tile_mask ? mala_fwd_kernel_sm90_ws<T, D, kDense, true> : mala_fwd_kernel_sm90_ws<T, D, kDense, false>;
-#ifdef MALA_FWD_TIMELINE
-  static int calls = 0;
-  cudaError_t e = launch_wgmma_fwd(kernel, C::kThreads, C::kSmem, C::BQ, p, tk, tv, stream);
-  if (++calls == 6 && !p.tile_mask) print_fwd_timeline<<<1, 1, 0, stream>>>(kDense ? 1 : 0);
-  return e;
-#else
-  return launch_wgmma_fwd(kernel, C::kThreads, C::kSmem, C::BQ, p, tk, tv, stream);
-#endif
+  auto kernel = dense ? (record ? mala_fwd_kernel_sm90_ws<T, D, true, true> : mala_fwd_kernel_sm90_ws<T, D, true, false>)
+                      : (record ? mala_fwd_kernel_sm90_ws<T, D, false, true> : mala_fwd_kernel_sm90_ws<T, D, false, false>);
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmem);
+  if (err != cudaSuccess) return err;
+  dim3 grid(rule::ceil_div(p.seqlen_q, C::BQ), p.heads_q, p.batch);
+  kernel<<<grid, C::kThreads, C::kSmem, stream>>>(p, tk, tv);
+  return cudaGetLastError();
 }
 
 }  // namespace cuda

@@ -1,0 +1,42 @@
+// The backward's main-kernel launchers for one (dtype, head dim), included by
+// instantiations/bwd_*.cu: the kernel BwdLaunch names, with no choice of its own (dispatch.cu makes
+// every choice).
+#pragma once
+
+#include "cuda/bwd/kernel_sm80.cuh"
+#include "cuda/bwd/kernel_sm90.cuh"
+#include "cuda/bwd/launch.h"
+#include "cuda/core/arch.cuh"
+
+namespace mala {
+namespace cuda {
+
+// The wgmma kernel exists at d = 64 and 128.
+template <int D>
+constexpr bool bwd_has_wgmma() { return D == 64 || D == 128; }
+
+template <typename T, int D>
+bool bwd_wgmma_usable() {
+  if constexpr (bwd_has_wgmma<D>()) {
+    static const bool ok = wgmma_kernel_usable(reinterpret_cast<const void*>(bwd_main_kernel_sm90<T, D, true>));
+    return ok;
+  } else {
+    return false;
+  }
+}
+
+template <typename T, int D>
+cudaError_t launch_bwd_main(const BwdParams& p, const BwdLaunch& l, cudaStream_t stream) {
+  if constexpr (bwd_has_wgmma<D>()) {
+    if (l.kernel == BwdKernelKind::sm90) return launch_bwd_sm90<T, D>(p, l.dense, stream);
+  }
+  return launch_bwd_sm80<T, D>(p, l.dense, stream);
+}
+
+}  // namespace cuda
+}  // namespace mala
+
+#define MALA_INSTANTIATE_BWD(T, D)                                                                      \
+  template cudaError_t mala::cuda::launch_bwd_main<T, D>(const mala::cuda::BwdParams&,                  \
+                                                         const mala::cuda::BwdLaunch&, cudaStream_t);   \
+  template bool mala::cuda::bwd_wgmma_usable<T, D>();

@@ -1,0 +1,30 @@
+// The backward main kernels as dispatch.cu sees them: which kernel and instance to run, and the
+// launchers that instantiations/bwd_*.cu define (bwd/instance.cuh).  Host code only.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "cuda/bwd/params.cuh"
+
+namespace mala {
+namespace cuda {
+
+enum class BwdKernelKind {
+  sm80,  // mma.sync (bwd/kernel_sm80.cuh): every device, every head dim
+  sm90,  // wgmma (bwd/kernel_sm90.cuh): sm_90a, d = 64 and 128
+};
+struct BwdLaunch {
+  BwdKernelKind kernel = BwdKernelKind::sm80;
+  bool dense = false;  // tau = 0: the kernel's dense instance
+};
+
+// Launches the main kernel l names; every choice is the caller's (dispatch.cu).
+template <typename T, int D>
+cudaError_t launch_bwd_main(const BwdParams& p, const BwdLaunch& l, cudaStream_t stream);
+// Whether the wgmma kernel of this instantiation can run on the current device (false for head dims
+// without it).
+template <typename T, int D>
+bool bwd_wgmma_usable();
+
+}  // namespace cuda
+}  // namespace mala

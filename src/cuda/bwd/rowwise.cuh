@@ -1,0 +1,131 @@
+// The backward's row-wise kernels, one warp per (row, head) of the dense or packed row space:
+// the preprocess kernel (D = rowsum(dO * O), lse in log2 units, the raw-score skip bound, bwd_slots
+// zeroed) before the main kernel, and the convert kernel (fp32 accumulators to the output dtype)
+// after it.
+#pragma once
+
+#include <math.h>
+#include <stdint.h>
+
+#include "common/rule.h"
+#include "cuda/bwd/params.cuh"
+#include "cuda/core/ptx.cuh"
+
+namespace mala {
+namespace cuda {
+
+// Element strides of one tensor (batch, row, head).
+struct RowStrides {
+  int64_t b, r, h;
+};
+
+// Rows handled by the row-wise kernels: one warp per (row, head) of the dense/packed row space.
+struct RowParams {
+  const void* o;
+  const void* dout;
+  void* dst;          // convert: output tensor
+  const float* src;   // convert: fp32 accumulator [heads, rows_cap, d]
+  RowStrides o_s, do_s, dst_s;
+  float* dsum;
+  float* lse2;        // preprocess: lse * log2(e), -inf -> 0, in dsum's layout
+  float* bound2;      // preprocess, tau > 0 (else null): the row's skip bound on raw scores, dsum's layout
+  const float* lse;   // preprocess: the forward's lse [B, H, N] or [H, total]
+  int32_t* slots;
+  const int32_t* cu;  // varlen when non-null
+  const int32_t* cu_k;  // preprocess, varlen: the key offsets (for the rows' L_q)
+  int batch, seqlen, heads;
+  int seqlen_k;       // preprocess: keys per sequence (dense layout)
+  bool causal;        // preprocess
+  float log2_tau, inv_scale_log2;  // preprocess, tau > 0
+  int64_t rows_cap;
+  float mul;
+};
+
+__device__ __forceinline__ int64_t rp_total(const RowParams& p) {
+  return p.cu ? static_cast<int64_t>(p.cu[p.batch]) : p.rows_cap;
+}
+__device__ __forceinline__ int64_t rp_offset(const RowParams& p, const RowStrides& s, int64_t g, int h) {
+  if (p.cu) return g * s.r + h * s.h;
+  return (g / p.seqlen) * s.b + (g % p.seqlen) * s.r + h * s.h;
+}
+
+// The offline test of row g solved for the raw score (rule::skip_bound_raw): a tile's entries of the
+// row allow the skip iff none exceeds this bound, so the wgmma kernel compares its raw S^T against it
+// and scales only retained tiles.  A row without legal keys gets +inf (it never blocks a skip).
+__device__ __forceinline__ float bwd_row_skip_bound(const RowParams& p, int64_t g, float l2) {
+  int r, qlen = p.seqlen, klen = p.seqlen_k;
+  if (p.cu) {
+    int lo = 0, hi = p.batch;  // the sequence b with cu[b] <= g < cu[b + 1]
+    while (hi - lo > 1) {
+      const int mid = (lo + hi) / 2;
+      if (p.cu[mid] <= g) lo = mid; else hi = mid;
+    }
+    r = static_cast<int>(g - p.cu[lo]);
+    qlen = p.cu[lo + 1] - p.cu[lo];
+    klen = p.cu_k[lo + 1] - p.cu_k[lo];
+  } else {
+    r = static_cast<int>(g % p.seqlen);
+  }
+  const int L = rule::visible_keys(r, qlen, klen, p.causal);
+  return rule::skip_bound_raw(l2, bwd_row_log2_thr(p.log2_tau, L), p.inv_scale_log2);
+}
+
+template <typename T, int D>
+__global__ void bwd_preprocess_kernel(const RowParams p) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t w = static_cast<int64_t>(blockIdx.x) * 8 + warp;
+  const int64_t g = w / p.heads;
+  const int h = static_cast<int>(w % p.heads);
+  const int64_t total = rp_total(p);
+  if (g >= total) return;
+  const T* o = static_cast<const T*>(p.o) + rp_offset(p, p.o_s, g, h);
+  const T* dout = static_cast<const T*>(p.dout) + rp_offset(p, p.do_s, g, h);
+  float acc = 0.f;
+#pragma unroll
+  for (int c = lane * 8; c < D; c += 256) {
+    const uint4 ov = *reinterpret_cast<const uint4*>(o + c);
+    const uint4 dv = *reinterpret_cast<const uint4*>(dout + c);
+    const T* oe = reinterpret_cast<const T*>(&ov);
+    const T* de = reinterpret_cast<const T*>(&dv);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) acc += to_float<T>(oe[e]) * to_float<T>(de[e]);
+  }
+#pragma unroll
+  for (int m = 16; m >= 1; m >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, m);
+  if (lane == 0) {
+    p.dsum[h * p.rows_cap + g] = acc;
+    const int64_t idx = p.cu ? h * total + g : ((g / p.seqlen) * p.heads + h) * p.seqlen + g % p.seqlen;
+    // The main kernel's offline test and P = exp2(S - lse2) read this: converted once per row instead
+    // of once per visited tile (and finite, so the test needs no -inf case).
+    const float l2 = p.lse[idx] * 1.4426950408889634f;
+    const float l2f = l2 == -INFINITY ? 0.f : l2;
+    p.lse2[h * p.rows_cap + g] = l2f;
+    if (p.bound2) p.bound2[h * p.rows_cap + g] = bwd_row_skip_bound(p, g, l2f);
+    if (p.slots) p.slots[idx] = 0;
+  }
+}
+
+template <typename T, int D>
+__global__ void bwd_convert_kernel(const RowParams p) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t w = static_cast<int64_t>(blockIdx.x) * 8 + warp;
+  const int64_t g = w / p.heads;
+  const int h = static_cast<int>(w % p.heads);
+  if (g >= rp_total(p)) return;
+  const float* src = p.src + (h * p.rows_cap + g) * D;
+  T* dst = static_cast<T*>(p.dst) + rp_offset(p, p.dst_s, g, h);
+#pragma unroll
+  for (int c = lane * 8; c < D; c += 256) {
+    const float4 x0 = *reinterpret_cast<const float4*>(src + c);
+    const float4 x1 = *reinterpret_cast<const float4*>(src + c + 4);
+    uint4 out;
+    out.x = pack2<T>(x0.x * p.mul, x0.y * p.mul);
+    out.y = pack2<T>(x0.z * p.mul, x0.w * p.mul);
+    out.z = pack2<T>(x1.x * p.mul, x1.y * p.mul);
+    out.w = pack2<T>(x1.z * p.mul, x1.w * p.mul);
+    *reinterpret_cast<uint4*>(dst + c) = out;
+  }
+}
+
+}  // namespace cuda
+}  // namespace mala

@@ -1,0 +1,150 @@
+// Pieces the forward kernels share: the sequence a CTA works on, the epilogue, and the wgmma
+// kernels' per-warp mask, row max and test inputs (their accumulator layout is the mma.sync C
+// layout per warp, so these are the mma.sync fragment functions with MT = 1).
+#pragma once
+
+#include <cuda_runtime.h>
+#include <math.h>
+#include <stdint.h>
+
+#include "common/rule.h"
+#include "cuda/attn/mask.cuh"
+#include "cuda/attn/online_softmax.cuh"
+#include "cuda/attn/tile_test.cuh"
+#include "cuda/core/ptx.cuh"
+#include "cuda/fwd/params.h"
+#include "mala/mala.h"
+
+namespace mala {
+namespace cuda {
+
+// The sequence one CTA works on: lengths (varlen or padded) and the row-0 pointers of its head.
+template <typename T>
+struct FwdSeq {
+  int Nq, Nk, q_off, k_off;  // k_off: the sequence's first row in the packed k and v (varlen)
+  const T *q, *k, *v;
+  T* o;
+};
+template <typename T>
+__device__ __forceinline__ FwdSeq<T> fwd_seq(const FwdParams& p, int b, int h) {
+  FwdSeq<T> sq;
+  sq.Nq = p.seqlen_q;
+  sq.Nk = p.seqlen_k;
+  sq.q_off = 0;
+  sq.k_off = 0;
+  int64_t q_base, k_base, v_base, o_base;
+  const int hk = h / p.group;
+  if (p.cu_q) {
+    sq.q_off = p.cu_q[b];
+    sq.Nq = p.cu_q[b + 1] - sq.q_off;
+    q_base = sq.q_off * p.q_sr;
+    o_base = sq.q_off * p.o_sr;
+  } else {
+    q_base = b * p.q_sb;
+    o_base = b * p.o_sb;
+  }
+  if (p.cu_k) {
+    sq.k_off = p.cu_k[b];
+    sq.Nk = p.cu_k[b + 1] - sq.k_off;
+    k_base = sq.k_off * p.k_sr;
+    v_base = sq.k_off * p.v_sr;
+  } else {
+    k_base = b * p.k_sb;
+    v_base = b * p.v_sb;
+  }
+  sq.q = static_cast<const T*>(p.q) + q_base + h * p.q_sh;
+  sq.k = static_cast<const T*>(p.k) + k_base + hk * p.k_sh;
+  sq.v = static_cast<const T*>(p.v) + v_base + hk * p.v_sh;
+  sq.o = static_cast<T*>(p.o) + o_base + h * p.o_sh;
+  return sq;
+}
+
+// Epilogue of a warp's block of 16*MT rows starting at row_w: O = acc / l, lse = m + log l (natural
+// log), slots = the keys of the retained decision tiles (0 for rows with L = 0, as the CPU counts).
+template <typename T, int MT, int DT>
+__device__ __forceinline__ void fwd_epilogue(const FwdParams& p, const FwdSeq<T>& sq, int b, int h, int row_w,
+                                             int lane, const float (&m)[MT][2], const float (&l)[MT][2],
+                                             float (&acc)[MT][DT][4], int slots) {
+  float lse[MT][2];
+  softmax_finalize<MT, DT>(m, l, acc, lse);
+  const int g = lane >> 2, t = lane & 3;
+  int lim[MT][2];
+  row_limits<MT>(lim, row_w, lane, sq.Nq, sq.Nk, p.causal);
+  int64_t lse_base = 0;
+  if (p.lse || p.slots) {
+    lse_base = p.cu_q ? (int64_t)h * p.cu_q[p.batch] + sq.q_off : ((int64_t)b * p.heads_q + h) * p.seqlen_q;
+  }
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const int r = row_w + mt * 16 + g + hh * 8;
+      if (r >= sq.Nq) continue;
+      T* orow = sq.o + (int64_t)r * p.o_sr;
+#pragma unroll
+      for (int dt = 0; dt < DT; ++dt)
+        *reinterpret_cast<uint32_t*>(orow + dt * 8 + 2 * t) = pack2<T>(acc[mt][dt][2 * hh], acc[mt][dt][2 * hh + 1]);
+      if (t == 0) {
+        if (p.lse) p.lse[lse_base + r] = lse[mt][hh];
+        if (p.slots) p.slots[lse_base + r] = lim[mt][hh] > 0 ? slots : 0;
+      }
+    }
+}
+
+// The wgmma forwards' per-lane test inputs for the warp's 16 rows from row_w: the log2 threshold of
+// each of the lane's two rows, and the running normaliser (nothing retained yet).
+__device__ __forceinline__ void wgmma_fwd_test_inputs(float (&log_thr)[1][2], float (&log_norm)[1][2], int row_w,
+                                                      int lane, int Nq, int Nk, const FwdParams& p) {
+  int lim[1][2];
+  row_limits<1>(lim, row_w, lane, Nq, Nk, p.causal);
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    log_thr[0][hh] = rule::log_threshold(p.log2_tau, __log2f((float)lim[0][hh]));
+    log_norm[0][hh] = -INFINITY;
+  }
+}
+// The tile-mask row of the decision tile (a warp pair's 32 rows from row_pair) when the caller
+// records decisions, with its tiles past pair_hi marked illegal (the warp's 32 lanes write them);
+// nullptr otherwise.
+__device__ __forceinline__ uint8_t* wgmma_fwd_mask_row(const FwdParams& p, int b, int h, int row_pair, int pair_hi,
+                                                       int lane) {
+  const int qt = row_pair / 32;
+  if (p.tile_mask == nullptr || qt >= p.n_q_tiles_mask) return nullptr;
+  uint8_t* mask_row = p.tile_mask + (((int64_t)b * p.heads_q + h) * p.n_q_tiles_mask + qt) * p.n_k_tiles_mask;
+  for (int kt = pair_hi + 1 + lane; kt < p.n_k_tiles_mask; kt += 32) mask_row[kt] = kTileIllegal;
+  return mask_row;
+}
+
+// A warp's part of the decision on its 16 rows of a key tile starting at key k0, whose scores are
+// in s (the wgmma kernels, one m16 block per warp): the causal/bounds mask where the tile reaches
+// past the warp's shortest row (min_L_w keys), each lane's part of the row max into mx, and, when
+// test_on, whether the warp retains the tile (true otherwise).  The reduction over the quad waits
+// for a retained tile: the test is monotone in tile_max, so a row passes iff every lane's part
+// does, and the warp's vote over the parts is the vote over the rows, bit for bit.
+// The first half, shared with the warp-specialized kernel (which tests against a raw bound): the
+// mask where needed and each lane's part of the row max.
+template <int NT>
+__device__ __forceinline__ void warp_mask_max(float (&s)[1][NT][4], float (&mx)[1][2], int k0, int min_L_w,
+                                              int row_w, int lane, int Nq, int Nk, bool causal) {
+  if (k0 + 8 * NT > min_L_w) {
+    int lim[1][2];
+    row_limits<1>(lim, row_w, lane, Nq, Nk, causal);
+    apply_mask<1, NT>(s, lim, k0, lane);
+  }
+  lane_row_max<1, NT>(s, 0, mx[0][0], mx[0][1]);
+}
+template <int NT>
+__device__ __forceinline__ bool warp_mask_max_test(float (&s)[1][NT][4], float (&mx)[1][2], int k0, int min_L_w,
+                                                   int row_w, int lane, int Nq, int Nk, const FwdParams& p,
+                                                   bool test_on, const float (&log_norm)[1][2],
+                                                   const float (&log_thr)[1][2]) {
+  warp_mask_max<NT>(s, mx, k0, min_L_w, row_w, lane, Nq, Nk, p.causal);
+  if (!test_on) return true;
+  float tmax[1][2];
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) tmax[0][hh] = mx[0][hh] * p.scale_log2;
+  return !warp_vote_skip(lane_rows_allow_skip<1>(tmax, log_norm, log_thr));
+}
+
+}  // namespace cuda
+}  // namespace mala

@@ -1,0 +1,43 @@
+// The forward's launchers for one (dtype, head dim), included by instantiations/fwd_*.cu: the
+// kernel FwdLaunch names, with no choice of its own (dispatch.cu makes every choice).
+#pragma once
+
+#include "cuda/core/arch.cuh"
+#include "cuda/fwd/kernel_sm80.cuh"
+#include "cuda/fwd/kernel_sm90.cuh"
+#include "cuda/fwd/kernel_sm90_ws.cuh"
+#include "cuda/fwd/launch.h"
+
+namespace mala {
+namespace cuda {
+
+// The wgmma kernels exist at d = 128 only.
+template <int D>
+constexpr bool fwd_has_wgmma() { return D == 128; }
+
+template <typename T, int D>
+bool fwd_wgmma_usable() {
+  if constexpr (fwd_has_wgmma<D>()) {
+    static const bool ok = wgmma_kernel_usable(reinterpret_cast<const void*>(mala_fwd_kernel_sm90<T, D, false>));
+    return ok;
+  } else {
+    return false;
+  }
+}
+
+template <typename T, int D>
+cudaError_t launch_fwd(const FwdParams& p, const FwdLaunch& l, cudaStream_t stream) {
+  if constexpr (fwd_has_wgmma<D>()) {
+    if (l.kernel == FwdKernelKind::sm90_ws) return launch_fwd_sm90_ws<T, D>(p, l.dense, l.record, l.tmap_k, l.tmap_v, stream);
+    if (l.kernel == FwdKernelKind::sm90) return launch_fwd_sm90<T, D>(p, l.dense, stream);
+  }
+  return launch_fwd_sm80<T, D>(p, l.dense, stream);
+}
+
+}  // namespace cuda
+}  // namespace mala
+
+#define MALA_INSTANTIATE_FWD(T, D)                                                                   \
+  template cudaError_t mala::cuda::launch_fwd<T, D>(const mala::cuda::FwdParams&, const mala::cuda::FwdLaunch&, \
+                                                    cudaStream_t);                                   \
+  template bool mala::cuda::fwd_wgmma_usable<T, D>();

@@ -1,0 +1,34 @@
+// The forward's kernels as dispatch.cu sees them: which kernel and instance to run, and the
+// launchers that instantiations/fwd_*.cu define (fwd/instance.cuh).  Host code only.
+#pragma once
+
+#include <cuda.h>
+#include <cuda_runtime.h>
+
+#include "cuda/fwd/params.h"
+
+namespace mala {
+namespace cuda {
+
+enum class FwdKernelKind {
+  sm80,     // mma.sync (fwd/kernel_sm80.cuh): every device, every head dim
+  sm90,     // two-warpgroup wgmma, cp.async loads (fwd/kernel_sm90.cuh): sm_90a, d = 128
+  sm90_ws,  // warp-specialized wgmma, TMA loads (fwd/kernel_sm90_ws.cuh): sm_90a, d = 128
+};
+struct FwdLaunch {
+  FwdKernelKind kernel = FwdKernelKind::sm80;
+  bool dense = false;   // tau = 0: the kernel's dense instance (sm80: where FwdConfig has one)
+  bool record = false;  // the call records the tile mask (sm90_ws has an instance without that code)
+  CUtensorMap tmap_k{}, tmap_v{};  // sm90_ws: K and V described to the TMA (core/tma.cuh)
+};
+
+// Launches the kernel l names; every choice is the caller's (dispatch.cu).
+template <typename T, int D>
+cudaError_t launch_fwd(const FwdParams& p, const FwdLaunch& l, cudaStream_t stream);
+// Whether the wgmma kernels of this instantiation can run on the current device (false for head
+// dims without them).
+template <typename T, int D>
+bool fwd_wgmma_usable();
+
+}  // namespace cuda
+}  // namespace mala
