@@ -2,7 +2,9 @@
 # One entry point for a fresh machine: installs what the build needs (Debian packages), configures,
 # builds, then runs the requested step.
 #   scripts/dev.sh report [mala report flags...]   build and run `mala report`
-#   scripts/dev.sh test                            build and run every CPU test (what CI runs)
+#   scripts/dev.sh test                            build and run every CPU test (what CI runs): ctest, then
+#                                                  the real-model tools' tests (tools/real/tests) in the
+#                                                  pinned environment tools/real/setup.sh makes
 #   scripts/dev.sh build                           build only
 # Environment: BUILD_DIR (default build), MALA_CUDA=ON|OFF (default: ON when nvcc is found),
 #              JOBS (default: nproc).
@@ -40,6 +42,10 @@ configure_and_build
 case "$step" in
   build) ;;
   report) "$BUILD_DIR/tools/mala" report "$@" ;;
-  test) ctest --test-dir "$BUILD_DIR" --output-on-failure -j "$JOBS" "$@" ;;
+  test)
+    ctest --test-dir "$BUILD_DIR" --output-on-failure -j "$JOBS" "$@"
+    bash tools/real/setup.sh
+    .venv-real/bin/python -m pytest -q -p no:cacheprovider tools/real/tests
+    ;;
   *) echo "dev.sh: unknown step '$step' (report | test | build)" >&2; exit 2 ;;
 esac

@@ -68,10 +68,40 @@ def _git_commit():
         return None
 
 
+def real_shape(prefix):
+    """(N, Hq, Hkv, d) of captured states PREFIX_{q,k,v}.npy ([N, H, d] float16, tools/real/)."""
+    import numpy as np
+    q = np.load(prefix + "_q.npy", mmap_mode="r")
+    k = np.load(prefix + "_k.npy", mmap_mode="r")
+    return q.shape[0], q.shape[1], k.shape[1], q.shape[2]
+
+
+def load_real(prefix, B, N, seed, device, dtype, with_dout):
+    """The first N rows of captured states as [B, N, H, d] (the same states in every batch entry),
+    dO ~ N(0, 1) from the seed."""
+    import numpy as np
+    ts = []
+    for name in ("q", "k", "v"):
+        a = np.load(f"{prefix}_{name}.npy", mmap_mode="r")
+        if a.shape[0] < N:
+            raise ValueError(f"real input {prefix}: {a.shape[0]} rows captured, {N} asked")
+        ts.append(torch.from_numpy(np.ascontiguousarray(a[:N])).to(device).unsqueeze(0).expand(B, -1, -1, -1).contiguous())
+    dout = None
+    if with_dout:
+        g = torch.Generator(device=device).manual_seed(seed)
+        dout = torch.randn(ts[0].shape, generator=g, device=device, dtype=torch.float32)
+    return ts[0], ts[1], ts[2], dout
+
+
 def make_inputs(regime, B, N, Hq, Hkv, d, sharpness=0.0, seed=0, device=None, dtype=torch.bfloat16,
                 with_dout=True):
+    """regime "random", "synthetic" (workloads.py), or "real:PREFIX" (captured states, load_real)."""
     import timing
     device = device or timing.DEVICE
+    if regime.startswith("real:"):
+        q, k, v, dout = load_real(regime[5:], B, N, seed, device, dtype, with_dout)
+        cast = lambda t: None if t is None else t.to(dtype)  # noqa: E731
+        return cast(q), cast(k), cast(v), cast(dout)
     q, k, v, dout = workloads.make_workload(regime, B, N, Hq, Hkv, d, sharpness, seed, device=device,
                                            with_dout=with_dout)
     cast = lambda t: None if t is None else t.to(dtype)  # noqa: E731

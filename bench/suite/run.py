@@ -2,6 +2,7 @@
 """MALA benchmark suite (issue 7): MALA against the dense and sparse anchors of BENCHMARKS.md.
 
     python3 bench/suite/run.py [--quick] [--out DIR] [--sections guard,primary,decode,sweep,secondary]
+    python3 bench/suite/run.py --sections real --real DIR/layer05,DIR/layer27 [--real-ns 8192,32768]
     python3 bench/suite/run.py --dist 4 [--quick] [--out DIR]      # tensor parallel over heads (issue 6)
 
 Usually started through scripts/bench_suite.sh (installs carried wheels, builds mala, sets the
@@ -601,6 +602,19 @@ def calibrate(ctx, N, tau, candidates):
     return out
 
 
+def section_real(ctx, systems):
+    """Captured states of a real model (tools/real/qwen_measure.py's save step, or capture_qkv.py):
+    every op of every system on each --real PREFIX at each --real-ns length (default: all rows)."""
+    for prefix in ctx.args.real:
+        N_cap, Hq, Hkv, d = common.real_shape(prefix)
+        for N in (ctx.args.real_ns or [N_cap]):
+            if N > N_cap:
+                ctx.log(f"real: {prefix} has {N_cap} rows, N={N} skipped")
+                continue
+            ctx.log(f"real: {prefix} N={N} Hq={Hq} Hkv={Hkv} d={d}")
+            bench_training_shape(ctx, "real", systems, "real:" + prefix, 0.0, 1, N, Hq, Hkv, d, ctx.cfg["ops"])
+
+
 CALIBRATION_CANDIDATES = [0.0, 1.0, 1.5, 2.0, 2.5, 3.0, 4.0, 6.0, 8.0, 10.0, 16.0]
 
 
@@ -690,6 +704,10 @@ def main():
     ap.add_argument("--dist", type=int, default=0, help="tensor-parallel mode over this many GPUs (issue 6)")
     ap.add_argument("--dist-rank-heads", type=lambda s: tuple(int(x) for x in s.split(",")), default=None,
                     metavar="HQ,HKV", help="--dist: heads per rank (default 64/W query, 8/W KV heads)")
+    ap.add_argument("--real", type=lambda s: s.split(","), default=[],
+                    help="section real: captured states PREFIX[,PREFIX...] (files PREFIX_{q,k,v}.npy)")
+    ap.add_argument("--real-ns", type=lambda s: [int(x) for x in s.split(",")], default=None,
+                    help="section real: sequence lengths (first N rows; default all rows)")
     ap.add_argument("--no-plots", action="store_true")
     ap.add_argument("--verbose", action="store_true")
     ap.add_argument("--device", default="cuda", help="cpu: smoke test of the suite itself (no GPU numbers)")
@@ -728,7 +746,7 @@ def main():
     systems = S.all_systems((args.systems or ",".join(DEFAULT_SYSTEMS)).split(","), taus=(args.tau,))
     sections = args.sections.split(",")
     funcs = {"calibrate": section_calibrate, "guard": section_guard, "primary": section_primary, "decode": section_decode,
-             "sweep": section_sweep, "secondary": section_secondary}
+             "sweep": section_sweep, "secondary": section_secondary, "real": section_real}
     for sec in sections:
         if sec not in funcs:
             raise SystemExit(f"unknown section {sec}")

