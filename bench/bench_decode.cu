@@ -34,7 +34,7 @@
 // lengths / runs), --sweep (num_splits sweep at the largest N), --overhead (batch-1 fixed costs
 // only: empty kernels, a plain kernel streaming the same K+V bytes, the split kernel's (K, V) tile
 // stream without compute, calls back to back over 8 rotated caches (eager and in one CUDA graph),
-// the globaltimer timeline of three decode calls, decode at several split counts).
+// decode at several split counts).
 // Built with -DMALA_DECODE_BENCH_MAIN it has its own main().
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -47,7 +47,6 @@
 #include <string>
 #include <vector>
 
-#include "cuda/backend.h"
 #include "mala/mala.h"
 
 namespace {
@@ -387,55 +386,6 @@ void bench_problem(const Problem& pb, Env& env, Bufs& bf, const char* input, boo
   std::fflush(stdout);
 }
 
-// --overhead, part 2: the timeline of one decode call (default splits, tau = 0, cold L2) from the
-// kernels' globaltimer stamps (cuda_backend::set_decode_trace), in us after the first split CTA's
-// entry: min / median / max over the CTAs of each stamp.  Three calls.
-void trace_probe(const Problem& pb, Env& env, Bufs& bf) {
-  mala::DecodeArgs a = make_args(pb, env, bf.lens, 0.f, bf.ws, bf.ws_bytes, 0);
-  a.o = bf.o;
-  const int64_t splits = mala::decode_num_splits(a);
-  const int64_t n_split = splits * pb.batch * pb.hkv;  // one query tile per KV head (8 packed rows)
-  const int64_t n_ctas = n_split + pb.batch * pb.hq * (pb.d / 32);
-  unsigned long long* tr = nullptr;
-  constexpr int kSlots = 12;  // decode_kernel.cuh's kTraceSlots
-  BENCH_CHECK(cudaMalloc(&tr, n_ctas * kSlots * sizeof(unsigned long long)));
-  std::vector<unsigned long long> h(n_ctas * kSlots);
-  const char* names[kSlots] = {"entry", "len",  "tile0",    "tileN",  "loop",   "part",
-                               "wait",  "done", "loaded", "summed", "barrier", "-"};
-  for (int run = 0; run < 3; ++run) {
-    BENCH_CHECK(cudaMemset(tr, 0, h.size() * sizeof(unsigned long long)));
-    mala::cuda_backend::set_decode_trace(tr);
-    env.flush_l2_now();
-    BENCH_CHECK(cudaEventRecord(env.e0, env.stream));
-    decode_or_exit(a);
-    BENCH_CHECK(cudaEventRecord(env.e1, env.stream));
-    BENCH_CHECK(cudaEventSynchronize(env.e1));
-    mala::cuda_backend::set_decode_trace(nullptr);
-    float ms = 0;
-    BENCH_CHECK(cudaEventElapsedTime(&ms, env.e0, env.e1));
-    BENCH_CHECK(cudaMemcpy(h.data(), tr, h.size() * sizeof(unsigned long long), cudaMemcpyDeviceToHost));
-    unsigned long long t0 = ~0ull;
-    for (int64_t c = 0; c < n_split; ++c)
-      if (h[c * kSlots]) t0 = std::min(t0, h[c * kSlots]);
-    std::printf("trace N=%-6lld B=%lld splits=%lld (%.2f us event-timed):", (long long)pb.n, (long long)pb.batch,
-                (long long)splits, ms * 1000.f);
-    for (int part = 0; part < 2; ++part) {
-      const int64_t c0 = part ? n_split : 0, c1 = part ? n_ctas : n_split;
-      if (part) std::printf(" | combine CTAs:");
-      for (int i = 0; i < kSlots; ++i) {
-        std::vector<float> v;
-        for (int64_t c = c0; c < c1; ++c)
-          if (h[c * kSlots + i]) v.push_back((h[c * kSlots + i] - t0) * 1e-3f);
-        if (v.empty()) continue;
-        std::sort(v.begin(), v.end());
-        std::printf(" %s %.2f/%.2f/%.2f", names[i], v.front(), v[v.size() / 2], v.back());
-      }
-    }
-    std::printf("\n");
-  }
-  BENCH_CHECK(cudaFree(tr));
-}
-
 // --overhead: where a batch-1 decode's time goes beyond its bytes.  The same timing (cold L2, CUDA
 // events, median) around: one empty kernel; an empty kernel plus a dependent one launched the way
 // decode launches its combine; a plain kernel streaming the same K and V bytes; decode at tau = 0
@@ -536,7 +486,6 @@ void overhead_probe(const Problem& pb, Env& env, Bufs& bf) {
                 (long long)pb.n, (long long)pb.batch, rot, rot * kv_bytes / 1e6, t_dec, t_dec / floor_us, calls, t_dec_graph,
                 t_dec_graph / floor_us, t_str, t_emp, floor_us);
   }
-  trace_probe(pb, env, bf);
   for (int ns : {1, 8, 33, 66, 132, 264}) {
     mala::DecodeArgs a = make_args(pb, env, bf.lens, 0.f, bf.ws, bf.ws_bytes, ns);
     a.o = bf.o;

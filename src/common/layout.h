@@ -1,6 +1,6 @@
-// Internal helpers shared by the argument checks (src/validate.cpp), the CPU implementation and the
-// dense reference: resolving the Strides of a tensor, locating sequences (dense or varlen), and
-// converting the storage types to and from fp32.  Plain C++, no CUDA; kernels may include it too.
+// Internal helpers shared by the argument checks (src/validate.cpp), the CPU implementation, the
+// dense reference and the CUDA backend's host code: resolving the Strides of a tensor, locating
+// sequences (dense or varlen), and converting the storage types to and from fp32.  Plain C++, no CUDA.
 #pragma once
 
 #include <cmath>

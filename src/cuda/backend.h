@@ -27,8 +27,6 @@ Status decode(const DecodeArgs& args);
 Tiles decode_tiles(const DecodeArgs& args);
 int decode_num_splits(const DecodeArgs& args);
 size_t decode_workspace_size(const DecodeArgs& args);
-// Benchmark-only: while non-null, decode kernels write globaltimer stamps to `trace`.
-void set_decode_trace(unsigned long long* trace);
 
 // ---- internal: kernel override ---------------------------------------------------------------------
 // Each op's dispatch.cu picks its kernel from the device, the head dim and the arguments.  The

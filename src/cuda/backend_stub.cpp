@@ -17,7 +17,6 @@ size_t backward_workspace_size(const BackwardArgs&) { return 0; }
 Status decode(const DecodeArgs&) { return no_cuda(); }
 Tiles decode_tiles(const DecodeArgs&) { return {}; }
 int decode_num_splits(const DecodeArgs&) { return 1; }
-void set_decode_trace(unsigned long long*) {}
 size_t decode_workspace_size(const DecodeArgs&) { return 0; }
 
 }  // namespace cuda_backend

@@ -1,6 +1,6 @@
 // The shared-memory layout of the wgmma backward (src/cuda/gmma_layout.h): a bijection onto the
 // tile's bytes, and equal to wgmma's 128-byte swizzle applied to the canonical layout, which the
-// kernel's matrix descriptors (src/cuda/wgmma.cuh) assume.  (The GPU tests check the products.)
+// kernel's matrix descriptors (src/cuda/core/wgmma.cuh) assume.  (The GPU tests check the products.)
 #include <gtest/gtest.h>
 
 #include <cstdint>

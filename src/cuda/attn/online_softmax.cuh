@@ -16,6 +16,10 @@
 namespace mala {
 namespace cuda {
 
+// The row's normaliser in log2 units, m + log2(l): what the online test compares against
+// (-inf while nothing is retained, l = 0), and lse / ln 2 at the end.
+__device__ __forceinline__ float log2_norm(float m, float l) { return m + __log2f(l); }
+
 template <int MT, int DT>
 __device__ __forceinline__ void softmax_init(float (&m)[MT][2], float (&l)[MT][2], float (&acc)[MT][DT][4]) {
 #pragma unroll
@@ -59,7 +63,7 @@ __device__ __forceinline__ void softmax_exponentiate(float (&s)[NT][4], const fl
 // quad_row_max).
 // softmax_scores updates m and l and turns s into P = exp2(s*scale_log2 - m_new), returning the
 // factors alpha = exp2(m_old - m_new) that softmax_rescale applies to acc; kernels that overlap the
-// exponentials with an in-flight P V of the previous tile (fwd_kernel_sm90.cuh) rescale once that
+// exponentials with an in-flight P V of the previous tile (fwd/kernel_sm90.cuh) rescale once that
 // P V has completed, the others at once (softmax_update).
 template <int MT, int NT>
 __device__ __forceinline__ void softmax_scores(float (&s)[MT][NT][4], const float (&tile_max_raw)[MT][2],
@@ -159,7 +163,7 @@ __device__ __forceinline__ void softmax_finalize(const float (&m)[MT][2], const 
     for (int h = 0; h < 2; ++h) {
       bool empty = !(l[mt][h] > 0.f);
       inv[h] = empty ? 0.f : 1.f / l[mt][h];
-      lse[mt][h] = empty ? -INFINITY : (m[mt][h] + __log2f(l[mt][h])) * 0.69314718055994531f;
+      lse[mt][h] = empty ? -INFINITY : log2_norm(m[mt][h], l[mt][h]) * 0.69314718055994531f;
     }
 #pragma unroll
     for (int dt = 0; dt < DT; ++dt) {

@@ -1,5 +1,18 @@
-// The MALA tile test applied to mma fragments, warp-wide.  The rule itself is rule::row_allows_skip
-// (src/common/rule.h); this file only gathers its inputs from fragments and votes.
+// The MALA tile test applied to mma fragments, and the votes that turn the rows' tests into one
+// decision per tile.  The rule itself is rule::row_allows_skip (src/common/rule.h); this file gathers
+// its inputs from fragments (the per-row threshold, the lanes' row maxima) and votes.
+//
+// The vote kinds (a tile is skipped iff every row of its decision tile allows it):
+//   warp_vote_skip        one warp owns the decision tile: __all_sync (mma.sync forward, the
+//                         two-warpgroup forward's per-warp part, decode after the exchange below)
+//   pair_vote_flags       a warp pair owns it (two-warpgroup forward): per-warp flags in shared
+//                         memory and the warpgroup's named barrier
+//   pair_vote_popc        a warp pair owns it (warp-specialized forward): one bar.red.popc over
+//                         the warpgroup, whose count carries both pairs' decisions
+//   cta_vote_mbarrier     the CTA owns it (backward): flags and an mbarrier that only warps that
+//                         would skip wait on
+//   cta_row_max_exchange  the CTA's warps split the tile's keys (decode): the row maxima through
+//                         shared memory, so every warp takes the same decision
 //
 // Fragment rows: with m16n8k16 C fragments a lane holds rows g and g+8 (g = lane / 4) of each m16
 // tile, and the four lanes of a quad hold the same rows.  Arrays indexed [mt][h] refer to row
@@ -14,10 +27,21 @@
 #include <math.h>
 
 #include "common/rule.h"
+#include "cuda/attn/online_softmax.cuh"
 #include "cuda/core/ptx.cuh"
 
 namespace mala {
 namespace cuda {
+
+// log2(tau / L_q) of a row that sees L > 0 keys (rule::log_threshold in base 2; the online tests).
+__device__ __forceinline__ float row_log2_threshold(float log2_tau, int L) {
+  return rule::log_threshold(log2_tau, __log2f(static_cast<float>(L)));
+}
+// The same, +inf for a row that sees no key, which then never blocks a skip (the backward's offline
+// test, whose rows are tested without their tile max's -inf case).
+__device__ __forceinline__ float row_log2_threshold_or_inf(float log2_tau, int L) {
+  return L > 0 ? row_log2_threshold(log2_tau, L) : INFINITY;
+}
 
 // Max of this lane's entries of rows (g, g + 8) of m16 tile mt of a score fragment s[MT][NT][4]
 // (raw or scaled; masked entries -inf), before the reduction over the quad.
@@ -93,8 +117,77 @@ __device__ __forceinline__ bool warp_tile_skip_online(const float (&tile_max)[MT
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-    for (int h = 0; h < 2; ++h) log_norm[mt][h] = m[mt][h] + __log2f(l[mt][h]);  // l = 0 -> -inf
+    for (int h = 0; h < 2; ++h) log_norm[mt][h] = log2_norm(m[mt][h], l[mt][h]);  // l = 0 -> -inf
   return warp_vote_skip(lane_rows_allow_skip<MT>(tile_max, log_norm, log_thr));
+}
+
+// ---- votes over more than one warp ------------------------------------------------------------------
+
+// pair_vote_flags: the warp pair's decision from its two warps' retentions (two-warpgroup forward).
+// vote: 8 flags (one per warp of the CTA) of this decision's parity (a warp may be one decision ahead:
+// the flags are next written two decisions later, after this warpgroup's next vote).  Every thread
+// of the warpgroup calls it.  pair_retain: whether the pair retains; wg_any: whether either pair does.
+__device__ __forceinline__ void pair_vote_flags(uint32_t* vote, int warp, int lane, int wg, int pair,
+                                                bool warp_retain, bool& pair_retain, bool& wg_any) {
+  if (lane == 0) vote[warp] = warp_retain ? 1u : 0u;
+  warpgroup_barrier_sync(wg);
+  const uint4 f = *reinterpret_cast<const uint4*>(vote + 4 * wg);
+  pair_retain = (pair ? (f.z | f.w) : (f.x | f.y)) != 0u;
+  wg_any = (f.x | f.y | f.z | f.w) != 0u;
+}
+
+// pair_vote_popc: barrier `id` over `nthreads` threads that returns how many passed a predicate, in
+// one asm block: the predicate is the warp's any over its lanes' lane_pred, on the lanes where
+// `counted` is nonzero (the warp vote and the barrier's predicate stay predicates, with no conversion
+// through a register).  The warp-specialized forward counts every lane of a retaining pair-0 warp
+// (32) and lane 0 of a retaining pair-1 warp (1): pair 0's count is a multiple of 32, pair 1's below
+// 32.  bar.red defers blocking to the read of its result, so the caller can work in between.
+__device__ __forceinline__ uint32_t pair_vote_popc(int id, int nthreads, bool lane_pred, uint32_t counted) {
+  uint32_t count;
+  asm volatile(
+      "{\n .reg .pred p;\n setp.ne.u32 p, %1, 0;\n vote.sync.any.pred p, p, 0xffffffff;\n"
+      " setp.ne.and.u32 p, %2, 0, p;\n bar.red.popc.u32 %0, %3, %4, p;\n}\n"
+      : "=r"(count)
+      : "r"((uint32_t)lane_pred), "r"(counted), "r"(id), "r"(nthreads)
+      : "memory");
+  return count;
+}
+
+// cta_vote_mbarrier: the CTA's decision on iteration t (backward), from this warp's warp_retain (some
+// entry of the warp blocks the skip).  Each warp ORs its vote into vote_s[st] and arrives on mbarrier
+// st (of two, used alternately).  A warp that retains knows the outcome (one retaining entry keeps
+// the tile) and does not wait; only warps that would skip wait for the 8 arrivals, so on inputs where
+// nearly every tile is kept the vote costs no barrier.  vote_s[st ^ 1] is reset by thread 0 after each
+// top barrier (the caller's).
+__device__ __forceinline__ bool cta_vote_mbarrier(bool warp_retain, uint32_t* vote_s, uint32_t mbar_s, int st, int t) {
+  if ((threadIdx.x & 31) == 0) {
+    if (warp_retain) atomicOr(&vote_s[st], 1u);
+    mbar_arrive(mbar_s + st * 8);
+  }
+  if (warp_retain) return true;
+  mbar_wait(mbar_s + st * 8, (t >> 1) & 1);
+  return *reinterpret_cast<volatile uint32_t*>(&vote_s[st]) != 0u;
+}
+
+// cta_row_max_exchange: the tile max of this lane's two rows (gid, gid + 8) over the CTA's 4 warps,
+// each of which scored a quarter of the tile's keys (decode): mx is this warp's quad-reduced row max,
+// red_max [4 warps][16 rows] in shared memory; one barrier.  Every warp then holds the same tile_max
+// and takes the same decision (warp_tile_skip_online).
+__device__ __forceinline__ void cta_row_max_exchange(const float (&mx)[2], float* red_max, int warp, int gid, int tig,
+                                                     float (&tile_max)[1][2]) {
+  constexpr int kRows = 16;
+  if (tig == 0) {
+    red_max[warp * kRows + gid] = mx[0];
+    red_max[warp * kRows + gid + 8] = mx[1];
+  }
+  __syncthreads();
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float t = red_max[gid + 8 * h];
+#pragma unroll
+    for (int w = 1; w < 4; ++w) t = fmaxf(t, red_max[w * kRows + gid + 8 * h]);
+    tile_max[0][h] = t;
+  }
 }
 
 }  // namespace cuda

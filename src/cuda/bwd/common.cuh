@@ -7,6 +7,7 @@
 #include <stdint.h>
 
 #include "common/rule.h"
+#include "cuda/attn/tile_test.cuh"
 #include "cuda/bwd/params.cuh"
 #include "cuda/core/ptx.cuh"
 
@@ -125,7 +126,7 @@ __device__ __forceinline__ void bwd_load_lse_thr(const BwdParams& p, const BwdWo
     bwd_cp_async_4(lse_dst + tid * 4, ok ? l2 : p.lse2, ok);
     if (THR) {
       const int L = ok ? rule::visible_keys(r0 + tid, w.qlen, w.klen, p.causal) : 0;
-      thr_dst[tid] = bwd_row_log2_thr(p.log2_tau, L);
+      thr_dst[tid] = row_log2_threshold_or_inf(p.log2_tau, L);
     }
   }
 }
@@ -164,22 +165,6 @@ __device__ __forceinline__ void bwd_record(const BwdParams& p, const BwdWork& w,
     if (r < w.qlen && rule::visible_keys(r, w.qlen, w.klen, p.causal) > 0)
       atomicAdd(p.bwd_slots + w.row_index(p, h, r), BK);
   }
-}
-
-// The CTA vote of tau > 0 on iteration t: `allow` = every legal entry of this thread allows the skip.
-// Each warp ORs its vote into vote_s[st] and arrives on mbarrier st (of two, used alternately).  A
-// warp that retains knows the outcome (one retaining entry keeps the tile) and does not wait; only
-// warps that would skip wait for the 8 arrivals, so on inputs where nearly every tile is kept the
-// vote costs no barrier.  vote_s[st ^ 1] is reset by thread 0 after each top barrier.
-__device__ __forceinline__ bool bwd_vote(bool allow, uint32_t* vote_s, uint32_t mbar_s, int st, int t) {
-  const bool warp_retain = __any_sync(0xffffffffu, !allow);
-  if ((threadIdx.x & 31) == 0) {
-    if (warp_retain) atomicOr(&vote_s[st], 1u);
-    mbar_arrive(mbar_s + st * 8);
-  }
-  if (warp_retain) return true;
-  mbar_wait(mbar_s + st * 8, (t >> 1) & 1);
-  return *reinterpret_cast<volatile uint32_t*>(&vote_s[st]) != 0u;
 }
 
 // The loads a retained tile t issues (the pipeline both main kernels share; Q stages nqs, LA = nqs - 1

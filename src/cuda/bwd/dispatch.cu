@@ -53,7 +53,7 @@ int device_sm_count() {
   return n > 0 ? n : 132;
 }
 
-// 3 Q stages where the device's opt-in shared memory holds them (H100: yes; A100 at d = 128: no):
+// 3 Q stages where the device's opt-in shared memory holds them (sm_90: yes; sm_80 at d = 128: no):
 // they pay on the skip path, where a tile's Q is all it loads.
 int pick_q_stages(int bytes3) {
   const int forced = kernel_override().bwd_q_stages;

@@ -1,7 +1,7 @@
 // The fused MALA backward kernel (offline rule), hand-written mma.sync m16n8k16, one source for
-// sm_80 and sm_90a.  Instantiated by src/cuda/instantiations/bwd_*.cu, launched by backward.cu.
-// On sm_90 devices at d = 64 and 128 the wgmma kernel of bwd_kernel_sm90.cuh runs instead (same work split
-// and rule; the pieces both use are defined here once, below the barrier helpers).
+// sm_80 and sm_90a.  Launched through bwd/instance.cuh; bwd/dispatch.cu chooses it.
+// On sm_90 devices at d = 64 and 128 the wgmma kernel of kernel_sm90.cuh runs instead (same work split
+// and rule; the pieces both use are in common.cuh).
 //
 // One CTA (8 warps) owns one key tile J_j (BK keys) of one KV head of one sequence, and a set of
 // `heads_per_cta` query heads of that KV head's group.  K_j and V_j stay in shared memory, dK and dV
@@ -22,12 +22,12 @@
 // and on dense inputs; on sparse inputs it is rarely issued because a skipped tile issues none).
 // The first tile of every CTA has its dO prefetched too (it is usually retained).  So dO is loaded
 // for a skipped tile only when it directly follows a retained one (or is a CTA's first tile).
-// Barriers per tile: 1 (tau = 0: template TAU0, no test code), tau > 0: + the vote through an
+// Barriers per tile: 1 (tau = 0: template kDense, no test code), tau > 0: + the vote through an
 // mbarrier (every warp arrives; a warp that would skip waits, a warp that retains goes on: its vote
 // already decides the tile), +1 when dO_t was not prefetched.  The deferred dQ of the previous tile
 // runs before S (after the top barrier): run between the vote's arrive and wait it overlapped the
 // vote but kept S live and spilled.
-// Q stages: 3 where the opt-in shared memory allows (H100), else 2 (A100 at d = 128).
+// Q stages: 3 where the opt-in shared memory allows (sm_90), else 2 (sm_80 at d = 128).
 // The scale is applied once at the end (dK in the epilogue, dQ in the convert kernel).
 #pragma once
 
@@ -58,9 +58,8 @@ struct BwdKernel {
   static constexpr int NDW = DW / 8;  // n8 tiles of dK/dV per warp
   // dQ = dS K: each warp owns MQ m16 tiles of query rows and DQN columns.  MQ = 2 (fewer warps along
   // the rows, so each warp's K fragments cover fewer columns: 32 instead of 40 ldmatrix per warp
-  // and tile at d = 128) measured faster for the tau > 0 instance at d = 128 (32K random: 23.8 vs
-  // 25.1 ms) but slower for the TAU0 instance (23.4 vs 23.1 ms: more register spills), so the
-  // layout is chosen per instance (dq_mt below); d = 64 and 256 keep MQ = 1 (not measured).
+  // and tile at d = 128) is faster for the tau > 0 instance at d = 128 but spills registers in the
+  // kDense instance, so the layout is chosen per instance (dq_mt below); d = 64 and 256 keep MQ = 1.
   template <int MQ>
   struct DqLayout {
     static constexpr int WQ = BQ / (16 * MQ);  // warps along query rows
@@ -69,7 +68,7 @@ struct BwdKernel {
     static constexpr int NDQ = DQN / 8;
     static_assert(BQ % (16 * MQ) == 0 && NDQ % 2 == 0, "dQ layout");
   };
-  static constexpr int dq_mt(bool tau0) { return !tau0 && D == 128 ? 2 : 1; }
+  static constexpr int dq_mt(bool dense) { return !dense && D == 128 ? 2 : 1; }
   static_assert(NT % 2 == 0 && NDW % 2 == 0, "fragment pairs");
 
   using KTile = SmemTile<BK, D>;
@@ -90,12 +89,12 @@ struct BwdKernel {
   static constexpr int kOffQ = kOffVote + 112;
   static_assert(kOffQ % 128 == 0, "Q tiles aligned");
   static constexpr int smem_bytes(int q_stages) { return kOffQ + q_stages * QTile::kBytes; }
-  static_assert(smem_bytes(3) == bwd_smem_bytes<D>(3), "bwd_smem_bytes (bwd_params.cuh) out of date");
+  static_assert(smem_bytes(3) == bwd_smem_bytes<D>(3), "bwd_smem_bytes (params.cuh) out of date");
 };
 
-template <typename T, int D, bool TAU0>
+template <typename T, int D, bool kDense>
 __global__ void __launch_bounds__(256, 1) bwd_main_kernel(const BwdParams p) {
-  // TAU0 (tau = 0): every visited tile is retained; the test, the vote and their code are compiled out.
+  // kDense (tau = 0): every visited tile is retained; the test, the vote and their code are compiled out.
   using KC = BwdKernel<T, D>;
   constexpr int BQ = KC::BQ, BK = KC::BK;
   constexpr int NT = KC::NT, KQ = KC::KQ, KD = KC::KD, NDW = KC::NDW;
@@ -154,7 +153,7 @@ __global__ void __launch_bounds__(256, 1) bwd_main_kernel(const BwdParams p) {
   // wq*16*MQ.. and columns wdq*DQN..  Deferred to the next iteration (after its top barrier) so
   // that no extra barrier is needed between writing dS^T and reading it.
   auto do_dq = [&](int h, int q0, int buf) {
-    constexpr int MQ = KC::dq_mt(TAU0);
+    constexpr int MQ = KC::dq_mt(kDense);
     using DQL = typename KC::template DqLayout<MQ>;
     constexpr int NDQ = DQL::NDQ;
     const uint32_t sDSb = sDS + buf * STile::kBytes;
@@ -205,7 +204,7 @@ __global__ void __launch_bounds__(256, 1) bwd_main_kernel(const BwdParams p) {
   // Vote state of the mbarrier vote (tau > 0): two mbarriers + two flags.
   uint32_t* vote_s = reinterpret_cast<uint32_t*>(smem + KC::kOffVote);
   const uint32_t mbar_s = sbase + KC::kOffMbar;
-  if (!TAU0 && tid == 0) {
+  if (!kDense && tid == 0) {
     mbar_init(mbar_s, KC::kWarps);
     mbar_init(mbar_s + 8, KC::kWarps);
     vote_s[0] = vote_s[1] = 0u;
@@ -229,9 +228,9 @@ __global__ void __launch_bounds__(256, 1) bwd_main_kernel(const BwdParams p) {
 
   // The optional outputs of a decision (tile mask, slot counters).  With tau > 0 they are written one
   // iteration late, where the scores are not live: written right after the vote they cost register
-  // spills (measured with ptxas -v: 32 -> 8 bytes at d = 128).
+  // spills (ptxas -v, d = 128).
   bool last_retain = false;
-  const bool recording = !TAU0 && (p.tile_mask != nullptr || p.bwd_slots != nullptr);
+  const bool recording = !kDense && (p.tile_mask != nullptr || p.bwd_slots != nullptr);
   auto record = [&](int tt, bool keep) { bwd_record<BQ, BK>(p, w, tt, keep); };
 
   for (int t = 0; t < n_iter; ++t) {
@@ -247,7 +246,7 @@ __global__ void __launch_bounds__(256, 1) bwd_main_kernel(const BwdParams p) {
       cp_async_commit();
     }
     const uint32_t sQs = sQ + qs * QTile::kBytes, sDOs = sDO + st * QTile::kBytes;
-    if (!TAU0 && tid == 0) vote_s[st ^ 1] = 0u;  // last read before this barrier, next written after the next
+    if (!kDense && tid == 0) vote_s[st ^ 1] = 0u;  // last read before this barrier, next written after the next
     if (recording && t > 0) record(t - 1, last_retain);
     if (pend) {  // before S: the scores are not live yet (no register spills)
       do_dq(pend_h, pend_q0, pend_buf);
@@ -295,10 +294,10 @@ __global__ void __launch_bounds__(256, 1) bwd_main_kernel(const BwdParams p) {
       }
     // The test of this lane's two entries of each query column (keys g and g + 8) on their maximum:
     // the same decision as testing each entry (x - l2 < thr is monotone in x), half the work.
-    // (Stopping early once some lane of the warp retains was measured: a warp vote per column group
-    // cost more on sparse inputs (8.45 vs 8.15 ms at 32K) than it saved on random ones.)
+    // (No early stop once some lane of the warp retains: a warp vote per column group costs sparse
+    // inputs more than it saves random ones.)
     bool allow = true;
-    if (!TAU0) {
+    if (!kDense) {
 #pragma unroll
       for (int n = 0; n < NT; ++n) {
 #pragma unroll
@@ -309,11 +308,11 @@ __global__ void __launch_bounds__(256, 1) bwd_main_kernel(const BwdParams p) {
       }
     }
     bool retain = true;
-    if (!TAU0) {
-      retain = bwd_vote(allow, vote_s, mbar_s, st, t);
+    if (!kDense) {
+      retain = cta_vote_mbarrier(__any_sync(0xffffffffu, !allow), vote_s, mbar_s, st, t);
     }
     const bool q_late = LA == 2 && t + 2 < n_iter;
-    if (TAU0) record(t, true);  // (no scores-live pressure problem without the test)
+    if (kDense) record(t, true);  // (no scores-live pressure problem without the test)
     last_retain = retain;
     if (!retain) {
       if (q_late) {

@@ -1,5 +1,5 @@
 // The backward main kernel on Hopper tensor cores (wgmma), head dims 64 and 128, tau = 0 and tau > 0
-// (sm_90a; the mma.sync kernel in bwd_kernel.cuh serves d = 256 and other devices).  Same work split,
+// (sm_90a; the mma.sync kernel in kernel_sm80.cuh serves d = 256 and other devices).  Same work split,
 // offline test, vote and outputs as that kernel -- one CTA per (key tile of 128 keys, sequence, KV
 // head, head split), query tiles of 64 rows ascending from the first legal one, dK/dV in registers,
 // dQ added to the fp32 workspace -- but the
@@ -18,11 +18,10 @@
 //   (d = 64: warpgroup g adds dS[:, its keys] K[its keys] to all 64 columns instead)
 // A tile skipped by the test (tau > 0) stops after S^T, which it compares raw against each query
 // row's bound (rule::skip_bound_raw, written by the preprocess kernel): unscaled, and masked only when
-// it crosses the diagonal or an end (measured: 557 instructions per warp and skipped tile before,
-// bench/results/mala_bwd_ab_h100_raw_bound.txt); after a retained tile a warp first tests only its
-// first two query rows, against bounds read before the iteration's wgmma, and the rest only when
-// those allow the skip (same decisions; bench/results/mala_bwd_ab_h100_cert.txt).  Shared-memory tiles use the 128-byte swizzle
-// wgmma reads (GmmaTile); loads are cp.async with the mma.sync kernel's pipeline (3 Q stages, dO only
+// it crosses the diagonal or an end, so a skipped tile costs few instructions; after a retained tile a
+// warp first tests only its first two query rows, against bounds read before the iteration's wgmma,
+// and the rest only when those allow the skip (same decisions).  Shared-memory tiles use the
+// 128-byte swizzle wgmma reads (GmmaTile); loads are cp.async with the mma.sync kernel's pipeline (3 Q stages, dO only
 // for retained tiles plus a speculative dO of the next), made visible to the tensor cores' async proxy
 // by fence.proxy.async before the barrier.
 #pragma once
@@ -59,7 +58,7 @@ struct BwdSm90 {
   static constexpr int kSmem = kBytes + 1024;  // slack to align the base to 1024 bytes
 };
 
-template <typename T, int D, bool TAU0>
+template <typename T, int D, bool kDense>
 __global__ void __launch_bounds__(256, 1) bwd_main_kernel_sm90(const BwdParams p) {
 #ifdef MALA_WGMMA_ENABLED
   using KC = BwdSm90<D>;
@@ -88,15 +87,15 @@ __global__ void __launch_bounds__(256, 1) bwd_main_kernel_sm90(const BwdParams p
 
   // The tile of each Q stage, written by thread 0 with its load and read after a later top barrier:
   // each iteration finds its own tile and the next one there (t + 2's is w.next of t + 1's), so no
-  // tile is carried in registers and none is divided out of t (the divisions cost the dense instance
-  // 6%; carried in registers, the tiles spilled in the tau > 0 instance: docs/kernels.md).
+  // tile is carried in registers and none is divided out of t (the divisions slow the dense
+  // instance; carried in registers, the tiles spill in the tau > 0 instance).
   uint32_t* tile_s = reinterpret_cast<uint32_t*>(smem + KC::kOffTile);
   auto load_q = [&](BwdWork::Tile x, int stage) {
     if (tid == 0) tile_s[stage] = x.v;
     const int h = x.h(), r0 = x.qi() * BQ, valid = min(BQ, qlen - r0);
     QTile::load_async<KC::kThreads>(sQ + stage * QTile::kBytes, q_base + static_cast<int64_t>(r0) * p.q_r + h * p.q_h,
                                     p.q_r, valid, tid);
-    bwd_load_lse_bound<BQ, !TAU0>(p, w, h, r0, valid, sbase + KC::kOffLse + stage * BQ * 4,
+    bwd_load_lse_bound<BQ, !kDense>(p, w, h, r0, valid, sbase + KC::kOffLse + stage * BQ * 4,
                                   sbase + KC::kOffBound + stage * BQ * 4);
   };
   auto load_do = [&](BwdWork::Tile x, int stage) {
@@ -150,7 +149,7 @@ __global__ void __launch_bounds__(256, 1) bwd_main_kernel_sm90(const BwdParams p
   // The vote of tau > 0 (as bwd_main_kernel): two mbarriers + two flags.
   uint32_t* vote_s = reinterpret_cast<uint32_t*>(smem + KC::kOffVote);
   const uint32_t mbar_s = sbase + KC::kOffMbar;
-  if (!TAU0 && tid == 0) {
+  if (!kDense && tid == 0) {
     mbar_init(mbar_s, KC::kWarps);
     mbar_init(mbar_s + 8, KC::kWarps);
     vote_s[0] = vote_s[1] = 0u;
@@ -183,7 +182,7 @@ __global__ void __launch_bounds__(256, 1) bwd_main_kernel_sm90(const BwdParams p
       cp_async_wait<0>();
     fence_proxy_async_smem();
     __syncthreads();  // Q_t (and dO_t when prefetched) visible; older stages and dS^T buffer st free
-    if (!TAU0 && tid == 0) vote_s[st ^ 1] = 0u;
+    if (!kDense && tid == 0) vote_s[st ^ 1] = 0u;
     // The tiles of this iteration and the next (both words written before this barrier, with their Q
     // loads), read where they are used: volatile, so that ptxas reloads them rather than holding
     // them in registers across the step (which spilled).
@@ -192,11 +191,10 @@ __global__ void __launch_bounds__(256, 1) bwd_main_kernel_sm90(const BwdParams p
     const BwdWork::Tile x0 = tile_of(qs);
     const int h = x0.h(), q0 = x0.qi() * BQ;
     // The bounds of this thread's first two query rows (columns 2 tig, 2 tig + 1) for the retained-tile
-    // shortcut of tau > 0 below, read here, before any wgmma of the iteration is in flight: read
-    // behind S^T's and dP^T's wgmma, the test's bounds waited ~9% of the kernel's stall samples
-    // (Nsight Compute, 32K random; bench/results/mala_bwd_ab_h100_cert.txt).
+    // shortcut of tau > 0 below, read here, before any wgmma of the iteration is in flight (read
+    // behind S^T's and dP^T's wgmma, the test would wait for them).
     float2 early_bound = make_float2(0.f, 0.f);
-    if (!TAU0 && do_ready) early_bound = *reinterpret_cast<const float2*>(bound_s + qs * BQ + 2 * tig);
+    if (!kDense && do_ready) early_bound = *reinterpret_cast<const float2*>(bound_s + qs * BQ + 2 * tig);
     if (recording && t > 0) record(t - 1, last_retain);
     if (pend) {
       do_dq(pend_h, pend_q0, pend_buf);
@@ -255,7 +253,7 @@ __global__ void __launch_bounds__(256, 1) bwd_main_kernel_sm90(const BwdParams p
           }
       }
       bool retain = true;
-      if (!TAU0) {
+      if (!kDense) {
         // The offline test on the max of this thread's two raw entries per query row against the row's
         // bound (rule::skip_bound_raw, from the preprocess kernel), then the CTA vote.
         auto blocks_skip = [&](int n, int c, float bound) {
@@ -265,8 +263,7 @@ __global__ void __launch_bounds__(256, 1) bwd_main_kernel_sm90(const BwdParams p
         // only its first two query rows against the bounds read at the top (32 x 4 entries per warp;
         // on random inputs some entry blocks the skip), and tests every row only when none of those
         // does.  Either way it retains exactly when some entry exceeds its row's bound: the decisions
-        // are those of the full test.  (Measured: random tau = 1 0.97x of tau = 0 at 32K and 128K,
-        // against 0.89-0.92x with the full test reading its bounds behind the wgmma.)
+        // are those of the full test, at a fraction of its cost on inputs that retain most tiles.
         bool warp_retain = false;
         if constexpr (dp_early)
           warp_retain = __any_sync(0xffffffffu, blocks_skip(0, 0, early_bound.x) || blocks_skip(0, 1, early_bound.y));
@@ -279,22 +276,9 @@ __global__ void __launch_bounds__(256, 1) bwd_main_kernel_sm90(const BwdParams p
             for (int c = 0; c < 2; ++c) block |= blocks_skip(n, c, bound_t[n * 8 + 2 * tig + c]);
           warp_retain = __any_sync(0xffffffffu, block);
         }
-        // bwd_vote, written out: calling the shared function (and bwd_issue_retained below) measured
-        // 2.9% slower on random inputs at 32K (H100, 17.14 vs 16.66 ms, A/B in one call); inline 16.77.
-        if (lane == 0) {
-          if (warp_retain) atomicOr(&vote_s[st], 1u);
-          mbar_arrive(mbar_s + st * 8);
-        }
-        if (!warp_retain) {
-          mbar_wait(mbar_s + st * 8, (t >> 1) & 1);
-          retain = *reinterpret_cast<volatile uint32_t*>(&vote_s[st]) != 0u;
-        }
-        // The same value on every lane already; through __any_sync ptxas knows it to be warp-uniform
-        // (with the dO change below: H100, random tau = 1, 2 rounds in one call: 32K 0.962-0.964x of
-        // tau = 0 against 0.945x, 128K 0.962-0.965x against 0.952-0.953x; s = 16 at 128K 94.7-95.6
-        // against 93.7-94.8 ms, s = 4 103.6-103.9 against 103.0-103.7.  This alone: random 0.94-0.96x,
-        // sparse 2-3% slower; the dO change alone: random 0.957-0.967x, sparse 3-4% slower).
-        retain = __any_sync(0xffffffffu, retain);
+        // The CTA vote; its result is the same on every lane already, and through __any_sync
+        // ptxas knows it to be warp-uniform, so the branches on it below need no divergence handling.
+        retain = __any_sync(0xffffffffu, cta_vote_mbarrier(warp_retain, vote_s, mbar_s, st, t));
       }
       const bool q_late = t + 2 < n_iter;
       last_retain = retain;
@@ -307,12 +291,13 @@ __global__ void __launch_bounds__(256, 1) bwd_main_kernel_sm90(const BwdParams p
         do_ready = false;
         return;
       }
-      // bwd_issue_retained, written out (see the vote above).
+      // common.cuh's bwd_issue_retained, written out: here dO_t's presence is partly known at
+      // compile time (the dp_early copy).
       const bool spec = t + 1 < n_iter;
       // The dp_early copy runs only where dO_t was prefetched: saying so at compile time takes the
-      // on-demand dO load and its barrier out of that copy (measured with the vote's __any_sync above).
+      // on-demand dO load and its barrier out of that copy.
       const bool had_do = dp_early || do_ready;
-      if (!TAU0) {
+      if (!kDense) {
         if (!had_do) {
           load_do(tile_of(qs), st);
           cp_async_commit();
@@ -326,7 +311,7 @@ __global__ void __launch_bounds__(256, 1) bwd_main_kernel_sm90(const BwdParams p
         load_q(w.next(tile_of(qs1)), (t + 2) % NQS);
         cp_async_commit();
       }
-      if (!TAU0) {
+      if (!kDense) {
         if (!had_do) {  // dO_t was not prefetched
           bwd_wait_do((spec ? 1 : 0) + (q_late ? 1 : 0));
           fence_proxy_async_smem();
@@ -338,8 +323,7 @@ __global__ void __launch_bounds__(256, 1) bwd_main_kernel_sm90(const BwdParams p
         }
       }
       do_ready = spec;
-      // P = exp2(S - lse) while dP^T is computed.  (Computed before the vote in the dp_early copy, as
-      // from the sixteenth stop to the twenty-fourth, it cost sparse inputs 2-4% once the test got cheap.)
+      // P = exp2(S - lse) while dP^T is computed, after the vote: a skipped tile does not pay for it.
 #pragma unroll
       for (int n = 0; n < 8; ++n)
 #pragma unroll
@@ -400,7 +384,7 @@ __global__ void __launch_bounds__(256, 1) bwd_main_kernel_sm90(const BwdParams p
       pend_q0 = q0;
       pend_buf = st;
     };
-    if (TAU0 || do_ready)
+    if (kDense || do_ready)
       rest(std::true_type{});
     else
       rest(std::false_type{});

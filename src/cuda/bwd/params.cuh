@@ -62,13 +62,6 @@ struct BwdParams {
   int q_stages;         // 2 or 3 shared-memory stages of Q (3 where the shared memory allows)
 };
 
-// log2(tau / L_q) of a query row that sees L keys (rule::log_threshold); +inf for a row that sees
-// none, which then never blocks a skip.  The mma.sync kernel computes it per visited query tile, the
-// preprocess kernel once per row for the wgmma kernel's raw-score bound.
-__device__ __forceinline__ float bwd_row_log2_thr(float log2_tau, int L) {
-  return L > 0 ? rule::log_threshold(log2_tau, __log2f(static_cast<float>(L))) : INFINITY;
-}
-
 // Bytes of dynamic shared memory of the main kernel with q_stages Q stages (host-computable).
 template <int D>
 constexpr int bwd_smem_bytes(int q_stages) {

@@ -8,6 +8,7 @@
 #include <stdint.h>
 
 #include "common/rule.h"
+#include "cuda/attn/tile_test.cuh"
 #include "cuda/bwd/params.cuh"
 #include "cuda/core/ptx.cuh"
 
@@ -67,7 +68,7 @@ __device__ __forceinline__ float bwd_row_skip_bound(const RowParams& p, int64_t 
     r = static_cast<int>(g % p.seqlen);
   }
   const int L = rule::visible_keys(r, qlen, klen, p.causal);
-  return rule::skip_bound_raw(l2, bwd_row_log2_thr(p.log2_tau, L), p.inv_scale_log2);
+  return rule::skip_bound_raw(l2, row_log2_threshold_or_inf(p.log2_tau, L), p.inv_scale_log2);
 }
 
 template <typename T, int D>

@@ -1,4 +1,4 @@
-// The shared-memory tile layout of the wgmma backward (bwd_kernel_sm90.cuh), in one place that the
+// The shared-memory tile layout of the wgmma kernels (GmmaTile, core/smem_tile.cuh), in one place that the
 // CUDA kernel and a CPU test both use.  Plain C++ (no CUDA types).
 //
 // A ROWS x COLS tile of 16-bit elements is stored as COLS / 64 blocks of ROWS rows x 128 bytes; the

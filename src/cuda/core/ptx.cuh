@@ -129,20 +129,6 @@ __device__ __forceinline__ void mbar_wait(uint32_t addr, uint32_t parity) {
   }
 }
 
-// Barrier `id` over `nthreads` threads that returns how many passed a predicate, the warp-specialized
-// forward's vote in one asm block: the predicate is the warp's any over its lanes' lane_pred, on the
-// lanes where `counted` is nonzero (the warp vote and the barrier's predicate stay predicates, with
-// no conversion through a register).
-__device__ __forceinline__ uint32_t bar_red_popc_warp_any(int id, int nthreads, bool lane_pred, uint32_t counted) {
-  uint32_t count;
-  asm volatile(
-      "{\n .reg .pred p;\n setp.ne.u32 p, %1, 0;\n vote.sync.any.pred p, p, 0xffffffff;\n"
-      " setp.ne.and.u32 p, %2, 0, p;\n bar.red.popc.u32 %0, %3, %4, p;\n}\n"
-      : "=r"(count)
-      : "r"((uint32_t)lane_pred), "r"(counted), "r"(id), "r"(nthreads)
-      : "memory");
-  return count;
-}
 // Barrier of one warpgroup of the wgmma kernels (ids 1 and 2; 0 is __syncthreads).  The id from a
 // register: one instruction instead of a branch between two immediate ids (ptxas then reserves all
 // 16 barriers, which costs nothing at one CTA per SM).

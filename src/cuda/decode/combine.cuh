@@ -17,10 +17,9 @@ namespace cuda {
 // 32-dim chunk), done by one CTA of kDecodeThreads threads: thread t owns float4 (t % 8) of the
 // chunk and the splits t / 8, t / 8 + 16, ...; it loads all of them at once (one L2 round trip for
 // up to 16 * kMergePre splits), merges them online into its own (m, l, acc), and the 16 subsets are
-// merged through shared memory after one barrier.  (Measured on the H100 with the globaltimer
-// timeline of `mala_bench --op decode --overhead`: the previous combine, a block-wide max and sum of
-// the split lse before the weighted sum, took 2.5 us after its wait at 132 splits, this one 1.7.)
-// It is the whole of its CTA's work (one item per CTA), so it ends without a barrier.
+// merged through shared memory after one barrier (rather than a block-wide max and sum of the split
+// lse before the weighted sum, which costs two more round trips).  It is the whole of its CTA's work
+// (one item per CTA), so it ends without a barrier.
 constexpr int kMergeDims = 32;
 constexpr int kMergeSubs = kDecodeThreads / (kMergeDims / 4);  // 16 split subsets
 constexpr int kMergePre = 16;  // splits per thread loaded up front (more are merged one at a time)
@@ -31,7 +30,7 @@ __host__ __device__ inline int64_t merge_items(const DecodeParams& p) {
 }
 
 template <typename T, int D>
-__device__ void merge_item(const DecodeParams& p, int64_t item, float* sm, int64_t cta) {
+__device__ void merge_item(const DecodeParams& p, int64_t item, float* sm) {
   constexpr int NCH = D / kMergeDims;
   float* red = sm;                                // [kMergeSubs][kMergeDims]
   float* red_m = sm + kMergeSubs * kMergeDims;    // [kMergeSubs]
@@ -61,7 +60,6 @@ __device__ void merge_item(const DecodeParams& p, int64_t item, float* sm, int64
   float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
   for (int k = 0; k < kMergePre; ++k) m = fmaxf(m, ls[k]);
-  trace_stamp(p, cta, 8, __float_as_int(m) ^ __float_as_int(v[0].x));
   if (m != -INFINITY) {
 #pragma unroll
     for (int k = 0; k < kMergePre; ++k) {
@@ -84,9 +82,7 @@ __device__ void merge_item(const DecodeParams& p, int64_t item, float* sm, int64
     red_m[sub] = m;
     red_l[sub] = l;
   }
-  trace_stamp(p, cta, 9, __float_as_int(acc.x));
   __syncthreads();
-  trace_stamp(p, cta, 10);
   float M = -INFINITY;
 #pragma unroll
   for (int k = 0; k < kMergeSubs; ++k) M = fmaxf(M, red_m[k]);
@@ -107,7 +103,7 @@ __device__ void merge_item(const DecodeParams& p, int64_t item, float* sm, int64
     *reinterpret_cast<uint32_t*>(out) = pack2<T>(o0 * inv, o1 * inv);
     if (t == 0 && chunk == 0) {
       const int64_t idx = (static_cast<int64_t>(b) * p.Hq + head) * p.Nq + tok;
-      if (p.lse) p.lse[idx] = L > 0.f ? (M + __log2f(L)) * 0.69314718055994531f : -INFINITY;
+      if (p.lse) p.lse[idx] = L > 0.f ? log2_norm(M, L) * 0.69314718055994531f : -INFINITY;
       if (p.slots) {
         int cnt = 0;
         for (int s = 0; s < p.S; ++s) cnt += __ldcg(p.ws_cnt + idx0 + s);
@@ -121,18 +117,12 @@ __device__ void merge_item(const DecodeParams& p, int64_t item, float* sm, int64
 // The combine kernel: one CTA per merge item, launched as a programmatic dependent of the split kernel.
 template <typename T, int D>
 __global__ void __launch_bounds__(kDecodeThreads) decode_combine_kernel(const DecodeParams p) {
-  // Timeline stamps after the split CTAs': 0 entry, 6 after the wait, 8 partials loaded, 9 merged
-  // per thread, 10 after the barrier, 7 done.
-  const int64_t cta = static_cast<int64_t>(p.NQT) * p.S * p.HS * p.B + blockIdx.x;
-  trace_stamp(p, cta, 0);
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");  // (the next call's split kernel)
   asm volatile("griddepcontrol.wait;" ::: "memory");  // the split kernel's partials are complete
 #endif
-  trace_stamp(p, cta, 6);
   extern __shared__ __align__(16) float cmb_smem[];
-  merge_item<T, D>(p, blockIdx.x, cmb_smem, cta);
-  trace_stamp(p, cta, 7);
+  merge_item<T, D>(p, blockIdx.x, cmb_smem);
 }
 
 }  // namespace cuda

@@ -29,12 +29,10 @@ namespace {
 using cuda::kDecodeBlockQ;
 
 constexpr int kMaxSplits = 256;
-unsigned long long* g_decode_trace = nullptr;  // set_decode_trace (benchmark only)
 // tau > 0 uses the same one-wave split count as tau = 0.  Fewer splits would retain less (each split
-// retains its first legal tile and tests against its own partial normalizer) but measured on H100
-// (bench --sweep: 8K..128K, batch 1 and 8, random, make_workload synthetic and recency-ramp
-// inputs) the lost parallelism cost more than the skipped V saved.  Callers who know their
-// attention is sharp can pass num_splits.
+// retains its first legal tile and tests against its own partial normalizer), but the lost
+// parallelism costs more than the skipped V saves (mala_bench --op decode --sweep shows it).
+// Callers who know their attention is sharp can pass num_splits.
 
 struct Geometry {
   int64_t block_k, capacity, n_cap, HS, R, NQT;
@@ -156,8 +154,6 @@ int decode_num_splits(const DecodeArgs& a) {
   return static_cast<int>(std::max<int64_t>(want, 1));
 }
 
-void set_decode_trace(unsigned long long* trace) { g_decode_trace = trace; }
-
 size_t decode_workspace_size(const DecodeArgs& a) { return workspace_layout(a, cuda_backend::decode_num_splits(a)).total; }
 
 Status decode(const DecodeArgs& a) {
@@ -212,7 +208,6 @@ Status decode(const DecodeArgs& a) {
   p.lse = a.lse;
   p.slots = a.fwd_slots;
   p.tile_mask = a.tile_mask;
-  p.trace = g_decode_trace;
   p.B = static_cast<int>(a.batch);
   p.Nq = static_cast<int>(a.seqlen_q);
   p.seqlen_new = static_cast<int>(a.seqlen_new);

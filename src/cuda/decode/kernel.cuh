@@ -15,10 +15,10 @@
 // latency is hidden (the online state m, l is updated at test time; acc catches up at the PV, scaled
 // from the m of the previous PV to the m of the tile).  With tau = 0 nothing can be skipped, so the
 // dense variant streams (K, V) pairs ahead together.
-// Why not the forward's shared pieces (online_softmax.cuh / smem_tile.cuh): those assume each warp
+// Why not the forward's shared pieces (attn/online_softmax.cuh, core/smem_tile.cuh): those assume each warp
 // owns its own 16-row block and full key tiles; decode has one 16-row block per CTA and splits the
 // key dimension (QK) and the head dimension (PV) across warps instead.  The test itself is
-// tile_test.cuh's warp_tile_skip_online over rule::row_allows_skip.
+// attn/tile_test.cuh's warp_tile_skip_online over rule::row_allows_skip.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -34,17 +34,6 @@
 
 namespace mala {
 namespace cuda {
-
-// Benchmark-only timeline (DecodeParams::trace): thread 0 of a CTA writes the globaltimer to stamp
-// `i` of its CTA's kTraceSlots; `dep` is a value the stamp must wait for (so the stamp follows its load).
-constexpr int kTraceSlots = 12;
-__device__ __forceinline__ void trace_stamp(const DecodeParams& p, int64_t cta, int i, int dep = 0) {
-  if (p.trace != nullptr && threadIdx.x == 0) {
-    unsigned long long t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t) : "r"(dep));
-    p.trace[cta * kTraceSlots + i] = t;
-  }
-}
 
 // cp.async.wait_group with a run-time count n (clamped to 15: leaving fewer groups in flight than
 // allowed is still correct).
@@ -155,9 +144,6 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) decode_split_kernel(const D
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gid = lane >> 2, tig = lane & 3;
   const int qt = blockIdx.x % p.NQT, split = blockIdx.x / p.NQT, hs = blockIdx.y, b = blockIdx.z;
   const int kvh = p.pack ? hs : hs / p.G;
-  const int64_t cta = (static_cast<int64_t>(blockIdx.z) * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
-  trace_stamp(p, cta, 0);  // (benchmark timeline: 0 entry, 1 cache length read, 2 first tile visible,
-                           //  3 last tile visible, 4 loop done, 5 output or partial written)
   const T* gq = static_cast<const T*>(p.q);
   // Q tile -> shared (zero rows past R), issued before the cache length is read: it does not depend on it.
   for (int c = tid; c < kDecodeBlockQ * DCH; c += kDecodeThreads) {
@@ -173,7 +159,6 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) decode_split_kernel(const D
   cp_async_commit();
   int Nk = p.cache_seqlens[b] + p.seqlen_new;
   Nk = min(max(Nk, 0), p.capacity);  // invalid lengths cannot make the kernel read out of bounds
-  trace_stamp(p, cta, 1, Nk);
 
   // This lane's two fragment rows (gid, gid + 8): visible keys and thresholds.
   int L[2];
@@ -182,7 +167,7 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) decode_split_kernel(const D
     const int r = qt * kDecodeBlockQ + gid + 8 * h;
     const int tok = p.pack ? r / p.G : r;
     L[h] = r < p.R ? rule::visible_keys(tok, p.Nq, Nk, p.causal != 0) : 0;
-    log_thr[0][h] = rule::log_threshold(p.log2_tau, __log2f(static_cast<float>(L[h])));
+    log_thr[0][h] = row_log2_threshold(p.log2_tau, L[h]);
   }
   const int max_L = __reduce_max_sync(0xffffffffu, max(L[0], L[1]));
 
@@ -303,8 +288,6 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) decode_split_kernel(const D
       cp_async_wait_dyn(after);
     }
     __syncthreads();  // K(it) (and V of the tile to drain) visible; previous buffers, P slots, red_* free
-    if (it == 0) trace_stamp(p, cta, 2);
-    if (it == n_it - 1) trace_stamp(p, cta, 3);
     if (kDense) issue(it + NST - 1);
     if (!kDense) {
       if (pend_l) apply_l(it - 1);
@@ -344,19 +327,8 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) decode_split_kernel(const D
       }
     mx[0] = warp_max_quad(mx[0]);
     mx[1] = warp_max_quad(mx[1]);
-    if (tig == 0) {
-      red_max[warp * kDecodeBlockQ + gid] = mx[0];
-      red_max[warp * kDecodeBlockQ + gid + 8] = mx[1];
-    }
-    __syncthreads();
     float tmax[1][2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      float t = red_max[gid + 8 * h];
-#pragma unroll
-      for (int w = 1; w < 4; ++w) t = fmaxf(t, red_max[w * kDecodeBlockQ + gid + 8 * h]);
-      tmax[0][h] = t;
-    }
+    cta_row_max_exchange(mx, red_max, warp, gid, tig, tmax);
     // The tile test (identical inputs in every warp, so every warp takes the same decision).
     const bool skip = kDense ? false : warp_tile_skip_online<1>(tmax, m, l, log_thr);
     if (mask && tid == 0) mask[j] = skip ? kTileSkipped : kTileRetained;
@@ -425,7 +397,6 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) decode_split_kernel(const D
     for (int d = DEFER - 1; d >= 0; --d)
       if (pend_pv & (1u << d)) drain(n_it - 1 - d);
   }
-  trace_stamp(p, cta, 4, __float_as_int(acc[0][0]));
   // acc is relative to the final m: m only changes on retained tiles and the last PV'd tile is the
   // last retained one (rows without a finite m have acc = 0).
 
@@ -444,7 +415,7 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) decode_split_kernel(const D
         *reinterpret_cast<uint32_t*>(orow + i * 8) = pack2<T>(acc[i][2 * h] * inv, acc[i][2 * h + 1] * inv);
       if (warp == 0 && tig == 0) {
         const int64_t idx = (static_cast<int64_t>(b) * p.Hq + head) * p.Nq + tok;
-        if (p.lse) p.lse[idx] = l[0][h] > 0.f ? (m[0][h] + __log2f(l[0][h])) * 0.69314718055994531f : -INFINITY;
+        if (p.lse) p.lse[idx] = l[0][h] > 0.f ? log2_norm(m[0][h], l[0][h]) * 0.69314718055994531f : -INFINITY;
         if (p.slots) p.slots[idx] = L[h] > 0 ? retained * BK : 0;
       }
     }
@@ -459,10 +430,9 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) decode_split_kernel(const D
       for (int i = 0; i < NDF; ++i)
         *reinterpret_cast<float2*>(wrow + i * 8) = make_float2(acc[i][2 * h] * inv, acc[i][2 * h + 1] * inv);
       if (warp == 0 && tig == 0)
-        p.ws_lse[idx * kDecodeBlockQ + lr] = l[0][h] > 0.f ? m[0][h] + __log2f(l[0][h]) : -INFINITY;
+        p.ws_lse[idx * kDecodeBlockQ + lr] = l[0][h] > 0.f ? log2_norm(m[0][h], l[0][h]) : -INFINITY;
     }
     if (tid == 0) p.ws_cnt[idx] = retained;
-    trace_stamp(p, cta, 5);
   }
 }
 

@@ -12,10 +12,9 @@ constexpr int kDecodeBlockQ = 16;
 constexpr int kDecodeThreads = 128;  // 4 warps
 
 // Key tile of the decode kernels for a head dim: part of the semantics (one skip decision per tile;
-// the CPU path reproduces it through decode_tiles).  64 keys at d = 128 (16 KB tiles, 6 (K, V)
-// stages in flight instead of 3) was measured on the H100 and did not change batch-1 decode
-// (32.5 vs 32.3 us at 128K) while the sparse variant paid its exposed V latency on twice as many
-// tiles (0.79x instead of 0.94x of tau = 0 on random inputs); 128 is kept.
+// the CPU path reproduces it through decode_tiles).  128 keys at d <= 128: smaller tiles would put
+// more (K, V) stages in flight without making batch-1 decode faster, while the sparse variant would
+// pay its exposed V latency on twice as many tiles.
 constexpr int decode_block_k(int head_dim) { return head_dim == 256 ? 64 : 128; }
 
 // kLargeSmem: the sm_90 opt-in shared memory (227 KB per block); otherwise sm_80's 163 KB.  The
@@ -74,7 +73,6 @@ struct DecodeParams {
   int S;     // splits
   int n_cap; // key tiles of the capacity (tile_mask width)
   int causal, pack;
-  unsigned long long* trace;  // benchmark-only (set_decode_trace): per-CTA globaltimer stamps, else null
   float scale_log2;  // softmax_scale * log2(e)
   float log2_tau;    // log2(tau), -inf for tau = 0
 

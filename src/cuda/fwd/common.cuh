@@ -99,7 +99,7 @@ __device__ __forceinline__ void wgmma_fwd_test_inputs(float (&log_thr)[1][2], fl
   row_limits<1>(lim, row_w, lane, Nq, Nk, p.causal);
 #pragma unroll
   for (int hh = 0; hh < 2; ++hh) {
-    log_thr[0][hh] = rule::log_threshold(p.log2_tau, __log2f((float)lim[0][hh]));
+    log_thr[0][hh] = row_log2_threshold(p.log2_tau, lim[0][hh]);
     log_norm[0][hh] = -INFINITY;
   }
 }

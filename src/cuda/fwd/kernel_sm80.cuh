@@ -107,7 +107,7 @@ __global__ void __launch_bounds__(FwdKernelTraits<T, D>::kThreads, FwdKernelTrai
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
         const int rr = warp * RW + mt * 16 + (lane >> 2) + hh * 8;
-        s_thr[rr] = rule::log_threshold(p.log2_tau, __log2f((float)lim[mt][hh]));
+        s_thr[rr] = row_log2_threshold(p.log2_tau, lim[mt][hh]);
         s_norm[rr] = -INFINITY;  // nothing retained yet
       }
   }
@@ -275,7 +275,7 @@ __global__ void __launch_bounds__(FwdKernelTraits<T, D>::kThreads, FwdKernelTrai
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
           for (int hh = 0; hh < 2; ++hh)
-            s_norm[warp * RW + mt * 16 + (lane >> 2) + hh * 8] = m[mt][hh] + __log2f(l[mt][hh]);
+            s_norm[warp * RW + mt * 16 + (lane >> 2) + hh * 8] = log2_norm(m[mt][hh], l[mt][hh]);
       }
       // ---- O += P V ----
       uint32_t pa[BK / 16][MT][4];  // P packed to 16-bit at once: half the registers of fp32 S

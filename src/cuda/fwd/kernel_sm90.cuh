@@ -143,13 +143,7 @@ __global__ void __launch_bounds__(FwdSm90<D>::kThreads, FwdSm90<D>::kMinBlocks)
     if (have_s)
       warp_retain = warp_mask_max_test<NT>(s, mx, t * BK, min_L_w, row_w, lane, Nq, Nk, p, test_on, log_norm, log_thr);
     if (test_on) {
-      uint32_t* vote = s_vote + 8 * (t & 1);  // by parity: a warp may be one iteration ahead
-      if (lane == 0) vote[warp] = warp_retain ? 1u : 0u;
-      warpgroup_barrier_sync(wg);
-      const uint4 f = *reinterpret_cast<const uint4*>(vote + 4 * wg);
-      pair_retain = (pair ? (f.z | f.w) : (f.x | f.y)) != 0u;
-      wg_any = (f.x | f.y | f.z | f.w) != 0u;
-      // (These flags are next written two decisions later, after this warpgroup's next vote.)
+      pair_vote_flags(s_vote + 8 * (t & 1), warp, lane, wg, pair, warp_retain, pair_retain, wg_any);
     } else {
       pair_retain = t <= pair_hi;
       wg_any = t <= wg_hi;
@@ -164,7 +158,7 @@ __global__ void __launch_bounds__(FwdSm90<D>::kThreads, FwdSm90<D>::kMinBlocks)
       softmax_scores<1, NT>(s, mx, p.scale_log2, m, l, alpha);
       if (test_on) {
 #pragma unroll
-        for (int hh = 0; hh < 2; ++hh) log_norm[0][hh] = m[0][hh] + __log2f(l[0][hh]);
+        for (int hh = 0; hh < 2; ++hh) log_norm[0][hh] = log2_norm(m[0][hh], l[0][hh]);
       }
     }
   };

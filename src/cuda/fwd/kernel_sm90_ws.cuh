@@ -55,8 +55,8 @@ struct FwdWs {
   using KVTile = GmmaTile<BK, D>;
   // K ring (the producer runs up to kKBufs tiles ahead), V ring indexed by tile (t % kVBufs; a tile
   // whose V is not loaded leaves its slot unused), the consumers' per-tile decisions (kR tiles).
-  // Power-of-two rings: a slot and a phase are a mask and a shift, where five V slots cost a division
-  // per tile (eight against five or four measured within noise in two H100 calls at 128K).
+  // Power-of-two rings: a slot and a phase are a mask and a shift, where five V slots would cost a
+  // division per tile.
   static constexpr int kKBufs = 4, kVBufs = 8, kLag = 2, kR = 8;
   static_assert(kR > kLag + kKBufs, "a decision slot is reused only after the producer has read it");
   static_assert(kVBufs >= 3, "V slots are given back two tiles late");
@@ -70,8 +70,8 @@ struct FwdWs {
   static constexpr int kSmem = kBytes + 1024;
 };
 
-// kRecord: the instance for calls that record the tile mask; the others carry no code for it
-// (H100, 128K: s = 4 36.7-36.8 against 37.6-37.7 ms, s = 16 33.1-33.3 against 34.6-35.3).
+// kRecord: the instance for calls that record the tile mask; the others carry no code for it (the
+// recording code costs the loop time even where it does not run).
 template <typename T, int D, bool kDense, bool kRecord>
 __global__ void __launch_bounds__(384, 1)
     mala_fwd_kernel_sm90_ws(const FwdParams p, const __grid_constant__ CUtensorMap tmap_k,
@@ -101,9 +101,8 @@ __global__ void __launch_bounds__(384, 1)
   const uint32_t mb_full_v = mb_empty_k + 8 * NKB, mb_empty_v = mb_full_v + 8 * NVB;
   // Warpgroup g's decision on tile t: (t << 1) | retained in s_dec[t % R][g][w], stored by every
   // lane of each of its warps w (a word per warp, so that the store is unconditional: no branch on
-  // the warp between the vote and the softmax; H100 128K, 3 rounds in one call: random tau = 1
-  // 67.3-67.6 against 67.3-68.2 ms, s = 4 33.4-33.8 against 34.1-34.3), no arrival to wait for; the
-  // producer polls warp 0's words.
+  // the warp between the vote and the softmax), no arrival to wait for; the producer polls warp 0's
+  // words.
   volatile int* s_dec = reinterpret_cast<volatile int*>(smem + C::kOffDec);
   // Phase parity of tile t's use of a ring of n slots indexed by t % n (tiles run from top down);
   // unsigned, so that a power-of-two n costs a shift and a mask.
@@ -149,7 +148,7 @@ __global__ void __launch_bounds__(384, 1)
         // both warpgroups have made it) was a retention (the first kLag tiles always), else loaded
         // once both have decided tile t if one retains it; either way its full barrier completes
         // once for the tile (with no bytes when V_t is not needed).  (Waiting for tile t + kLag's
-        // decisions instead: H200, 128K s = 4 39.4 against 38.6 ms, s = 16 36.0 against 35.3.)
+        // decisions instead would stall the producer behind the slower warpgroup.)
         const uint32_t slot = ring(t, NVB);
         if (t + NVB <= top) mbar_wait<true>(mb_empty_v + 8 * slot, phase(t + NVB, NVB));
         bool load = true;
@@ -174,7 +173,8 @@ __global__ void __launch_bounds__(384, 1)
   }
   setmaxnreg_inc240();
   // The warp index through a shuffle, so that ptxas knows what is derived from it (the legal
-  // ranges of the warpgroup and the pair) to be warp-uniform (dense 128K: 66.1 against 71.3 ms).
+  // ranges of the warpgroup and the pair) to be warp-uniform, and branches on them need no
+  // divergence handling.
   const int ctid = tid - 128, warp = __shfl_sync(0xffffffffu, ctid >> 5, 0), lane = ctid & 31, wg = warp >> 2,
             wl = warp & 3, pair = wl >> 1;
   const int row_wg = row_cta + 64 * wg;
@@ -251,19 +251,16 @@ __global__ void __launch_bounds__(384, 1)
       pair_retain = t <= pair_hi;
       wg_any = t <= wg_hi;
     } else {
-      // The pair vote in one barrier: a retaining warp of pair 0 counts 32 (every lane), one of
-      // pair 1 counts 1 (lane 0), so the warpgroup's count says both pairs' decisions (against
-      // flags in shared memory and a named barrier: H200, 128K s = 4 39.2 against 40.4 ms, random
-      // 75.8 against 80.7).  The warpgroup's decision, the one branch here, goes through
-      // __any_sync, which ptxas knows to be warp-uniform: it then compiles the branch around P V
-      // without divergence handling (random inputs 128K: 75.2 against 80.6 ms, when both
-      // decisions were branches).  The warp's any over its lanes' tests is taken inside the same
-      // asm block.  Pair 0's count is a multiple of 32, pair 1's below 32.
-      const uint32_t cnt = bar_red_popc_warp_any(wg + 1, 128, lane_retain, vote_counted);
+      // The pair vote in one barrier (pair_vote_popc, attn/tile_test.cuh: one barrier instead of
+      // flags in shared memory and a named barrier): a retaining warp of pair 0 counts 32 (every
+      // lane), one of pair 1 counts 1 (lane 0), so the warpgroup's count says both pairs'
+      // decisions.  The warpgroup's decision, the one branch here, goes through __any_sync, which
+      // ptxas knows to be warp-uniform: it then compiles the branch around P V without divergence
+      // handling.
+      const uint32_t cnt = pair_vote_popc(wg + 1, 128, lane_retain, vote_counted);
       // The row max reduced over the quad while the barrier resolves (bar.red defers blocking to the
-      // read of its result), for every tile: H100 128K, 3 rounds in one call, random 70.1-70.9
-      // against 71.7-72.2 ms, s = 4 34.9-35.2 against 34.3-34.6, s = 16 30.7-31.0 against 30.1-30.3.
-      // (The new maxima and alpha placed here too: ptxas sinks them behind the branch again.)
+      // read of its result), for every tile: it hides the barrier's latency where tiles are
+      // retained.  (The new maxima and alpha placed here too: ptxas sinks them behind the branch.)
       quad_row_max<1>(mx);
       between();
       // pair_retain is data below (softmax_step_or_keep), not a branch: no vote for it.
@@ -292,18 +289,14 @@ __global__ void __launch_bounds__(384, 1)
       } else {
         // One path for both pairs of a warpgroup that runs P V: a skipped pair's rows get P = 0
         // and keep m, l, acc and their bound bit for bit (softmax_step_or_keep), instead of a
-        // branch on the pair's decision and zeros for P (H100, 128K, 3 rounds in one call: random
-        // 68.1-68.8 against 69.3-70.3 ms, s = 4 34.4-34.9 against 34.8-34.9, s = 16 30.1-30.3
-        // against 30.5-30.8; again with the step below, a vote on the pair and a branch: random
-        // 510-512 against 520-522 TFLOP/s).  The exponentials of such rows are the price; they run
-        // beside the retaining pair's, in the same warpgroup step.  O is rescaled only when a row
-        // of the warp has a new maximum (H100 128K, 8 rounds in 4 calls: random 66.5-67.7 against
-        // 68.6-69.6 ms, s = 4 and 16 unchanged); the dense instance keeps the full update, since
-        // there the branch cost more than it saved (63.0 against 60.8-61.2 ms).
+        // branch on the pair's decision and zeros for P, which cost more than the exponentials of
+        // such rows (they run beside the retaining pair's, in the same warpgroup step).  O is
+        // rescaled only when a row of the warp has a new maximum; the dense instance keeps the full
+        // update, since there that branch cost more than it saved.
         softmax_step_or_keep<NT, DT>(s, mx, p.scale_log2, pair_retain, m, l, acc);
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh)
-          bound[0][hh] = rule::skip_bound_raw(m[0][hh] + __log2f(l[0][hh]), log_thr[0][hh], inv_scale);
+          bound[0][hh] = rule::skip_bound_raw(log2_norm(m[0][hh], l[0][hh]), log_thr[0][hh], inv_scale);
 #pragma unroll
         for (int kk = 0; kk < BK / 16; ++kk) p_to_a<T, 1, NT>(s, 0, kk, pa[kk]);
         retained += pair_retain ? 1 : 0;
@@ -335,9 +328,9 @@ __global__ void __launch_bounds__(384, 1)
   if (n_tiles > 0 && kDense) {
     // The dense instance overlaps each tile's decide (mask and row max) with the previous tile's
     // P V: per tile t, S(t - 1) is issued, then finish(t) (its exponentials run while S(t - 1) is on
-    // the tensor cores), and once S(t - 1) is complete, decide(t - 1) runs while P V(t) does (H100
-    // 128K, 4 rounds in two calls: 60.0-61.2 against 63.7-64.7 ms).  The tau > 0 loop below is the
-    // same order with S(t - 2) issued inside decide(t - 1); here that cost the dense instance 2-4%.
+    // the tensor cores), and once S(t - 1) is complete, decide(t - 1) runs while P V(t) does.  The
+    // tau > 0 loop below is the same order with S(t - 2) issued inside decide(t - 1), which the dense
+    // instance, with no vote to wait for, does not gain from.
     issue_s(top, sA);
     wgmma_commit();
     wgmma_wait<0>();
@@ -385,14 +378,9 @@ __global__ void __launch_bounds__(384, 1)
     // tau > 0: the dense instance's order, with the vote's barrier resolving while S(t - 2) is
     // issued and P V(t) completes.  Per tile t (decided; S(t - 1) in flight into s_n): finish(t) (its
     // exponentials run while S(t - 1) is on the tensor cores, P V(t) left in flight), then
-    // decide(t - 1), whose between() issues S(t - 2) behind P V(t) and waits for P V(t) alone.  H100
-    // 128K, 4 rounds in one call, against the vote-first loop of the twenty-second stop (the vote
-    // before S(t - 1), P V waited for inside finish): random 60.5-61.0 against 66.3-66.8 ms (own
-    // tau = 0: 61.4-61.9), s = 4 32.4-32.9 against 32.8-33.0.  Waiting for P V(t) before S(t - 2)
-    // is issued instead: random 61.5-62.2 ms, s = 16 30.4-31.1 against 28.8-29.3.  (Earlier tries
-    // of this order waited for the vote's result and ran the quad max's shuffles before the P V
-    // wait, and ran no faster than the vote-first loop; docs/kernels.md, twenty-third stop.)  The
-    // same order in the dense instance: 62.8-63.3 ms against 60.6-61.9 for its loop above.
+    // decide(t - 1), whose between() issues S(t - 2) behind P V(t) and waits for P V(t) alone, so the
+    // vote's latency hides behind both.  (Waiting for P V(t) before S(t - 2) is issued instead leaves
+    // the tensor cores idle during the vote.)
     auto step = [&](int t, STile& s_t, STile& s_n) {  // t >= 2
       finish(t, s_t);
       wgmma_wait<1>();
