@@ -183,6 +183,7 @@ def tables(summary, raw):
 
 def plots(summary, raw, outdir):
     import matplotlib
+    import matplotlib.ticker
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -221,8 +222,9 @@ def plots(summary, raw, outdir):
         ax[2].axhline(1.0, color="k", lw=0.8)
         ax[2].set(xscale="log", xlabel="tokens", ylabel="speedup (whole model, sum over layers)",
                   title=f"Speed ({summary['device']})")
-        ax[2].legend(fontsize=8)
+        ax[2].legend(fontsize=8, loc="center right")
     for a in ax:
+        a.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
         a.set_xticks(x)
         a.set_xticklabels([f"{v // 1024}K" for v in x])
     fig.tight_layout()
