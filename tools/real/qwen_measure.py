@@ -125,7 +125,11 @@ def build_model(cfg, state, device):
     if left:
         raise RuntimeError(f"build_model: tensors without data: {left[:5]}")
     model = model.to(device=device, dtype=DEVICE["dtype"]).eval()
-    rot.inv_freq = rot.inv_freq.float()  # .to(dtype) above cast the buffer too
+    # .to(dtype) casts buffers too: a bfloat16 inv_freq is off by up to 2^-9 relative, which turns
+    # into radians of phase error thousands of positions apart; transformers keeps it float32.
+    rot.inv_freq = inv.to(device)
+    if hasattr(rot, "original_inv_freq"):
+        rot.original_inv_freq = inv.to(device)
     return model
 
 
@@ -183,6 +187,8 @@ def step_check(args, res, cfg, model, ref, tok, seqs):
     rot = model.model.rotary_emb.inv_freq.double().cpu()
     want = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim))
     chk["rope_inv_freq_max_rel_err"] = float(((rot - want).abs() / want).max())
+    if chk["rope_inv_freq_max_rel_err"] > 1e-6:
+        raise RuntimeError(f"check: rotary frequencies off by {chk['rope_inv_freq_max_rel_err']:.3g} (relative)")
     if ref is not None:
         ids = seqs[0][:64]
         lg_ref = ref.logits(ids)

@@ -128,3 +128,22 @@ def test_torch_model_matches_reference(tiny):
     for i, (q, k, v) in qm.CAPTURE["layers"].items():
         for a, b in zip((q, k, v), got[i]):
             np.testing.assert_allclose(a.numpy(), b, rtol=2e-4, atol=2e-4)
+
+
+def test_torch_model_keeps_float32_rotary_frequencies(tiny):
+    """A bfloat16 model still rotates with float32 frequencies (as transformers' own loading does)."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    import qwen_measure as qm
+
+    path, _, _ = tiny
+    cfg, w = g.load(path)
+    qm.DEVICE.update(name="cpu", dtype=torch.bfloat16)
+    try:
+        model = qm.build_model(cfg, {k: torch.from_numpy(v.copy()) for k, v in w.items()}, "cpu")
+    finally:
+        qm.DEVICE.update(dtype=torch.float32)
+    inv = model.model.rotary_emb.inv_freq
+    want = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim))
+    assert inv.dtype == torch.float32 and model.model.embed_tokens.weight.dtype == torch.bfloat16
+    assert float(((inv.double() - want).abs() / want).max()) < 1e-6
