@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Qwen2.5-Coder-1.5B on the GPU: model checks, attention states, MALA's work and fidelity on them,
-and speed against our tau = 0 and cuDNN (docs/real.md; the commands are in tools/real/README.md).
+and speed against our tau = 0 and cuDNN (docs/real.md has the commands and the results).
 
 Steps (each writes into OUT/qwen_raw.json as soon as it ends, so a cut-off run keeps what it did):
   load     GGUF -> transformers Qwen2ForCausalLM (bf16, CUDA); the weights are cached in WORK as a

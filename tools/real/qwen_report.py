@@ -4,7 +4,7 @@
     python3 tools/real/qwen_report.py bench/results/real/qwen_raw.json --out bench/results/real
 
 Writes OUT/qwen_states.json (the summary: per length the means, P95s and their bootstrap CIs, and
-the whole-model times), OUT/qwen_tables.md (the tables docs/real.md shows) and, when matplotlib is
+the whole-model times), OUT/qwen_text_files.txt (every source file with its SHA-256), OUT/qwen_tables.md (the tables docs/real.md shows) and, when matplotlib is
 installed, OUT/qwen_lengths.png, OUT/qwen_retained_map.png, OUT/qwen_tau_sweep.png.
 
 Statistics: a unit is one (sequence, layer, query head) (one KV head for dK and dV).  Each unit
@@ -274,6 +274,14 @@ def main():
     s = summarize(raw)
     with open(os.path.join(a.out, "qwen_states.json"), "w") as f:
         json.dump(s, f, indent=1)
+    with open(os.path.join(a.out, "qwen_text_files.txt"), "w") as f:
+        tx = raw["text"]
+        f.write(f"# {tx['source']}, Python {tx['python']} ({tx['root']}); one package per sequence, files in order,\n"
+                f"# each preceded by '# file: <path>', tokenized, cut at {tx['n_tokens']} tokens (tokens_used).\n"
+                "# sequence package sha256 path bytes tokens_used\n")
+        for i, sq in enumerate(tx["sequences"]):
+            for fl in sq["files"]:
+                f.write(f"{i} {sq['package']} {fl['sha256']} {fl['path']} {fl['bytes']} {fl['tokens_used']}\n")
     t = tables(s, raw)
     with open(os.path.join(a.out, "qwen_tables.md"), "w") as f:
         for k, v in t.items():
