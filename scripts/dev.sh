@@ -3,9 +3,11 @@
 # builds, then runs the requested step.
 #   scripts/dev.sh report [mala report flags...]   build and run `mala report`
 #   scripts/dev.sh test                            build and run every CPU test (what CI runs): ctest, then
-#                                                  the real-model tools' tests (tools/real/tests) in the
-#                                                  pinned environment tools/real/setup.sh makes
+#                                                  the Python package's and the real-model tools' tests
+#                                                  (python/tests, tools/real/tests) in .venv-py
 #   scripts/dev.sh build                           build only
+# Build and install output goes to stderr, so stdout carries only the step's own output
+# (`dev.sh report --json` prints one JSON object).  An unknown step is rejected before building.
 # Environment: BUILD_DIR (default build), MALA_CUDA=ON|OFF (default: ON when nvcc is found),
 #              JOBS (default: nproc).
 set -euo pipefail
@@ -14,6 +16,10 @@ step=${1:-test}
 shift || true
 BUILD_DIR=${BUILD_DIR:-build}
 JOBS=${JOBS:-$(nproc)}
+case "$step" in
+  build|report|test) ;;
+  *) echo "dev.sh: unknown step '$step' (report | test | build)" >&2; exit 2 ;;
+esac
 
 install_deps() {
   local need=()
@@ -22,11 +28,11 @@ install_deps() {
   [ -f /usr/include/gtest/gtest.h ] || need+=(libgtest-dev)
   [ -f /usr/lib/x86_64-linux-gnu/libgtest.a ] || [ -f /usr/lib/aarch64-linux-gnu/libgtest.a ] || need+=(libgtest-dev)
   if [ ${#need[@]} -gt 0 ]; then
-    echo "dev.sh: installing ${need[*]}"
+    echo "dev.sh: installing ${need[*]}" >&2
     local sudo=""
     [ "$(id -u)" = 0 ] || sudo=sudo
-    $sudo apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${need[@]}"
+    $sudo apt-get update -qq >&2
+    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${need[@]}" >&2
   fi
 }
 
@@ -34,18 +40,28 @@ configure_and_build() {
   local extra=()
   [ -n "${MALA_CUDA:-}" ] && extra+=(-DMALA_CUDA="$MALA_CUDA")
   cmake -S . -B "$BUILD_DIR" -DCMAKE_BUILD_TYPE=Release "${extra[@]}" >/dev/null
-  cmake --build "$BUILD_DIR" -j "$JOBS"
+  cmake --build "$BUILD_DIR" -j "$JOBS" >&2
+}
+
+# The Python package (python/) and the real-model tools (tools/real/) on the CPU: a pinned venv
+# (.venv-py, python/requirements-ci.txt: PyPI's torch, transformers, gguf), the extension built
+# without CUDA kernels into a temporary folder, then pytest (the CUDA tests skip without a GPU).
+python_tests() {
+  [ -x .venv-py/bin/python ] || python3 -m venv .venv-py
+  .venv-py/bin/pip install -q --disable-pip-version-check -r python/requirements-ci.txt
+  PYTHON=.venv-py/bin/python CMAKE_ARGS="-DMALA_CUDA=OFF" JOBS="$JOBS" \
+    bash scripts/python_check.sh -q python/tests tools/real/tests
 }
 
 install_deps
 configure_and_build
+# (the step was validated above, before the build)
 case "$step" in
   build) ;;
   report) "$BUILD_DIR/tools/mala" report "$@" ;;
   test)
     ctest --test-dir "$BUILD_DIR" --output-on-failure -j "$JOBS" "$@"
-    bash tools/real/setup.sh
-    .venv-real/bin/python -m pytest -q -p no:cacheprovider tools/real/tests
+    python_tests
     ;;
   *) echo "dev.sh: unknown step '$step' (report | test | build)" >&2; exit 2 ;;
 esac
