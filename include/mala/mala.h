@@ -181,7 +181,10 @@ Status forward(const ForwardArgs& args);
 Status backward(const BackwardArgs& args);
 Status decode(const DecodeArgs& args);
 
-// Argument checks alone (what the entry points run first).
+// Argument checks alone (what the entry points run first), including that no output overlaps an
+// input or another output ("dq: overlaps q"; the bytes each tensor spans follow from its shape
+// and strides; interleaved views of one packed tensor, such as q, k, v of a [B, N, 3, H, d]
+// tensor, do not count as overlapping).  Decode's append into k_cache/v_cache is not an overlap.
 Status check(const ForwardArgs& args);
 Status check(const BackwardArgs& args);
 Status check(const DecodeArgs& args);

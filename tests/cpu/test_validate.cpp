@@ -266,6 +266,216 @@ TEST(Validate, DecodeRejectsBadArgumentsAndWritesNothing) {
   }
 }
 
+// Outputs that share memory with an input (or another output) are rejected, named, before anything
+// is written: without the check each of these calls runs and overwrites its own input.
+TEST(Validate, ForwardRejectsOutputsOverlappingInputs) {
+  const Problem p = small();
+  struct Case {
+    const char* what;
+    const char* message;
+    std::function<void(mala::ForwardArgs&, std::vector<float>& buf)> mutate;
+  };
+  // buf holds q (first p.q.size() floats) followed by spare room; the inputs are copies in it.
+  const std::vector<Case> cases = {
+      {"o is q", "o: overlaps q", [](mala::ForwardArgs& a, std::vector<float>&) { a.o = const_cast<void*>(a.q); }},
+      {"o starts inside q", "o: overlaps q",
+       [&](mala::ForwardArgs& a, std::vector<float>& buf) { a.o = buf.data() + p.q.size() - 8; }},
+      {"o is v", "o: overlaps v", [](mala::ForwardArgs& a, std::vector<float>&) { a.o = const_cast<void*>(a.v); }},
+      {"lse inside k", "lse: overlaps k",
+       [](mala::ForwardArgs& a, std::vector<float>&) { a.lse = const_cast<float*>(static_cast<const float*>(a.k)) + 3; }},
+      {"fwd_slots is lse", "fwd_slots: overlaps lse",
+       [](mala::ForwardArgs& a, std::vector<float>&) { a.fwd_slots = reinterpret_cast<int32_t*>(a.lse); }},
+      {"tile_mask inside o", "tile_mask: overlaps o",
+       [](mala::ForwardArgs& a, std::vector<float>&) { a.tile_mask = static_cast<uint8_t*>(a.o) + 1; }},
+  };
+  for (const Case& c : cases) {
+    std::vector<float> buf(p.q.size() + 2 * p.q.size(), kSentinel);
+    std::copy(p.q.begin(), p.q.end(), buf.begin());
+    std::vector<float> k = p.k, v = p.v, o(p.q.size(), kSentinel), lse(p.hq * p.nq, kSentinel);
+    std::vector<int32_t> slots(lse.size(), 7);
+    std::vector<uint8_t> mask(64, 9);
+    mala::ForwardArgs a = p.forward_args();
+    a.q = buf.data(), a.k = k.data(), a.v = v.data();
+    a.o = o.data(), a.lse = lse.data(), a.fwd_slots = slots.data(), a.tile_mask = mask.data();
+    c.mutate(a, buf);
+    const std::vector<float> buf_before = buf;
+    const mala::Status s = mala::forward(a);
+    EXPECT_FALSE(s.ok) << c.what;
+    EXPECT_EQ(s.message, c.message) << c.what;
+    EXPECT_EQ(buf, buf_before) << c.what << ": q was written";
+    EXPECT_EQ(k, p.k) << c.what;
+    EXPECT_EQ(v, p.v) << c.what;
+    for (float x : o) ASSERT_EQ(x, kSentinel) << c.what;
+    for (float x : lse) ASSERT_EQ(x, kSentinel) << c.what;
+    EXPECT_FALSE(mala::check(a).ok) << c.what;
+  }
+}
+
+TEST(Validate, BackwardRejectsOutputsOverlappingInputsOrEachOther) {
+  const Problem p = small();
+  const ForwardOut f = run_forward(p);
+  struct Case {
+    const char* what;
+    const char* message;
+    std::function<void(mala::BackwardArgs&)> mutate;
+  };
+  const std::vector<Case> cases = {
+      {"dq is q", "dq: overlaps q", [](mala::BackwardArgs& a) { a.dq = const_cast<void*>(a.q); }},
+      {"dq is dout", "dq: overlaps dout", [](mala::BackwardArgs& a) { a.dq = const_cast<void*>(a.dout); }},
+      {"dq is o", "dq: overlaps o", [](mala::BackwardArgs& a) { a.dq = const_cast<void*>(a.o); }},
+      {"dk is k", "dk: overlaps k", [](mala::BackwardArgs& a) { a.dk = const_cast<void*>(a.k); }},
+      {"dv inside v", "dv: overlaps v",
+       [](mala::BackwardArgs& a) { a.dv = const_cast<float*>(static_cast<const float*>(a.v)) + 5; }},
+      {"dv is dk", "dv: overlaps dk", [](mala::BackwardArgs& a) { a.dv = a.dk; }},
+      {"dk is dq", "dk: overlaps dq", [](mala::BackwardArgs& a) { a.dk = a.dq; }},
+      {"dq holds lse", "dq: overlaps lse",
+       [](mala::BackwardArgs& a) { a.dq = const_cast<float*>(a.lse) + 1; }},
+      {"bwd_slots inside dq", "bwd_slots: overlaps dq",
+       [](mala::BackwardArgs& a) { a.bwd_slots = static_cast<int32_t*>(a.dq) + 2; }},
+  };
+  for (const auto& c : cases) {
+    // Inputs and outputs live in one arena so that pointers into neighbours stay inside it.
+    const size_t nq = p.q.size(), nk = p.k.size(), nl = f.lse.size();
+    std::vector<float> arena(16 + 4 * nq + 2 * nk + nl + 3 * nk + nq + 16, kSentinel);
+    float* x = arena.data() + 16;
+    auto place = [&](const std::vector<float>& src) {
+      float* at = x;
+      std::copy(src.begin(), src.end(), at);
+      x += src.size();
+      return at;
+    };
+    mala::BackwardArgs a = p.backward_args();
+    a.q = place(p.q), a.k = place(p.k), a.v = place(p.v), a.o = place(f.o), a.dout = place(p.dout);
+    a.lse = place(f.lse);
+    a.dq = x, x += nq;
+    a.dk = x, x += nk;
+    a.dv = x, x += nk;
+    std::vector<int32_t> slots(p.hq * p.nq, 7);
+    a.bwd_slots = slots.data();
+    c.mutate(a);
+    const std::vector<float> before = arena;
+    const mala::Status s = mala::backward(a);
+    EXPECT_FALSE(s.ok) << c.what;
+    EXPECT_EQ(s.message, c.message) << c.what;
+    EXPECT_EQ(arena, before) << c.what << ": something was written";
+    for (int32_t v : slots) ASSERT_EQ(v, 7) << c.what;
+  }
+}
+
+// dq, dk, dv (and q, k, v) as interleaved views of one packed [N, 3, H, d] tensor, as flash_attn's
+// qkvpacked functions pass them: their extents interleave but no element is shared, so they are
+// accepted, and the results equal those of separate buffers.
+TEST(Validate, PackedInterleavedViewsAreNotOverlaps) {
+  Problem p = small();
+  p.hkv = p.hq;  // [N, 3, H, d]
+  p.randomize(3);
+  const int64_t n = p.nq, h = p.hq, d = p.d, row = 3 * h * d;
+  std::vector<float> qkv(n * row), dqkv(n * row, kSentinel);
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t i = 0; i < h * d; ++i) {
+      qkv[t * row + i] = p.q[t * h * d + i];
+      qkv[t * row + h * d + i] = p.k[t * h * d + i];
+      qkv[t * row + 2 * h * d + i] = p.v[t * h * d + i];
+    }
+  const ForwardOut f = run_forward(p);
+  const BackwardOut ref = run_backward(p, f);
+  mala::BackwardArgs a = p.backward_args();
+  a.q = qkv.data(), a.k = qkv.data() + h * d, a.v = qkv.data() + 2 * h * d;
+  a.q_strides = a.k_strides = a.v_strides = {0, row, 0};
+  a.o = f.o.data(), a.lse = f.lse.data();
+  a.dq = dqkv.data(), a.dk = dqkv.data() + h * d, a.dv = dqkv.data() + 2 * h * d;
+  a.dq_strides = a.dk_strides = a.dv_strides = {0, row, 0};
+  const mala::Status s = mala::backward(a);
+  ASSERT_TRUE(s.ok) << s.message;
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t i = 0; i < h * d; ++i) {
+      ASSERT_EQ(dqkv[t * row + i], ref.dq[t * h * d + i]);
+      ASSERT_EQ(dqkv[t * row + h * d + i], ref.dk[t * h * d + i]);
+      ASSERT_EQ(dqkv[t * row + 2 * h * d + i], ref.dv[t * h * d + i]);
+    }
+  // Shifted by one element, dk's footprint runs into dv's: rejected.
+  a.dk = dqkv.data() + h * d + 1;
+  EXPECT_EQ(mala::check(a).message, "dv: overlaps dk");
+}
+
+TEST(Validate, DecodeRejectsOutputsOverlappingQOrTheCache) {
+  const int64_t d = 8, cap = 32, hkv = 1, hq = 2;
+  std::vector<float> q = randn(hq * d, 1), kc = randn(cap * hkv * d, 2), vc = randn(cap * hkv * d, 3);
+  std::vector<float> kn = randn(2 * hkv * d, 4), vn = randn(2 * hkv * d, 5);
+  static const int32_t seqlens[] = {20};
+  struct Case {
+    const char* what;
+    const char* message;
+    std::function<void(mala::DecodeArgs&)> mutate;
+  };
+  const std::vector<Case> cases = {
+      {"o is q", "o: overlaps q", [](mala::DecodeArgs& a) { a.o = const_cast<void*>(a.q); }},
+      {"o inside k_cache", "o: overlaps k_cache", [](mala::DecodeArgs& a) { a.o = static_cast<float*>(a.k_cache) + 40; }},
+      {"lse inside v_cache", "lse: overlaps v_cache", [](mala::DecodeArgs& a) { a.lse = static_cast<float*>(a.v_cache); }},
+      {"o is k_new", "o: overlaps k_new", [](mala::DecodeArgs& a) { a.o = const_cast<void*>(a.k_new); }},
+      {"fwd_slots is lse", "fwd_slots: overlaps lse", [](mala::DecodeArgs& a) { a.fwd_slots = reinterpret_cast<int32_t*>(a.lse); }},
+  };
+  for (const auto& c : cases) {
+    std::vector<float> kc2 = kc, vc2 = vc, q2 = q, kn2 = kn;
+    std::vector<float> o(hq * d, kSentinel), lse(hq, kSentinel);
+    std::vector<int32_t> slots(hq, 7);
+    mala::DecodeArgs a;
+    a.q = q2.data(), a.k_cache = kc2.data(), a.v_cache = vc2.data(), a.cache_seqlens = seqlens;
+    a.cache_capacity = cap, a.k_new = kn2.data(), a.v_new = vn.data(), a.seqlen_new = 2;
+    a.heads_q = hq, a.heads_kv = hkv, a.head_dim = d;
+    a.o = o.data(), a.lse = lse.data(), a.fwd_slots = slots.data();
+    c.mutate(a);
+    const mala::Status s = mala::decode(a);
+    EXPECT_FALSE(s.ok) << c.what;
+    EXPECT_EQ(s.message, c.message) << c.what;
+    EXPECT_EQ(kc2, kc) << c.what << ": the cache must not be written";
+    EXPECT_EQ(vc2, vc) << c.what;
+    EXPECT_EQ(q2, q) << c.what;
+    EXPECT_EQ(kn2, kn) << c.what;
+    for (float x : o) ASSERT_EQ(x, kSentinel) << c.what;
+    for (float x : lse) ASSERT_EQ(x, kSentinel) << c.what;
+  }
+}
+
+// Device::cuda where there is no GPU (CI, this machine) or no CUDA in the build: the message says
+// so, instead of blaming the first pointer ("q: not a CUDA device pointer").
+TEST(Validate, CudaWithoutADeviceSaysSo) {
+  if (mala::cuda_available()) GTEST_SKIP() << "a CUDA device is present";
+  const Problem p = small();
+  std::vector<uint16_t> q(p.q.size()), k(p.k.size()), v(p.v.size()), o(p.q.size(), 0x1234);
+  mala::ForwardArgs a = p.forward_args();
+  a.device = mala::Device::cuda;
+  a.dtype = mala::DType::bf16;
+  a.head_dim = 64;
+  a.q = q.data(), a.k = k.data(), a.v = v.data(), a.o = o.data();
+  auto says_no_device = [](const mala::Status& s) {
+    return !s.ok && s.message.rfind("device: ", 0) == 0 &&
+           (s.message.find("no CUDA device is available (cudaGetDeviceCount: ") != std::string::npos ||
+            s.message.find("built without CUDA") != std::string::npos);
+  };
+  const mala::Status s = mala::forward(a);
+  EXPECT_TRUE(says_no_device(s)) << s.message;
+  for (uint16_t x : o) ASSERT_EQ(x, 0x1234);
+
+  mala::BackwardArgs b = p.backward_args();
+  b.device = mala::Device::cuda;
+  b.dtype = mala::DType::bf16;
+  b.head_dim = 64;
+  std::vector<float> lse(64);
+  b.q = q.data(), b.k = k.data(), b.v = v.data(), b.o = q.data(), b.dout = q.data(), b.lse = lse.data();
+  b.dq = o.data(), b.dk = o.data() + 1, b.dv = o.data() + 2;  // never reached: no device comes first
+  EXPECT_TRUE(says_no_device(mala::check(b))) << mala::check(b).message;
+
+  mala::DecodeArgs dc;
+  static const int32_t seqlens[] = {4};
+  dc.device = mala::Device::cuda;
+  dc.dtype = mala::DType::bf16;
+  dc.head_dim = 64;
+  dc.q = q.data(), dc.k_cache = k.data(), dc.v_cache = v.data(), dc.cache_seqlens = seqlens;
+  dc.cache_capacity = 8, dc.o = o.data();
+  EXPECT_TRUE(says_no_device(mala::check(dc))) << mala::check(dc).message;
+}
+
 TEST(Validate, ReferenceTakesFloat32CpuOnly) {
   const Problem p = small();
   std::vector<uint16_t> q(p.q.size()), k(p.k.size()), v(p.v.size()), o(p.q.size(), 0x1234);
