@@ -35,7 +35,23 @@ expect_exit 2 "mala (no command)" -- "$MALA"
 expect_exit 2 "mala bogus" -- "$MALA" bogus && expect_in "$TMP/err" "unknown command 'bogus'" "names the command"
 expect_exit 0 "mala report --help" -- "$MALA" report --help && expect_in "$TMP/out" "--sharpness" "report help"
 expect_exit 0 "mala run --help" -- "$MALA" run --help && expect_in "$TMP/out" "--out DIR" "run help"
-expect_exit 2 "report --tau -1" -- "$MALA" report --n 256 --tau -1 && expect_in "$TMP/err" "--tau: must be >= 0" "names --tau"
+expect_exit 2 "report --tau -1" -- "$MALA" report --n 256 --tau -1 && expect_in "$TMP/err" "--tau: must be finite and >= 0 (got -1)" "names --tau"
+# A tau beyond float range is a usage error naming --tau once (it used to exit 1 with "tau: tau must").
+if expect_exit 2 "report --tau 1e39" -- "$MALA" report --n 256 --tau 1e39; then
+  expect_in "$TMP/err" "mala report: --tau: must be finite and >= 0 (got 1e+39)" "report --tau 1e39 message"
+  grep -q "tau: tau" "$TMP/err" && fail "report --tau 1e39 names tau twice: $(cat "$TMP/err")"
+fi
+expect_exit 0 "mala report -h" -- "$MALA" report -h && expect_in "$TMP/out" "--sharpness" "report -h prints usage"
+expect_exit 0 "mala run -h" -- "$MALA" run -h && expect_in "$TMP/out" "--out DIR" "run -h prints usage"
+expect_exit 2 "report --n twice" -- "$MALA" report --n 256 --n=512 && expect_in "$TMP/err" "--n: given more than once" "duplicate valued flag"
+expect_exit 2 "report --json twice" -- "$MALA" report --json --json && expect_in "$TMP/err" "--json: given more than once" "duplicate switch"
+# --version: CMake's project(VERSION), the one place the version is written.
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+want_version=$(sed -n 's/^project(mala VERSION \([0-9.]*\).*/\1/p' "$ROOT/CMakeLists.txt")
+if expect_exit 0 "mala --version" -- "$MALA" --version; then
+  [ -n "$want_version" ] && [ "$(cat "$TMP/out")" = "mala $want_version" ] && pass "--version prints mala $want_version" ||
+    fail "--version printed '$(cat "$TMP/out")', CMakeLists.txt says '$want_version'"
+fi
 expect_exit 2 "report --n abc" -- "$MALA" report --n abc && expect_in "$TMP/err" "--n: expected an integer" "names --n"
 expect_exit 2 "report --kv-heads 3" -- "$MALA" report --n 256 --heads 8 --kv-heads 3 && expect_in "$TMP/err" "--kv-heads" "names --kv-heads"
 expect_exit 2 "report --frobnicate" -- "$MALA" report --frobnicate && expect_in "$TMP/err" "unknown flag --frobnicate" "names the flag"
@@ -133,6 +149,12 @@ save("k_f64.npy", (N, HKV, D), k, "<f8")
 save("v_short.npy", (N, HKV, D), v)
 with open(d + "/v_short.npy", "r+b") as f: f.truncate(200)
 with open(d + "/garbage.npy", "wb") as f: f.write(b"this is not an npy file at all")
+save("k_i32.npy", (N, HKV, D), [int(x * 10) for x in k], "<i4")
+# Non-finite inputs: a NaN in k at [3, 1, 7], an inf in q at [10, 2, 0].
+k_nan = list(k); k_nan[(3 * HKV + 1) * D + 7] = float("nan")
+save("k_nan.npy", (N, HKV, D), k_nan)
+q_inf = list(q); q_inf[(10 * HQ + 2) * D] = float("inf")
+save("q_inf.npy", (N, HQ, D), q_inf)
 EOF
 
 # reads a .npy header: prints "descr shape"
@@ -212,11 +234,78 @@ run_error "mismatched head_dim" 1 "--k: shape [64,2,16] does not match --q [64,4
 run_error "v differs from k" 1 "--v: shape [64,4,32] does not match --k [64,2,32]" "${Q[@]}" --k "$I/k.npy" --v "$I/q.npy"
 run_error "do differs from q" 1 "--do: shape [64,2,32] does not match --q" "${Q[@]}" --k "$I/k.npy" --v "$I/v.npy" --do "$I/k.npy"
 run_error "rank mismatch" 1 "--k: shape [2,40,1,16] does not match --q [64,4,32] (rank differs)" "${Q[@]}" --k "$I/k16.npy" --v "$I/k16.npy"
-run_error "tau < 0" 2 "--tau: must be >= 0 (got -0.5)" "${Q[@]}" --k "$I/k.npy" --v "$I/v.npy" --tau -0.5
+run_error "tau < 0" 2 "--tau: must be finite and >= 0 (got -0.5)" "${Q[@]}" --k "$I/k.npy" --v "$I/v.npy" --tau -0.5
+run_error "tau 1e39" 2 "mala run: --tau: must be finite and >= 0 (got 1e+39)" "${Q[@]}" --k "$I/k.npy" --v "$I/v.npy" --tau 1e39
+run_error "duplicate --k" 2 "--k: given more than once" "${Q[@]}" --k "$I/k.npy" --k "$I/k.npy" --v "$I/v.npy"
+run_error "int32 input" 1 "--k: $I/k_i32.npy: unsupported dtype '<i4' (int32) (supported: '<f4' float32, '<f2' float16)" \
+  "${Q[@]}" --k "$I/k_i32.npy" --v "$I/v.npy"
+mkdir -p "$I/adir"
+run_error "directory as input" 1 "--v: $I/adir: is a directory" "${Q[@]}" --k "$I/k.npy" --v "$I/adir"
+run_error "NaN input" 2 "--k: non-finite value nan at index [3,1,7]" "${Q[@]}" --k "$I/k_nan.npy" --v "$I/v.npy"
+run_error "inf input" 2 "--q: non-finite value inf at index [10,2,0]" --q "$I/q_inf.npy" --k "$I/k.npy" --v "$I/v.npy"
 run_error "scale 0" 2 "--scale: must be > 0" "${Q[@]}" --k "$I/k.npy" --v "$I/v.npy" --scale 0
 run_error "missing --v" 2 "--v: required" "${Q[@]}" --k "$I/k.npy"
 rm -rf "$I/bad"
+
+# --allow-nonfinite runs; the NaN reaches o, which is written, flagged, and exits 3.
+if expect_exit 3 "run --allow-nonfinite" -- "$MALA" run --q "$I/q.npy" --k "$I/k_nan.npy" --v "$I/v.npy" --out "$I/onan" --allow-nonfinite --quiet --json; then
+  expect_in "$TMP/err" "mala run: warning: o: " "non-finite output warned"
+  check_npy "$I/onan/o.npy" "<f4 64,4,32"
+  expect_in "$TMP/out" '"nonfinite_outputs": ["o"]' "run --json lists non-finite outputs"
+fi
+
+# --out is checked before any work: a file on the path, an output name that is a directory.
+RUNQKV=(run --q "$I/q.npy" --k "$I/k.npy" --v "$I/v.npy")
+if expect_exit 1 "--out under a file" -- "$MALA" "${RUNQKV[@]}" --out "$I/q.npy/sub"; then
+  expect_in "$TMP/err" "--out: $I/q.npy: not a directory" "--out under a file: message"
+  grep -q "forward" "$TMP/err" && fail "--out under a file: computed before checking --out"
+fi
+mkdir -p "$I/hasdir/lse.npy"
+if expect_exit 1 "--out with a directory named lse.npy" -- "$MALA" "${RUNQKV[@]}" --out "$I/hasdir"; then
+  expect_in "$TMP/err" "--out: $I/hasdir/lse.npy: is a directory" "--out lse.npy directory: message"
+  grep -q "forward" "$TMP/err" && fail "--out lse.npy directory: computed before checking --out"
+  [ "$(ls -A "$I/hasdir")" = "lse.npy" ] || fail "--out lse.npy directory: wrote $(ls -A "$I/hasdir")"
+fi
+
+# Writes are atomic: with a file-size limit (SIGXFSZ ignored, so write() fails with EFBIG) the run
+# fails with the system's reason, leaves no new directory, and leaves an existing one as it was.
+limited() { bash -c 'trap "" XFSZ; ulimit -f 8; exec "$@"' limited "$@"; }
+if expect_exit 1 "write fails (file size limit)" -- limited "$MALA" "${RUNQKV[@]}" --out "$I/full/deep" --quiet; then
+  expect_in "$TMP/err" "write failed (File too large)" "write error carries strerror"
+  [ -e "$I/full" ] && fail "failed write left $I/full: $(find "$I/full")" || pass "failed write: no directory left"
+fi
+mkdir -p "$I/keep"
+echo old >"$I/keep/o.npy"
+if expect_exit 1 "write fails into an existing directory" -- limited "$MALA" "${RUNQKV[@]}" --out "$I/keep" --quiet; then
+  [ "$(ls -A "$I/keep")" = "o.npy" ] && [ "$(cat "$I/keep/o.npy")" = old ] && pass "existing directory untouched" ||
+    fail "existing directory changed: $(ls -A "$I/keep")"
+fi
+# A successful run replaces a read-only existing file (by rename) and leaves no temporaries.
+chmod 444 "$I/keep/o.npy"
+if expect_exit 0 "run over a read-only o.npy" -- "$MALA" "${RUNQKV[@]}" --out "$I/keep" --quiet; then
+  check_npy "$I/keep/o.npy" "<f4 64,4,32"
+  [ -z "$(find "$I/keep" -name '*.tmp-*')" ] && pass "no temporaries left" || fail "temporaries left: $(ls -A "$I/keep")"
+fi
+
 expect_exit 2 "run without --out" -- "$MALA" run --q "$I/q.npy" --k "$I/k.npy" --v "$I/v.npy" && expect_in "$TMP/err" "--out: required" "names --out"
+
+# ---- scripts/dev.sh, with a stand-in cmake (nothing is built): stdout carries only the step's ----
+# output, and an unknown step is refused before anything is built.
+mkdir -p "$TMP/bin" "$TMP/devbuild/tools"
+printf '#!/usr/bin/env bash\necho "-- cmake stand-in: $*"\necho "$*" >>"%s/cmake_calls"\n' "$TMP" >"$TMP/bin/cmake"
+chmod +x "$TMP/bin/cmake"
+ln -sf "$(cd "$(dirname "$MALA")" && pwd)/$(basename "$MALA")" "$TMP/devbuild/tools/mala"
+if expect_exit 0 "dev.sh report --json" -- env PATH="$TMP/bin:$PATH" BUILD_DIR="$TMP/devbuild" \
+    bash "$ROOT/scripts/dev.sh" report --n 128 --heads 1 --d 16 --json --quiet; then
+  python3 -c "import json,sys; json.load(open(sys.argv[1]))" "$TMP/out" && pass "dev.sh report --json: stdout is JSON only" ||
+    fail "dev.sh report --json stdout is not one JSON object: $(head -c 300 "$TMP/out")"
+  expect_in "$TMP/err" "cmake stand-in" "dev.sh: build output on stderr"
+fi
+rm -f "$TMP/cmake_calls"
+if expect_exit 2 "dev.sh bogus" -- env PATH="$TMP/bin:$PATH" BUILD_DIR="$TMP/devbuild" bash "$ROOT/scripts/dev.sh" bogus; then
+  expect_in "$TMP/err" "unknown step 'bogus'" "dev.sh bogus names the step"
+  [ -e "$TMP/cmake_calls" ] && fail "dev.sh bogus ran cmake before refusing: $(cat "$TMP/cmake_calls")" || pass "dev.sh bogus: refused before building"
+fi
 
 if [ "$failures" -gt 0 ]; then
   echo "cli_test: $failures failure(s)" >&2

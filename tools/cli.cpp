@@ -4,6 +4,8 @@
 #include <cmath>
 #include <cstdarg>
 #include <cstdlib>
+#include <limits>
+#include <algorithm>
 
 namespace mala {
 namespace cli {
@@ -12,6 +14,7 @@ Flags::Flags(int argc, char** argv, const std::set<std::string>& valued,
              const std::set<std::string>& switches) {
   for (int i = 0; i < argc; ++i) {
     std::string arg = argv[i];
+    if (arg == "-h" && switches.count("help")) arg = "--help";
     if (arg.size() < 3 || arg.compare(0, 2, "--") != 0)
       throw UsageError("unexpected argument '" + arg + "' (flags look like --name value)");
     std::string name = arg.substr(2), value;
@@ -22,6 +25,8 @@ Flags::Flags(int argc, char** argv, const std::set<std::string>& valued,
       name = name.substr(0, eq);
       inline_value = true;
     }
+    if ((switches.count(name) || valued.count(name)) && (switches_.count(name) || values_.count(name)))
+      throw UsageError("--" + name + ": given more than once");
     if (switches.count(name)) {
       if (inline_value) throw UsageError("--" + name + ": takes no value");
       switches_.insert(name);
@@ -87,7 +92,41 @@ std::string name_flag(const std::string& message, const std::map<std::string, st
   if (colon == std::string::npos) return message;
   auto it = flags.find(message.substr(0, colon));
   if (it == flags.end()) return message;
+  // "tau: must be ..." becomes "--tau: must be ...", not "--tau: tau must be ...".
+  if (it->second == "--" + it->first) return it->second + message.substr(colon);
   return it->second + ": " + it->first + message.substr(colon + 1);
+}
+
+double Flags::get_tau(double fallback) const {
+  const double tau = get_double("tau", fallback);
+  // The library takes tau as a float: anything that does not fit is out of range, as is < 0.
+  if (!(tau >= 0) || tau > std::numeric_limits<float>::max())
+    throw UsageError(format("--tau: must be finite and >= 0 (got %g)", tau));
+  return tau;
+}
+
+int64_t first_nonfinite(const float* x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i)
+    if (!std::isfinite(x[i])) return i;
+  return -1;
+}
+
+int64_t count_nonfinite(const float* x, int64_t n) {
+  int64_t c = 0;
+  for (int64_t i = 0; i < n; ++i) c += !std::isfinite(x[i]);
+  return c;
+}
+
+std::string index_string(int64_t flat, const std::vector<int64_t>& shape) {
+  std::vector<int64_t> idx(shape.size());
+  for (size_t d = shape.size(); d-- > 0;) {
+    const int64_t s = std::max<int64_t>(shape[d], 1);
+    idx[d] = flat % s;
+    flat /= s;
+  }
+  std::string out = "[";
+  for (size_t d = 0; d < idx.size(); ++d) out += (d ? "," : "") + std::to_string(idx[d]);
+  return out + "]";
 }
 
 std::string json_escape(const std::string& s) {
@@ -127,6 +166,10 @@ Json& Json::boolean(const std::string& key, bool v) {
 }
 Json& Json::object(const std::string& key, const Json& v) {
   items_.emplace_back(key, v.dump());
+  return *this;
+}
+Json& Json::raw(const std::string& key, const std::string& json) {
+  items_.emplace_back(key, json);
   return *this;
 }
 std::string Json::dump() const {

@@ -12,9 +12,17 @@
 namespace mala {
 namespace cli {
 
-// Exit codes: 0 success, 1 the work failed (unreadable input, library error), 2 bad usage.
+// Exit codes: 0 success, 1 the work failed (unreadable input, library error), 2 bad usage
+// (including non-finite input values without --allow-nonfinite), 3 the run finished but an output
+// holds NaN or Inf (a warning on stderr names it).
 constexpr int kExitFailure = 1;
 constexpr int kExitUsage = 2;
+constexpr int kExitNonfiniteOutput = 3;
+
+// The version, from CMake's project(VERSION) (tools/CMakeLists.txt passes it in).
+#ifndef MALA_VERSION
+#define MALA_VERSION "unknown"
+#endif
 
 // A usage error (unknown flag, bad flag value): the message names the flag.
 struct UsageError : std::runtime_error {
@@ -35,6 +43,9 @@ class Flags {
                   int64_t max_value = INT64_MAX) const;
   double get_double(const std::string& name, double fallback) const;
   uint64_t get_u64(const std::string& name, uint64_t fallback) const;
+  // --tau: finite, >= 0 and representable as a float, else a usage error
+  // "--tau: must be finite and >= 0 (got 1e+39)".
+  double get_tau(double fallback) const;
 
  private:
   std::map<std::string, std::string> values_;
@@ -49,6 +60,7 @@ class Json {
   Json& str(const std::string& key, const std::string& v);
   Json& boolean(const std::string& key, bool v);
   Json& object(const std::string& key, const Json& v);
+  Json& raw(const std::string& key, const std::string& json);  // json: already valid JSON text
   std::string dump() const;
 
  private:
@@ -58,6 +70,12 @@ class Json {
 // Rewrites a library message "head_dim: must be ..." as "--d: head_dim must be ..." when the
 // argument comes from a flag (flags maps library argument names to flag names).
 std::string name_flag(const std::string& message, const std::map<std::string, std::string>& flags);
+
+// Index of the first NaN/Inf in x[0, n), or -1.  count_nonfinite: how many.
+int64_t first_nonfinite(const float* x, int64_t n);
+int64_t count_nonfinite(const float* x, int64_t n);
+// A flat C-order index as "[i,j,k]" for the given shape.
+std::string index_string(int64_t flat, const std::vector<int64_t>& shape);
 
 std::string json_escape(const std::string& s);
 std::string format(const char* fmt, ...) __attribute__((format(printf, 1, 2)));

@@ -18,9 +18,11 @@ const char* kHelp =
     "  report   forward + backward on a built-in workload; prints realized work, omitted\n"
     "           mass, errors against dense attention and time against tau = 0\n"
     "  run      forward (+ backward) on .npy inputs; writes .npy outputs\n"
-    "  help     this text (also --help); `mala <command> --help` for a command's flags\n"
+    "  help     this text (also --help, -h); `mala <command> --help` for a command's flags\n"
+    "  version  the version (also --version)\n"
     "\n"
-    "Exit status: 0 ok, 1 failure (bad input file, failed run), 2 usage error.\n";
+    "Exit status: 0 ok, 1 failure (bad input file, failed run), 2 usage error (also NaN/Inf\n"
+    "in the inputs), 3 the run finished but an output holds NaN/Inf.\n";
 
 }  // namespace
 
@@ -34,6 +36,10 @@ int main(int argc, char** argv) {
   try {
     if (cmd == "--help" || cmd == "-h" || cmd == "help") {
       std::fputs(kHelp, stdout);
+      return 0;
+    }
+    if (cmd == "--version" || cmd == "version") {
+      std::printf("mala %s\n", MALA_VERSION);
       return 0;
     }
     if (cmd == "report") return report_main(argc - 2, argv + 2);

@@ -10,6 +10,8 @@
 #include <cstring>
 #include <limits>
 
+#include <sys/stat.h>
+
 namespace mala {
 namespace npy {
 
@@ -120,7 +122,8 @@ std::string byte_count(size_t n) { return std::to_string(n) + (n == 1 ? " byte" 
 
 }  // namespace
 
-Status parse(const unsigned char* bytes, size_t size, const std::string& name, Array* out) {
+Status parse(const unsigned char* bytes, size_t size, const std::string& name, Array* out,
+             unsigned accept) {
   static const unsigned char magic[6] = {0x93, 'N', 'U', 'M', 'P', 'Y'};
   if (size < 10 || std::memcmp(bytes, magic, 6) != 0)
     return Status::error(name + ": not a .npy file (missing the \\x93NUMPY magic)");
@@ -181,6 +184,7 @@ Status parse(const unsigned char* bytes, size_t size, const std::string& name, A
   if (!have_shape) return malformed("missing 'shape'");
 
   Type type;
+  bool known = true;
   if (descr == "<f4") {
     type = Type::f32;
   } else if (descr == "<f2") {
@@ -188,8 +192,16 @@ Status parse(const unsigned char* bytes, size_t size, const std::string& name, A
   } else if (descr == "<i4") {
     type = Type::i32;
   } else {
-    return Status::error(name + ": unsupported dtype '" + descr +
-                         "' (supported: '<f4' float32, '<f2' float16, '<i4' int32)");
+    known = false;
+  }
+  if (!known || !(accept & (1u << static_cast<int>(type)))) {
+    std::string supported;
+    for (Type t : {Type::f32, Type::f16, Type::i32})
+      if (accept & (1u << static_cast<int>(t)))
+        supported += std::string(supported.empty() ? "" : ", ") + "'" + type_descr(t) + "' " + type_name(t);
+    return Status::error(name + ": unsupported dtype '" + descr + "'" +
+                         (known ? std::string(" (") + type_name(type) + ")" : std::string()) +
+                         " (supported: " + supported + ")");
   }
   if (fortran)
     return Status::error(name + ": fortran_order True is not supported (save a C-contiguous array)");
@@ -217,17 +229,21 @@ Status parse(const unsigned char* bytes, size_t size, const std::string& name, A
   return Status::success();
 }
 
-Status read(const std::string& path, Array* out) {
+Status read(const std::string& path, Array* out, unsigned accept) {
+  struct stat st;
+  if (::stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode)) return Status::error(path + ": is a directory");
   FILE* f = std::fopen(path.c_str(), "rb");
   if (!f) return Status::error(path + ": cannot open (" + std::strerror(errno) + ")");
   std::vector<unsigned char> bytes;
   unsigned char buf[1 << 16];
   size_t n;
+  errno = 0;
   while ((n = std::fread(buf, 1, sizeof buf, f)) > 0) bytes.insert(bytes.end(), buf, buf + n);
   const bool failed = std::ferror(f);
+  const int err = errno;
   std::fclose(f);
-  if (failed) return Status::error(path + ": read error");
-  return parse(bytes.data(), bytes.size(), path, out);
+  if (failed) return Status::error(path + ": read error (" + std::strerror(err ? err : EIO) + ")");
+  return parse(bytes.data(), bytes.size(), path, out, accept);
 }
 
 Status write(const std::string& path, Type type, const std::vector<int64_t>& shape,
@@ -268,11 +284,18 @@ Status write(const std::string& path, Type type, const std::vector<int64_t>& sha
   FILE* f = std::fopen(path.c_str(), "wb");
   if (!f) return Status::error(path + ": cannot create (" + std::strerror(errno) + ")");
   const size_t bytes = static_cast<size_t>(numel) * type_size(type);
+  errno = 0;
   bool ok = std::fwrite(head.data(), 1, head.size(), f) == head.size() &&
             std::fwrite(header.data(), 1, hlen, f) == hlen &&
-            (bytes == 0 || std::fwrite(data, 1, bytes, f) == bytes);
-  ok = (std::fclose(f) == 0) && ok;
-  if (!ok) return Status::error(path + ": write failed");
+            (bytes == 0 || std::fwrite(data, 1, bytes, f) == bytes) && std::fflush(f) == 0;
+  int err = ok ? 0 : errno;
+  if (std::fclose(f) != 0 && ok) {
+    ok = false;
+    err = errno;
+  }
+  if (!ok) {
+    return Status::error(path + ": write failed (" + std::strerror(err ? err : EIO) + ")");
+  }
   return Status::success();
 }
 

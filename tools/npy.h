@@ -27,15 +27,26 @@ struct Array {
   std::string shape_string() const;  // "[2,5,3]"
 };
 
-// Reads a whole file.  Errors: missing/unreadable file, bad magic, unsupported version,
-// malformed header dictionary, unsupported dtype (named), fortran_order True, negative shape,
-// truncated data, or trailing bytes after the data.
-Status read(const std::string& path, Array* out);
+// Which element types a reader accepts (a bit per Type); an unsupported dtype's message lists
+// only the accepted ones.
+constexpr unsigned kAcceptF32 = 1u << static_cast<int>(Type::f32);
+constexpr unsigned kAcceptF16 = 1u << static_cast<int>(Type::f16);
+constexpr unsigned kAcceptI32 = 1u << static_cast<int>(Type::i32);
+constexpr unsigned kAcceptAll = kAcceptF32 | kAcceptF16 | kAcceptI32;
+constexpr unsigned kAcceptFloat = kAcceptF32 | kAcceptF16;
+
+// Reads a whole file.  Errors: missing/unreadable file (with the system's reason), a directory,
+// bad magic, unsupported version, malformed header dictionary, unsupported dtype (named),
+// fortran_order True, negative shape, truncated data, or trailing bytes after the data.
+Status read(const std::string& path, Array* out, unsigned accept = kAcceptAll);
 
 // Parses an in-memory file image (what read() does after loading the bytes); `name` prefixes errors.
-Status parse(const unsigned char* bytes, size_t size, const std::string& name, Array* out);
+Status parse(const unsigned char* bytes, size_t size, const std::string& name, Array* out,
+             unsigned accept = kAcceptAll);
 
-// Writes a version 1.0 file (2.0 when the header does not fit in 65535 bytes).
+// Writes a version 1.0 file (2.0 when the header does not fit in 65535 bytes) at path itself
+// (callers wanting atomic replacement write a temporary name and rename it, and remove it on
+// failure).  On failure the message carries the system's reason (strerror).
 Status write(const std::string& path, Type type, const std::vector<int64_t>& shape,
              const void* data);
 

@@ -7,6 +7,7 @@
 
 #include "cli.h"
 #include "runner.h"
+#include "validate.h"
 
 namespace mala {
 namespace cli {
@@ -49,8 +50,11 @@ const char* kReportHelp =
     "  --repeat R        timed calls per measurement, median reported; 0 = 1 on the\n"
     "                    CPU, 5 on CUDA (each after a warm-up call)    (default 0)\n"
     "  --json            print one JSON object instead of the table\n"
+    "  --allow-nonfinite go on when the generated inputs hold NaN/Inf (else exit 2)\n"
     "  --quiet           no progress lines on stderr\n"
-    "  --help            this text\n";
+    "  --help            this text\n"
+    "\n"
+    "Exit status: 0 ok, 1 a failed run, 2 bad flags, 3 an output holds NaN/Inf (warned).\n";
 
 double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -69,13 +73,13 @@ int report_main(int argc, char** argv) {
   Problem p;
   float tau;
   std::string device_flag, ref_flag;
-  bool json;
+  bool json, allow_nonfinite;
   int repeat;
   try {
     Flags f(argc, argv,
             {"n", "heads", "kv-heads", "d", "tau", "bq", "bk", "seed", "regime", "sharpness",
              "batch", "device", "ref", "repeat"},
-            {"json", "quiet", "help", "causal", "no-causal"});
+            {"json", "quiet", "help", "causal", "no-causal", "allow-nonfinite"});
     if (f.is_set("help")) {
       std::fputs(kReportHelp, stdout);
       return 0;
@@ -97,8 +101,7 @@ int report_main(int argc, char** argv) {
       throw UsageError("--kv-heads: must divide --heads (got --heads " +
                        std::to_string(spec.heads_q) + ", --kv-heads " +
                        std::to_string(spec.heads_kv) + ")");
-    tau = static_cast<float>(f.get_double("tau", 1.0));
-    if (tau < 0) throw UsageError("--tau: must be >= 0 (got " + f.get("tau", "") + ")");
+    tau = static_cast<float>(f.get_tau(1.0));
     p.block_q = static_cast<int>(f.get_int("bq", 0, 0, 1 << 20));
     p.block_k = static_cast<int>(f.get_int("bk", 0, 0, 1 << 20));
     if (f.is_set("causal") && f.is_set("no-causal"))
@@ -112,6 +115,7 @@ int report_main(int argc, char** argv) {
       throw UsageError("--ref: must be auto, dense or tau0 (got '" + ref_flag + "')");
     repeat = static_cast<int>(f.get_int("repeat", 0, 0, 1000));
     json = f.is_set("json");
+    allow_nonfinite = f.is_set("allow-nonfinite");
     set_quiet(f.is_set("quiet"));
   } catch (const UsageError& e) {
     std::fprintf(stderr, "mala report: %s\n", e.what());
@@ -147,11 +151,12 @@ int report_main(int argc, char** argv) {
   p.head_dim = spec.head_dim;
   if (runner->device() == "cpu") {
     // The library's argument checks (e.g. the CPU's largest head_dim) before any allocation;
-    // they read no memory, so placeholders stand in for the tensors.
+    // they read no memory, so placeholders stand in for the tensors (hence without the overlap
+    // test of mala::check(), which the runner's calls make).
     float placeholder = 0;
     ForwardArgs fa = forward_args(p, tau);
     fa.q = fa.k = fa.v = fa.o = &placeholder;
-    Status st = check(fa);
+    Status st = internal::check_arguments(fa);
     if (!st) {
       std::fprintf(stderr, "mala report: %s\n",
                    name_flag(st.message, {{"head_dim", "--d"}, {"block_q", "--bq"}, {"block_k", "--bk"},
@@ -182,6 +187,24 @@ int report_main(int argc, char** argv) {
     return kExitUsage;
   }
   const double gen_s = seconds_since(t_gen);
+  // The library does not scan for NaN/Inf; the CLI does (docs/cli.md, "Non-finite values").
+  if (!allow_nonfinite) {
+    const std::vector<int64_t> q_shape = {p.batch, p.seqlen_q, p.heads_q, p.head_dim};
+    const std::vector<int64_t> k_shape = {p.batch, p.seqlen_k, p.heads_kv, p.head_dim};
+    const struct {
+      const char* name;
+      const std::vector<float>* x;
+      const std::vector<int64_t>* shape;
+    } ins[] = {{"q", &p.q, &q_shape}, {"k", &p.k, &k_shape}, {"v", &p.v, &k_shape}, {"dout", &p.dout, &q_shape}};
+    for (const auto& in : ins) {
+      const int64_t i = first_nonfinite(in.x->data(), static_cast<int64_t>(in.x->size()));
+      if (i >= 0) {
+        std::fprintf(stderr, "mala report: %s: the generated workload holds a non-finite value %g at index %s; "
+                     "--allow-nonfinite runs anyway\n", in.name, (*in.x)[i], index_string(i, *in.shape).c_str());
+        return kExitUsage;
+      }
+    }
+  }
 
   // mala at tau and at tau = 0, forward then backward.
   auto fail = [](const char* step, const Status& st) {
@@ -260,6 +283,23 @@ int report_main(int argc, char** argv) {
   const double e_dq0 = dense_ref ? relative_l2(bwd0.dq.data(), ref_dq->data(), nq) : 0.0;
   const double e_dk0 = dense_ref ? relative_l2(bwd0.dk.data(), ref_dk->data(), nk) : 0.0;
   const double e_dv0 = dense_ref ? relative_l2(bwd0.dv.data(), ref_dv->data(), nk) : 0.0;
+  // Non-finite outputs: reported all the same, flagged, exit status 3.
+  std::vector<std::string> nonfinite;
+  {
+    const struct {
+      const char* name;
+      const std::vector<float>* x;
+    } outs[] = {{"o", &fwd.o}, {"dq", &bwd.dq}, {"dk", &bwd.dk}, {"dv", &bwd.dv},
+                {"o (tau = 0)", &fwd0.o}, {"dq (tau = 0)", &bwd0.dq}, {"dk (tau = 0)", &bwd0.dk},
+                {"dv (tau = 0)", &bwd0.dv}};
+    for (const auto& o : outs) {
+      const int64_t n = count_nonfinite(o.x->data(), static_cast<int64_t>(o.x->size()));
+      if (n == 0) continue;
+      nonfinite.push_back(o.name);
+      std::fprintf(stderr, "mala report: warning: %s: %lld non-finite values\n", o.name, (long long)n);
+    }
+  }
+  const int status = nonfinite.empty() ? 0 : kExitNonfiniteOutput;
   const std::string workload =
       spec.regime == "synthetic" ? format("synthetic (sharpness %g)", spec.sharpness) : "random";
 
@@ -293,8 +333,11 @@ int report_main(int argc, char** argv) {
       j.object("rel_l2_error_tau0", err0);
     }
     j.object("time", time);
+    std::string nf = "[";
+    for (size_t i = 0; i < nonfinite.size(); ++i) nf += (i ? ", " : "") + json_escape(nonfinite[i]);
+    j.raw("nonfinite_outputs", nf + "]");
     std::printf("%s\n", j.dump().c_str());
-    return 0;
+    return status;
   }
 
   std::printf("mala report: MassAlloc Attention at tau = %g\n\n", tau);
@@ -335,7 +378,7 @@ int report_main(int argc, char** argv) {
   std::printf("    %-32s %9.1f ms %9.1f ms %8.3f\n", "backward", bwd.ms, bwd0.ms, bwd.ms / bwd0.ms);
   std::printf("    %-32s %9.1f ms %9.1f ms %8.3f\n", "forward + backward", fwd.ms + bwd.ms,
               fwd0.ms + bwd0.ms, (fwd.ms + bwd.ms) / (fwd0.ms + bwd0.ms));
-  return 0;
+  return status;
 }
 
 }  // namespace cli

@@ -4,11 +4,15 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
+
+#include <unistd.h>
 
 #include "cli.h"
 #include "npy.h"
 #include "runner.h"
+#include "validate.h"
 
 namespace mala {
 namespace cli {
@@ -32,11 +36,13 @@ const char* kRunHelp =
     "  --bq N, --bk N             tile rows; 0 = the device's        (default 0: 128 on the CPU)\n"
     "  --device D                 cpu | cuda | auto                  (default cpu)\n"
     "  --compare                  also run tau = 0 and print omitted mass and relative errors\n"
+    "  --allow-nonfinite          run even when an input holds NaN or Inf\n"
     "  --json                     print the summary as one JSON object\n"
     "  --quiet                    no progress lines on stderr\n"
     "  --help                     this text\n"
     "\n"
-    "Exit status: 0 ok, 1 unreadable or inconsistent inputs or a failed run, 2 bad flags.\n";
+    "Exit status: 0 ok, 1 unreadable or inconsistent inputs, unusable --out or a failed run,\n"
+    "2 bad flags or NaN/Inf in an input, 3 outputs written but one holds NaN/Inf.\n";
 
 struct Input {
   std::string flag;  // "--q"
@@ -44,10 +50,8 @@ struct Input {
   npy::Array array;
 };
 
-// Checks one input's dtype and rank; the message names the flag.
+// Checks one input's rank (the reader accepted only float32 and float16); the message names the flag.
 Status check_input(const Input& in) {
-  if (in.array.type == npy::Type::i32)
-    return Status::error(in.flag + ": dtype int32 is not supported (use float32 or float16)");
   const size_t rank = in.array.shape.size();
   if (rank != 3 && rank != 4)
     return Status::error(in.flag + ": expected a [N, H, d] or [B, N, H, d] array (got shape " +
@@ -63,17 +67,120 @@ Json dist_json(const Distribution& d) {
   return j;
 }
 
+namespace fs = std::filesystem;
+
+// Checked before any work: --out must be an existing writable directory, or a path whose nearest
+// existing ancestor is a writable directory (DIR is then created after the computation), and no
+// output name in an existing DIR may be a directory.
+Status check_out_dir(const std::string& dir, const std::vector<std::string>& names) {
+  fs::path probe = fs::path(dir);
+  while (true) {
+    std::error_code ec;
+    const fs::file_status st = fs::status(probe, ec);
+    if (fs::exists(st)) {
+      if (!fs::is_directory(st)) return Status::error("--out: " + probe.string() + ": not a directory");
+      if (::access(probe.c_str(), W_OK | X_OK) != 0)
+        return Status::error("--out: " + probe.string() + ": not writable (" + std::strerror(errno) + ")");
+      break;
+    }
+    fs::path parent = probe.parent_path();
+    if (parent.empty()) parent = ".";
+    if (parent == probe) return Status::error("--out: " + dir + ": no existing parent directory");
+    probe = parent;
+  }
+  for (const std::string& name : names) {
+    std::error_code ec;
+    const fs::path p = fs::path(dir) / name;
+    if (fs::is_directory(p, ec)) return Status::error("--out: " + p.string() + ": is a directory");
+  }
+  return Status::success();
+}
+
+// Writes the outputs atomically: each file goes to a temporary name in DIR and is renamed into
+// place once every file is written; on any failure the temporaries, and the directories this run
+// created, are removed (files already in DIR are left as they were).
+class OutputWriter {
+ public:
+  explicit OutputWriter(std::string dir) : dir_(std::move(dir)) {}
+  ~OutputWriter() {
+    if (!committed_) abort();
+  }
+
+  Status create_dir() {
+    std::vector<fs::path> missing;  // innermost first
+    for (fs::path p = fs::path(dir_); !p.empty(); p = p.parent_path()) {
+      std::error_code ec;
+      if (fs::exists(p, ec)) break;
+      missing.push_back(p);
+      if (p.parent_path() == p) break;
+    }
+    for (auto it = missing.rbegin(); it != missing.rend(); ++it) {
+      std::error_code ec;
+      if (!fs::create_directory(*it, ec) && ec)
+        return Status::error("--out: cannot create " + it->string() + " (" + ec.message() + ")");
+      created_.push_back(*it);
+    }
+    return Status::success();
+  }
+
+  Status put(const std::string& name, npy::Type t, const std::vector<int64_t>& shape, const void* data) {
+    const std::string final_path = (fs::path(dir_) / name).string();
+    const std::string tmp = (fs::path(dir_) / ("." + name + ".tmp-" + std::to_string(::getpid()))).string();
+    pending_.push_back({tmp, final_path});
+    Status s = npy::write(tmp, t, shape, data);
+    if (!s) return Status::error("--out: " + s.message);
+    names_.push_back(name);
+    return s;
+  }
+
+  Status commit() {
+    for (size_t i = 0; i < pending_.size(); ++i) {
+      if (std::rename(pending_[i].first.c_str(), pending_[i].second.c_str()) != 0) {
+        const int err = errno;
+        // What was renamed already can only be undone where this run made DIR.
+        if (!created_.empty())
+          for (size_t j = 0; j < i; ++j) std::remove(pending_[j].second.c_str());
+        return Status::error("--out: cannot rename " + pending_[i].first + " to " + pending_[i].second +
+                             " (" + std::strerror(err) + ")");
+      }
+      renamed_ = i + 1;
+    }
+    committed_ = true;
+    return Status::success();
+  }
+
+  void abort() {
+    for (size_t i = renamed_; i < pending_.size(); ++i) std::remove(pending_[i].first.c_str());
+    for (auto it = created_.rbegin(); it != created_.rend(); ++it) {
+      std::error_code ec;
+      fs::remove(*it, ec);  // only if empty
+    }
+    pending_.clear();
+    created_.clear();
+  }
+
+  const std::vector<std::string>& names() const { return names_; }
+
+ private:
+  std::string dir_;
+  std::vector<fs::path> created_;                          // outermost first
+  std::vector<std::pair<std::string, std::string>> pending_;  // temporary, final
+  std::vector<std::string> names_;
+  size_t renamed_ = 0;
+  bool committed_ = false;
+};
+
 }  // namespace
 
 int run_main(int argc, char** argv) {
   std::vector<Input> inputs;
   std::string out_dir, device_flag;
   float tau, scale;
-  bool causal, compare, json;
+  bool causal, compare, json, allow_nonfinite;
   int bq, bk;
   try {
     Flags f(argc, argv, {"q", "k", "v", "do", "out", "tau", "scale", "bq", "bk", "device"},
-            {"causal", "no-causal", "compare", "json", "quiet", "help"});
+            {"causal", "no-causal", "compare", "json", "quiet", "help", "allow-nonfinite"});
     if (f.is_set("help")) {
       std::fputs(kRunHelp, stdout);
       return 0;
@@ -85,8 +192,7 @@ int run_main(int argc, char** argv) {
       if (f.has(name)) inputs.push_back({std::string("--") + name, f.get(name, ""), {}});
     out_dir = f.get("out", "");
     if (out_dir.empty()) throw UsageError("--out: must not be empty");
-    tau = static_cast<float>(f.get_double("tau", 1.0));
-    if (tau < 0) throw UsageError("--tau: must be >= 0 (got " + f.get("tau", "") + ")");
+    tau = static_cast<float>(f.get_tau(1.0));
     scale = static_cast<float>(f.get_double("scale", 0.0));
     if (f.has("scale") && !(scale > 0))
       throw UsageError("--scale: must be > 0 (got " + f.get("scale", "") + ")");
@@ -99,6 +205,7 @@ int run_main(int argc, char** argv) {
     if (device_flag != "cpu" && device_flag != "cuda" && device_flag != "auto")
       throw UsageError("--device: must be cpu, cuda or auto (got '" + device_flag + "')");
     compare = f.is_set("compare");
+    allow_nonfinite = f.is_set("allow-nonfinite");
     json = f.is_set("json");
     set_quiet(f.is_set("quiet"));
   } catch (const UsageError& e) {
@@ -110,9 +217,18 @@ int run_main(int argc, char** argv) {
     return kExitFailure;
   };
 
+  // --out before any work: a typo must not cost a computation.
+  {
+    std::vector<std::string> names = {"o.npy", "lse.npy", "fwd_slots.npy"};
+    if (inputs.size() > 3)
+      for (const char* n : {"dq.npy", "dk.npy", "dv.npy", "bwd_slots.npy"}) names.push_back(n);
+    Status s = check_out_dir(out_dir, names);
+    if (!s) return fail(s.message);
+  }
+
   // Read and check every input before anything else.
   for (Input& in : inputs) {
-    Status s = npy::read(in.path, &in.array);
+    Status s = npy::read(in.path, &in.array, npy::kAcceptFloat);
     if (!s) return fail(in.flag + ": " + s.message);
     if (!(s = check_input(in))) return fail(s.message);
   }
@@ -158,6 +274,25 @@ int run_main(int argc, char** argv) {
   p.v = npy::to_float(v.array);
   if (dout) p.dout = npy::to_float(dout->array);
 
+  // NaN or Inf in an input spreads through whole rows (one NaN key poisons every query that sees
+  // it); the library does not scan for them, the CLI does.
+  if (!allow_nonfinite) {
+    const std::pair<const Input*, const std::vector<float>*> tensors[] = {
+        {&q, &p.q}, {&k, &p.k}, {&v, &p.v}, {dout, &p.dout}};
+    for (const auto& t : tensors) {
+      if (!t.first) continue;
+      const int64_t i = first_nonfinite(t.second->data(), static_cast<int64_t>(t.second->size()));
+      if (i >= 0) {
+        std::fprintf(stderr,
+                     "mala run: %s: non-finite value %g at index %s (%lld non-finite in all); "
+                     "--allow-nonfinite runs anyway\n",
+                     t.first->flag.c_str(), (*t.second)[i], index_string(i, t.first->array.shape).c_str(),
+                     (long long)count_nonfinite(t.second->data(), static_cast<int64_t>(t.second->size())));
+        return kExitUsage;
+      }
+    }
+  }
+
   std::unique_ptr<Runner> runner;
   std::string device_note;
   if (device_flag == "cpu") {
@@ -173,17 +308,23 @@ int run_main(int argc, char** argv) {
     }
   }
 
-  // The library's own checks (tile sizes, scale, ...) before any work.
+  // The library's own checks (tile sizes, scale, ...) before any work; the output buffers do not
+  // exist yet, so the memory-overlap part of mala::check() is left to the runner's calls.
   {
     ForwardArgs fa = forward_args(p, tau);
     fa.device = Device::cpu;
     fa.q = p.q.data(), fa.k = p.k.data(), fa.v = p.v.data();
     std::vector<float> dummy(1);
     fa.o = dummy.data();
-    Status s = check(fa);
-    if (!s)
-      return fail(name_flag(s.message, {{"head_dim", "--q"}, {"block_q", "--bq"}, {"block_k", "--bk"},
-                                        {"tau", "--tau"}, {"softmax_scale", "--scale"}}));
+    Status s = internal::check_arguments(fa);
+    if (!s) {
+      const std::string msg =
+          name_flag(s.message, {{"head_dim", "--q"}, {"block_q", "--bq"}, {"block_k", "--bk"},
+                                {"tau", "--tau"}, {"softmax_scale", "--scale"}});
+      std::fprintf(stderr, "mala run: %s\n", msg.c_str());
+      // A flag's value is a usage error; an input's shape is a failed input.
+      return msg.rfind("--q", 0) == 0 || msg.rfind("--", 0) != 0 ? kExitFailure : kExitUsage;
+    }
   }
 
   ForwardResult fwd, fwd0;
@@ -205,31 +346,48 @@ int run_main(int argc, char** argv) {
     }
   }
 
-  // Write.
-  std::error_code ec;
-  std::filesystem::create_directories(out_dir, ec);
-  if (ec) return fail("--out: cannot create " + out_dir + " (" + ec.message() + ")");
+  // Non-finite outputs: written all the same (to be looked at), flagged, exit status 3.
+  std::vector<std::string> nonfinite;
+  {
+    const struct {
+      const char* name;
+      const std::vector<float>* x;
+      const std::vector<int64_t>* shape;
+    } outs[] = {{"o", &fwd.o, &q.array.shape},
+                {"dq", dout ? &bwd.dq : nullptr, &q.array.shape},
+                {"dk", dout ? &bwd.dk : nullptr, &k.array.shape},
+                {"dv", dout ? &bwd.dv : nullptr, &k.array.shape}};
+    for (const auto& o : outs) {
+      if (!o.x) continue;
+      const int64_t i = first_nonfinite(o.x->data(), static_cast<int64_t>(o.x->size()));
+      if (i < 0) continue;
+      nonfinite.push_back(o.name);
+      std::fprintf(stderr, "mala run: warning: %s: %lld non-finite values (first %g at index %s)\n", o.name,
+                   (long long)count_nonfinite(o.x->data(), static_cast<int64_t>(o.x->size())), (*o.x)[i],
+                   index_string(i, *o.shape).c_str());
+    }
+  }
+
+  // Write: temporaries renamed into place once all are written; nothing partial on failure.
   const std::vector<int64_t> row_shape =
       batched ? std::vector<int64_t>{p.batch, p.heads_q, p.seqlen_q}
               : std::vector<int64_t>{p.heads_q, p.seqlen_q};
-  std::vector<std::string> written;
-  auto put = [&](const char* name, npy::Type t, const std::vector<int64_t>& shape, const void* data) {
-    std::string path = (std::filesystem::path(out_dir) / name).string();
-    Status st = npy::write(path, t, shape, data);
-    if (st) written.push_back(name);
-    return st;
-  };
-  if (!(s = put("o.npy", npy::Type::f32, q.array.shape, fwd.o.data())) ||
-      !(s = put("lse.npy", npy::Type::f32, row_shape, fwd.lse.data())) ||
-      !(s = put("fwd_slots.npy", npy::Type::i32, row_shape, fwd.slots.data())))
+  OutputWriter writer(out_dir);
+  if (!(s = writer.create_dir())) return fail(s.message);
+  if (!(s = writer.put("o.npy", npy::Type::f32, q.array.shape, fwd.o.data())) ||
+      !(s = writer.put("lse.npy", npy::Type::f32, row_shape, fwd.lse.data())) ||
+      !(s = writer.put("fwd_slots.npy", npy::Type::i32, row_shape, fwd.slots.data())))
     return fail(s.message);
   if (dout) {
-    if (!(s = put("dq.npy", npy::Type::f32, q.array.shape, bwd.dq.data())) ||
-        !(s = put("dk.npy", npy::Type::f32, k.array.shape, bwd.dk.data())) ||
-        !(s = put("dv.npy", npy::Type::f32, k.array.shape, bwd.dv.data())) ||
-        !(s = put("bwd_slots.npy", npy::Type::i32, row_shape, bwd.slots.data())))
+    if (!(s = writer.put("dq.npy", npy::Type::f32, q.array.shape, bwd.dq.data())) ||
+        !(s = writer.put("dk.npy", npy::Type::f32, k.array.shape, bwd.dk.data())) ||
+        !(s = writer.put("dv.npy", npy::Type::f32, k.array.shape, bwd.dv.data())) ||
+        !(s = writer.put("bwd_slots.npy", npy::Type::i32, row_shape, bwd.slots.data())))
       return fail(s.message);
   }
+  if (!(s = writer.commit())) return fail(s.message);
+  const std::vector<std::string>& written = writer.names();
+  const int status = nonfinite.empty() ? 0 : kExitNonfiniteOutput;
 
   // Summary.
   const Distribution fs =
@@ -272,8 +430,11 @@ int run_main(int argc, char** argv) {
       j.object("rel_l2_error_vs_tau0", err);
     }
     j.str("out", out_dir);
+    std::string nf = "[";
+    for (size_t i = 0; i < nonfinite.size(); ++i) nf += (i ? ", " : "") + json_escape(nonfinite[i]);
+    j.raw("nonfinite_outputs", nf + "]");
     std::printf("%s\n", j.dump().c_str());
-    return 0;
+    return status;
   }
   std::printf("mala run: tau = %g on %s [%s]%s\n", tau, runner->device_name().c_str(),
               runner->device().c_str(), device_note.empty() ? "" : " (no GPU: fell back to cpu)");
@@ -298,7 +459,7 @@ int run_main(int argc, char** argv) {
   std::printf("  wrote        %s/{", out_dir.c_str());
   for (size_t i = 0; i < written.size(); ++i) std::printf("%s%s", i ? "," : "", written[i].c_str());
   std::printf("}\n");
-  return 0;
+  return status;
 }
 
 }  // namespace cli

@@ -16,12 +16,26 @@ namespace {
 using mala::npy::Array;
 using mala::npy::Type;
 
+std::filesystem::path temp_dir() {
+  return std::filesystem::temp_directory_path() / ("mala_test_npy_" + std::to_string(::getpid()));
+}
+
 std::string temp_path(const std::string& name) {
-  auto dir = std::filesystem::temp_directory_path() /
-             ("mala_test_npy_" + std::to_string(::getpid()));
+  const auto dir = temp_dir();
   std::filesystem::create_directories(dir);
   return (dir / name).string();
 }
+
+// Removes this process's temporary directory once its tests are done (CTest runs each test in a
+// process of its own, so every process cleans up after itself).
+class TempDirCleanup : public ::testing::Environment {
+ public:
+  void TearDown() override {
+    std::error_code ec;
+    std::filesystem::remove_all(temp_dir(), ec);
+  }
+};
+const ::testing::Environment* const kCleanup = ::testing::AddGlobalTestEnvironment(new TempDirCleanup);
 
 // A file image with the given version, header text (padded by the caller or not) and payload.
 std::vector<unsigned char> image(int major, const std::string& header, const std::vector<unsigned char>& payload) {
@@ -246,6 +260,38 @@ TEST(Npy, WriteToMissingDirectoryFails) {
   mala::Status s = mala::npy::write("/nonexistent_dir_for_mala_test/x.npy", Type::f32, {1}, &x);
   ASSERT_FALSE(s);
   EXPECT_NE(s.message.find("cannot create"), std::string::npos) << s.message;
+}
+
+TEST(Npy, DirectoryInputSaysSo) {
+  Array a;
+  const std::string dir = temp_path("a_directory.npy");
+  std::filesystem::create_directories(dir);
+  mala::Status s = mala::npy::read(dir, &a);
+  ASSERT_FALSE(s);
+  EXPECT_EQ(s.message, dir + ": is a directory");
+}
+
+// A reader restricted to float types (what `mala run` uses) rejects int32 and lists only what it
+// accepts.
+TEST(Npy, AcceptMaskNamesOnlyAcceptedTypes) {
+  Array a;
+  const std::vector<unsigned char> payload = {1, 0, 0, 0, 2, 0, 0, 0};
+  const auto img = image(1, "{'descr': '<i4', 'fortran_order': False, 'shape': (2,)}\n", payload);
+  ASSERT_TRUE(parse(img, &a));
+  mala::Status s = mala::npy::parse(img.data(), img.size(), "x.npy", &a, mala::npy::kAcceptFloat);
+  ASSERT_FALSE(s);
+  EXPECT_EQ(s.message, "x.npy: unsupported dtype '<i4' (int32) (supported: '<f4' float32, '<f2' float16)");
+  const auto f8 = image(1, "{'descr': '<f8', 'fortran_order': False, 'shape': (1,)}\n", payload);
+  s = mala::npy::parse(f8.data(), f8.size(), "x.npy", &a, mala::npy::kAcceptFloat);
+  EXPECT_EQ(s.message, "x.npy: unsupported dtype '<f8' (supported: '<f4' float32, '<f2' float16)");
+}
+
+// The temporary directory is removed by the environment's TearDown (run it here to check).
+TEST(Npy, TemporaryDirectoryIsRemoved) {
+  temp_path("x");
+  ASSERT_TRUE(std::filesystem::exists(temp_dir()));
+  TempDirCleanup().TearDown();
+  EXPECT_FALSE(std::filesystem::exists(temp_dir()));
 }
 
 }  // namespace
