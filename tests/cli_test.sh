@@ -83,6 +83,7 @@ for key in ("o", "dq", "dk", "dv"):
     assert r["rel_l2_error_tau0"][key] < 1e-5, (key, r["rel_l2_error_tau0"])
     assert 0 <= r["rel_l2_error"][key] < 1, (key, r["rel_l2_error"])
 assert r["time"]["fwd_ms"] > 0 and r["time"]["bwd_tau0_ms"] > 0
+assert r["nonfinite_outputs"] == [], r["nonfinite_outputs"]
 EOF
 fi
 # tau = 0 is dense attention: everything retained, errors at rounding level.
