@@ -26,17 +26,18 @@ std::string device_name() {
 }
 
 Status check_device_pointer(const void* p, const char* what) {
-  // Without a usable device every pointer query fails; say that, not that the pointer is wrong.
-  int n = 0;
-  const cudaError_t e = cudaGetDeviceCount(&n);
-  if (e != cudaSuccess || n == 0) {
-    cudaGetLastError();  // clear the sticky error
-    return Status::error(std::string("device: no CUDA device is available (cudaGetDeviceCount: ") +
-                         (e != cudaSuccess ? cudaGetErrorString(e) : "0 devices") + ")");
-  }
   cudaPointerAttributes attr;
   if (cudaPointerGetAttributes(&attr, p) != cudaSuccess) {
     cudaGetLastError();
+    // Without a usable device every pointer query fails: say that, not that the pointer is wrong.
+    // (Asked only on failure, so a valid call pays for one query per pointer, as before.)
+    int n = 0;
+    const cudaError_t e = cudaGetDeviceCount(&n);
+    if (e != cudaSuccess || n == 0) {
+      cudaGetLastError();  // clear the sticky error
+      return Status::error(std::string("device: no CUDA device is available (cudaGetDeviceCount: ") +
+                           (e != cudaSuccess ? cudaGetErrorString(e) : "0 devices") + ")");
+    }
     return Status::error(std::string(what) + ": not a CUDA device pointer");
   }
   if (attr.type != cudaMemoryTypeDevice && attr.type != cudaMemoryTypeManaged)
