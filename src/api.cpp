@@ -17,6 +17,14 @@ const char* dtype_name(DType t) {
   return "?";
 }
 
+const char* split_rule_name(SplitRule r) {
+  switch (r) {
+    case SplitRule::per_split: return "per_split";
+    case SplitRule::seeded: return "seeded";
+  }
+  return "?";
+}
+
 size_t dtype_size(DType t) { return t == DType::f32 ? 4 : 2; }
 
 bool cuda_available() { return cuda_backend::available(); }

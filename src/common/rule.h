@@ -86,5 +86,28 @@ MALA_HD void split_tiles(int n_tiles, int num_splits, int split, int* begin, int
 
 MALA_HD int ceil_div(int a, int b) { return (a + b - 1) / b; }
 
+// ---- seeded split-KV (MALA_SPEC "Seeded split-KV") ------------------------------------------------
+// The anchor tiles of a query tile: key tile 0 and the newest legal key tile of each of its rows
+// (the tile holding key L_q - 1; rows with L_q = 0 have none).  The rows' newest tiles form the
+// contiguous range [newest_tile(min L_q > 0), newest_tile(max L_q)], one tile when all rows share L_q
+// (a single token, packed GQA or not).  With num_splits > 1 the split that owns an anchor tile retains
+// it untested; every split adds the exact mass of the anchor tiles it does not own, over each row's
+// legal keys, to the denominator of its test (nothing else: m, l, the accumulator and the combine are
+// the usual ones).  num_splits = 1 is the forward rule: no seed, nothing forced.
+MALA_HD int newest_tile(int L, int block_k) { return (L - 1) / block_k; }  // L > 0
+MALA_HD bool is_anchor_tile(int j, int newest_lo, int newest_hi) {
+  return j == 0 || (j >= newest_lo && j <= newest_hi);
+}
+// log(exp(a) + exp(b)), -inf + -inf = -inf.  The seeded test's log_norm is
+// seeded_log_norm(log Z_anchor, m + log(l)): log(Z_anchor + exp(m) l), passed to row_allows_skip.
+MALA_HD float log_add_exp(float a, float b) {
+  const float hi = a > b ? a : b, lo = a > b ? b : a;
+  if (hi == -INFINITY) return -INFINITY;
+  return hi + log1pf(expf(lo - hi));
+}
+MALA_HD float seeded_log_norm(float log_anchor_mass, float log_own_mass) {
+  return log_add_exp(log_anchor_mass, log_own_mass);
+}
+
 }  // namespace rule
 }  // namespace mala

@@ -5,6 +5,10 @@
 //      query head's tokens.  The sequence's key tiles [0, ceil(Nk / block_k)) are partitioned by
 //      rule::split_tiles; each split walks its legal tiles newest first with its own m, l (the test
 //      uses the full L_q) and the splits are merged with the lse-weighted combine.
+//   4. split_rule = seeded with num_splits > 1 (rule.h, "seeded split-KV"): the anchor tiles (tile 0
+//      and the rows' newest legal tiles) are retained untested by their owners, and each split's test
+//      adds the exact mass of the anchors it does not own.  Their scores are computed once per query
+//      tile here (a kernel recomputes them per split: same scores, the sums may round differently).
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -129,6 +133,45 @@ Status decode(const DecodeArgs& a) {
     std::vector<std::vector<float>> split_lse;
     std::vector<std::vector<float>> split_o;
     int64_t retained = 0;
+
+    // Seeded: the anchor tiles and, per anchor tile and row, log of the row's mass over its legal
+    // keys in the tile (-inf where it has none).
+    const bool seeded = a.split_rule == SplitRule::seeded && num_splits > 1 && legal > 0;
+    Seed seed;
+    std::vector<int64_t> anchors;
+    std::vector<std::vector<float>> anchor_mass;  // [anchor][row]
+    std::vector<float> log_anchor;
+    if (seeded) {
+      int lo = static_cast<int>(legal), hi = -1;
+      for (int64_t r = 0; r < rows; ++r) {
+        if (t.L[r] <= 0) continue;
+        const int nt = rule::newest_tile(static_cast<int>(t.L[r]), static_cast<int>(bk));
+        lo = std::min(lo, nt);
+        hi = std::max(hi, nt);
+      }
+      seed.newest_lo = lo;
+      seed.newest_hi = hi;
+      for (int64_t j = 0; j < legal; ++j)
+        if (rule::is_anchor_tile(static_cast<int>(j), lo, hi)) anchors.push_back(j);
+      for (int64_t j : anchors) {
+        std::vector<float> lm(static_cast<size_t>(rows), -INFINITY);
+        const int64_t kb = j * bk, kn = std::min(kb + bk, nk) - kb;
+        for (int64_t r = 0; r < rows; ++r) {
+          const int64_t n = std::max<int64_t>(0, std::min(t.L[r] - kb, kn));
+          if (n == 0) continue;
+          std::vector<float> sc(static_cast<size_t>(n));
+          float mx = -INFINITY;
+          for (int64_t c = 0; c < n; ++c) mx = std::max(mx, sc[c] = score(t.q[r], key(kb + c), d, t.scale));
+          float sum = 0.f;
+          for (int64_t c = 0; c < n; ++c) sum += std::exp(sc[c] - mx);
+          lm[r] = mx + std::log(sum);
+        }
+        anchor_mass.push_back(std::move(lm));
+      }
+      log_anchor.resize(static_cast<size_t>(rows));
+      seed.log_anchor = log_anchor.data();
+    }
+
     OnlineState st;
     for (int s = 0; s < num_splits; ++s) {
       int begin, end;
@@ -136,7 +179,14 @@ Status decode(const DecodeArgs& a) {
       const int64_t stop = std::min<int64_t>(end, legal);
       if (begin >= stop) continue;
       st.reset(rows, d);
-      retained += attend_online(t, st, begin, stop, nk, key, value, mask);
+      if (seeded) {  // Z_anchor of this split: the anchors it does not own
+        std::fill(log_anchor.begin(), log_anchor.end(), -INFINITY);
+        for (size_t x = 0; x < anchors.size(); ++x) {
+          if (anchors[x] >= begin && anchors[x] < end) continue;
+          for (int64_t r = 0; r < rows; ++r) log_anchor[r] = rule::log_add_exp(log_anchor[r], anchor_mass[x][r]);
+        }
+      }
+      retained += attend_online(t, st, begin, stop, nk, key, value, mask, seeded ? &seed : nullptr);
       std::vector<float> sl(static_cast<size_t>(rows), -INFINITY), so(static_cast<size_t>(rows * d), 0.f);
       for (int64_t r = 0; r < rows; ++r) {
         if (st.l[r] <= 0.f) continue;  // this row saw nothing in this split

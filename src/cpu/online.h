@@ -36,13 +36,21 @@ struct OnlineState {
   }
 };
 
+// Seeded split-KV (rule.h, "seeded split-KV"): the split's anchor tiles are retained untested and
+// each row's test adds the mass of the anchors the split does not own, log_anchor[r] = log Z_anchor
+// (-inf when it owns them all).
+struct Seed {
+  const float* log_anchor = nullptr;  // [rows]
+  int newest_lo = 0, newest_hi = -1;  // the rows' newest legal tiles (anchors with tile 0)
+};
+
 // Visits key tiles j = j_end-1 down to j_begin (the diagonal/newest first) with the online test.
 // key(k) / value(k) return fp32 rows of key index k (0-based in the sequence).  n_keys bounds the
 // last tile.  Writes TileState per visited tile into mask[j] when mask is non-null.  Returns the
-// number of retained tiles.
+// number of retained tiles.  seed: null for the forward / per-split rule.
 template <class KeyRow, class ValueRow>
 int64_t attend_online(const QueryTile& t, OnlineState& st, int64_t j_begin, int64_t j_end, int64_t n_keys,
-                      KeyRow key, ValueRow value, uint8_t* mask) {
+                      KeyRow key, ValueRow value, uint8_t* mask, const Seed* seed = nullptr) {
   const int64_t rows = t.rows, d = t.d, bk = t.block_k;
   const int64_t width = std::min(bk, n_keys);  // a tile never holds more than n_keys keys
   std::vector<float> s(static_cast<size_t>(rows * width));
@@ -52,7 +60,8 @@ int64_t attend_online(const QueryTile& t, OnlineState& st, int64_t j_begin, int6
   for (int64_t j = j_end - 1; j >= j_begin; --j) {
     const int64_t kb = j * bk;
     const int64_t kn = std::min(kb + bk, n_keys) - kb;
-    bool skip = true, any_legal = false;
+    const bool forced = seed && rule::is_anchor_tile(static_cast<int>(j), seed->newest_lo, seed->newest_hi);
+    bool skip = !forced, any_legal = false;
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t n = std::max<int64_t>(0, std::min(t.L[r] - kb, kn));
       legal[r] = n;
@@ -65,7 +74,10 @@ int64_t attend_online(const QueryTile& t, OnlineState& st, int64_t j_begin, int6
         mx = std::max(mx, sr[c]);
       }
       tile_max[r] = mx;
-      if (skip && !rule::row_allows_skip(mx, st.m[r] + std::log(st.l[r]), t.log_thr[r])) skip = false;
+      if (!skip) continue;
+      const float own = st.m[r] + std::log(st.l[r]);
+      const float log_norm = seed ? rule::seeded_log_norm(seed->log_anchor[r], own) : own;
+      if (!rule::row_allows_skip(mx, log_norm, t.log_thr[r])) skip = false;
     }
     if (!any_legal) {
       if (mask) mask[j] = kTileIllegal;

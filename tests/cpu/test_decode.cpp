@@ -5,7 +5,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <numeric>
+#include <string>
+#include <utility>
 
 #include "test_util.h"
 
@@ -21,6 +24,7 @@ struct DecodeProblem {
   bool causal = true, pack_gqa = false;
   float tau = 1.f;
   int bq = 0, bk = 0, num_splits = 1;
+  mala::SplitRule split_rule = mala::SplitRule::per_split;
   int64_t page_size = 0;  // > 0: run paged with a shuffled block table
 
   void randomize(uint64_t seed, float q_std = 2.f) {
@@ -57,6 +61,7 @@ DecodeOut run_decode(const DecodeProblem& p) {
   a.block_q = p.bq;
   a.block_k = p.bk;
   a.num_splits = p.num_splits;
+  a.split_rule = p.split_rule;
   a.pack_gqa = p.pack_gqa;
   a.cache_seqlens = p.cache_seqlens.data();
   if (p.seqlen_new > 0) {
@@ -160,8 +165,10 @@ DecodeProblem base_problem(float tau) {
 }
 
 TEST(Decode, OneSplitEqualsForwardLastRowsBitForBit) {
+  for (mala::SplitRule rule : {mala::SplitRule::per_split, mala::SplitRule::seeded})
   for (float tau : {0.f, 1.f, 4.f}) {
     DecodeProblem dp = base_problem(tau);
+    dp.split_rule = rule;  // one split: both rules are the forward rule
     DecodeOut d = run_decode(dp);
     Problem fp = forward_twin(dp, d);
     ForwardOut f = run_forward(fp);
@@ -460,6 +467,206 @@ TEST(Decode, StridedEqualsContiguousAndNonCausal) {
       for (uint8_t m : ref.mask) EXPECT_NE(m, mala::kTileIllegal);
     }
   }
+}
+
+}  // namespace
+
+// ---- seeded split-KV (MALA_SPEC "Seeded split-KV") ---------------------------------------------
+namespace {
+
+// A decode problem on the synthetic workload (locality, a sink, needles): sequence b's cache is
+// the workload's first lens[b] keys and its sq tokens are the workload's queries at the cache's end.
+DecodeProblem structured_problem(const std::vector<int32_t>& lens, int64_t sq, int64_t hq, int64_t hkv, int64_t d,
+                                 double sharpness, uint64_t seed) {
+  DecodeProblem p;
+  p.batch = static_cast<int64_t>(lens.size());
+  p.sq = sq;
+  p.hq = hq;
+  p.hkv = hkv;
+  p.d = d;
+  p.capacity = *std::max_element(lens.begin(), lens.end());
+  p.cache_seqlens = lens;
+  mala::WorkloadSpec w;
+  w.batch = p.batch, w.seqlen = p.capacity, w.heads_q = hq, w.heads_kv = hkv, w.head_dim = d;
+  w.sharpness = sharpness, w.seed = seed;
+  std::vector<float> q(p.batch * p.capacity * hq * d);
+  p.k_cache.resize(p.batch * p.capacity * hkv * d);
+  p.v_cache.resize(p.k_cache.size());
+  EXPECT_TRUE(mala::make_workload(w, q.data(), p.k_cache.data(), p.v_cache.data(), nullptr).ok);
+  p.q.resize(p.batch * sq * hq * d);
+  for (int64_t b = 0; b < p.batch; ++b)
+    for (int64_t t = 0; t < sq; ++t) {
+      const int64_t pos = std::max<int64_t>(0, lens[b] - sq + t);
+      std::copy_n(&q[((b * p.capacity + pos) * hq) * d], hq * d, &p.q[((b * sq + t) * hq) * d]);
+    }
+  return p;
+}
+
+// Every query tile of a seeded run with > 1 split retains its anchors: key tile 0 and its newest
+// legal tile (the last tile that is not kTileIllegal).
+void expect_anchors_retained(const DecodeOut& o, const std::string& what) {
+  const int64_t nkt = o.n_k_tiles;
+  for (size_t base = 0; base < o.mask.size(); base += static_cast<size_t>(nkt)) {
+    int64_t newest = -1;
+    for (int64_t j = 0; j < nkt; ++j)
+      if (o.mask[base + j] != mala::kTileIllegal) newest = j;
+    if (newest < 0) continue;
+    ASSERT_EQ(o.mask[base], mala::kTileRetained) << what << ": tile 0 of query tile " << base / nkt;
+    ASSERT_EQ(o.mask[base + newest], mala::kTileRetained) << what << ": newest tile of query tile " << base / nkt;
+  }
+}
+
+// The guarantee over thousands of rows: with the seeded rule, every row's omitted dense mass
+// 1 - exp(lse - lse_dense) is at most tau / (1 + tau), no row is empty, anchors are retained; random
+// and structured inputs, several split counts, packed and unpacked, a few tokens per sequence.
+TEST(DecodeSeeded, OmittedMassWithinBoundOverThousandsOfRows) {
+  int64_t rows_checked = 0, skipped_tiles = 0;
+  double worst = 0;  // largest omitted / bound
+  for (bool structured : {false, true})
+    for (uint64_t seed : {1, 2}) {
+      const std::vector<int32_t> lens = {2100, 1500, 900, 333, 64, 17};
+      DecodeProblem dp = structured ? structured_problem(lens, 3, 8, 2, 32, 2.0 + seed, seed)
+                                    : DecodeProblem{};
+      if (!structured) {
+        dp.batch = static_cast<int64_t>(lens.size());
+        dp.sq = 3, dp.hq = 8, dp.hkv = 2, dp.d = 32, dp.capacity = 2100;
+        dp.cache_seqlens = lens;
+        dp.randomize(40 + seed, 2.5f);
+      }
+      dp.pack_gqa = seed == 1;
+      dp.bq = 8;
+      dp.bk = 16;  // 132 key tiles at 2100 keys: up to 132 non-empty splits
+      dp.tau = 0.f;
+      const DecodeOut dense = run_decode(dp);
+      for (float tau : {0.5f, 1.f, 2.f})
+        for (int splits : {2, 4, 16, 132}) {
+          dp.tau = tau;
+          dp.num_splits = splits;
+          dp.split_rule = mala::SplitRule::seeded;
+          const DecodeOut o = run_decode(dp);
+          const std::string what = std::string(structured ? "structured" : "random") + " seed=" +
+                                   std::to_string(seed) + " tau=" + std::to_string(tau) +
+                                   " splits=" + std::to_string(splits);
+          const double bound = tau / (1.0 + tau);
+          for (size_t r = 0; r < o.lse.size(); ++r) {
+            ASSERT_TRUE(std::isfinite(o.lse[r])) << what << " row " << r << ": no row may end empty";
+            ASSERT_GT(o.slots[r], 0) << what << " row " << r;
+            const double omitted = 1.0 - std::exp(static_cast<double>(o.lse[r]) - dense.lse[r]);
+            ASSERT_LE(omitted, bound + 1e-5) << what << " row " << r;
+            worst = std::max(worst, omitted / bound);
+            ++rows_checked;
+          }
+          for (uint8_t m : o.mask) skipped_tiles += m == mala::kTileSkipped;
+          expect_anchors_retained(o, what);
+        }
+    }
+  std::printf("[seeded] %lld rows, %lld skipped tiles, worst omitted mass = %.3f of the bound\n",
+              static_cast<long long>(rows_checked), static_cast<long long>(skipped_tiles), worst);
+  EXPECT_GE(rows_checked, 5000);
+  EXPECT_GT(skipped_tiles, 1000) << "the property must be exercised with skipping";
+  EXPECT_GT(worst, 0.01) << "skipping must omit some mass";
+}
+
+// tau = 0: both rules are dense attention at any split count.
+TEST(DecodeSeeded, TauZeroIsDenseForBothRules) {
+  DecodeProblem dp = structured_problem({700, 300}, 2, 4, 1, 32, 3.0, 7);
+  dp.bk = 16;
+  dp.bq = 8;
+  dp.pack_gqa = true;
+  dp.tau = 0.f;
+  const DecodeOut one = run_decode(dp);
+  for (mala::SplitRule rule : {mala::SplitRule::per_split, mala::SplitRule::seeded})
+    for (int splits : {1, 3, 44}) {
+      dp.split_rule = rule;
+      dp.num_splits = splits;
+      const DecodeOut o = run_decode(dp);
+      for (uint8_t m : o.mask) ASSERT_NE(m, mala::kTileSkipped) << mala::split_rule_name(rule) << " " << splits;
+      EXPECT_EQ(o.slots, one.slots);
+      EXPECT_LT(rel_l2(o.o, one.o), 1e-6);
+      for (size_t r = 0; r < one.lse.size(); ++r) EXPECT_NEAR(o.lse[r], one.lse[r], 1e-5);
+    }
+}
+
+// A long structured cache: the per-split rule keeps nearly every tile with many splits, the seeded
+// rule stays near the unsplit forward rule.  Work is counted where a tile is retained (an anchor
+// scored by a split that does not own it is not that split's work): slots = retained tiles * Bk.
+TEST(DecodeSeeded, LongCacheRetainsFarLessThanPerSplit) {
+  const int32_t n = 32768;
+  DecodeProblem dp = structured_problem({n}, 1, 4, 1, 64, 3.0, 3);
+  dp.pack_gqa = true;
+  dp.tau = 0.f;
+  const DecodeOut dense = run_decode(dp);
+  dp.tau = 1.f;
+  auto fraction = [&](int splits, mala::SplitRule rule, double* slots_per_row) {
+    dp.num_splits = splits;
+    dp.split_rule = rule;
+    const DecodeOut o = run_decode(dp);
+    for (size_t r = 0; r < o.lse.size(); ++r)
+      EXPECT_LE(1.0 - std::exp(static_cast<double>(o.lse[r]) - dense.lse[r]), 0.5 + 1e-5);
+    int64_t retained = 0;
+    for (uint8_t m : o.mask) retained += m == mala::kTileRetained;
+    const int64_t bk = ceil_div(n, o.n_k_tiles);
+    for (int32_t s : o.slots) EXPECT_EQ(s, retained * bk) << mala::split_rule_name(rule) << " " << splits;
+    if (rule == mala::SplitRule::seeded && splits > 1) expect_anchors_retained(o, "long cache");
+    *slots_per_row = static_cast<double>(o.slots[0]);
+    return mala::retained_fraction(o.mask.data(), static_cast<int64_t>(o.mask.size()));
+  };
+  double slots = 0;
+  const double unsplit = fraction(1, mala::SplitRule::per_split, &slots);
+  // The seeded splits can keep less than the unsplit rule: their denominators hold the newest tile
+  // and the sink tile 0 from the start, which the unsplit rule reaches last.
+  std::printf("[seeded] N=%d Hq=4 Hkv=1 d=64 tau=1: unsplit forward rule keeps %.2f%% of tiles\n", n, 100 * unsplit);
+  for (int splits : {16, 132}) {
+    const double per = fraction(splits, mala::SplitRule::per_split, &slots);
+    const double seeded = fraction(splits, mala::SplitRule::seeded, &slots);
+    std::printf("[seeded]   %3d splits: per_split keeps %.2f%%, seeded keeps %.2f%%\n", splits, 100 * per,
+                100 * seeded);
+    EXPECT_LT(seeded * 4, per) << splits << " splits";
+    EXPECT_LE(seeded, unsplit + 2.0 * splits / 256 + 0.02) << splits << " splits";
+  }
+}
+
+// The CUDA decode kernels implement per_split only: seeded with more than one split is refused by
+// the argument checks (before any device query, so this runs without a GPU) and nothing is written.
+TEST(DecodeSeeded, CudaRefusesSeededWithSplits) {
+  DecodeProblem dp = base_problem(1.f);
+  const int64_t d = 128;  // a head dim the CUDA decode has
+  std::vector<uint16_t> q(dp.sq * dp.hq * d), kc(dp.capacity * dp.hkv * d), vc(kc.size()), o(q.size(), 0x7777);
+  mala::DecodeArgs a;
+  a.device = mala::Device::cuda;
+  a.dtype = mala::DType::bf16;
+  a.q = q.data();
+  a.k_cache = kc.data();
+  a.v_cache = vc.data();
+  a.o = o.data();
+  a.cache_seqlens = dp.cache_seqlens.data();
+  a.cache_capacity = dp.capacity;
+  a.seqlen_q = dp.sq;
+  a.heads_q = dp.hq;
+  a.heads_kv = dp.hkv;
+  a.head_dim = d;
+  a.split_rule = mala::SplitRule::seeded;
+  const std::string want = "split_rule: the CUDA decode kernels implement per_split only (seeded: CPU)";
+  for (int splits : {2, 132}) {
+    a.num_splits = splits;
+    const mala::Status c = mala::check(a);
+    EXPECT_EQ(c.message.rfind(want, 0), 0u) << c.message;
+    const mala::Status s = mala::decode(a);
+    EXPECT_EQ(s.message.rfind(want, 0), 0u) << s.message;
+    for (uint16_t x : o) ASSERT_EQ(x, 0x7777) << "nothing written";
+  }
+  // One split (both rules are the forward rule) and per_split pass this check; here they fail
+  // later, at the device (no GPU or no CUDA build), or run where there is a GPU.
+  for (auto [rule, splits] : {std::pair{mala::SplitRule::seeded, 1}, std::pair{mala::SplitRule::per_split, 4}}) {
+    a.split_rule = rule;
+    a.num_splits = splits;
+    EXPECT_NE(mala::check(a).message.rfind("split_rule", 0), 0u) << mala::split_rule_name(rule) << " " << splits;
+  }
+  // An unknown value is named on every device.
+  a.split_rule = static_cast<mala::SplitRule>(7);
+  EXPECT_EQ(mala::check(a).message.rfind("split_rule: must be per_split or seeded", 0), 0u);
+  a.device = mala::Device::cpu;
+  EXPECT_EQ(mala::check(a).message.rfind("split_rule", 0), 0u);
 }
 
 }  // namespace
