@@ -14,7 +14,9 @@
 //       -> (dq, dk, dv, bwd_slots, tile_mask)
 //   fwd_varlen / bwd_varlen: the same with cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
 //   kvcache(q, k_cache!, v_cache!, cache_seqlens, k?, v?, block_table?, tau, causal, softmax_scale,
-//           num_splits, return_stats) -> (out, lse, fwd_slots)
+//           num_splits, return_stats, split_rule='per_split') -> (out, lse, fwd_slots)
+//       split_rule: "per_split" or "seeded" (mala::SplitRule; the CUDA kernels refuse seeded with
+//       more than one split, as the library does: RuntimeError "mala.kvcache: split_rule: ...")
 //   tile_sizes(kernel, device, dtype, batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, causal,
 //              num_splits) -> [block_q, block_k, num_splits]
 #include <Python.h>
@@ -145,6 +147,13 @@ void check_cu_seqlens(const Tensor& cu, const Tensor& q, int64_t batch, const ch
     TORCH_CHECK_VALUE(cu.size(0) == batch + 1, name, ": must have ", batch + 1,
                       " entries like cu_seqlens_q (got ", cu.size(0), ")");
   TORCH_CHECK_VALUE(cu.is_contiguous(), name, ": must be contiguous");
+}
+
+mala::SplitRule check_split_rule(c10::string_view split_rule) {
+  if (split_rule == "per_split") return mala::SplitRule::per_split;
+  TORCH_CHECK_VALUE(split_rule == "seeded", "split_rule: must be 'per_split' or 'seeded' (got '",
+                    std::string(split_rule), "')");
+  return mala::SplitRule::seeded;
 }
 
 void check_status(const mala::Status& st, const char* op) {
@@ -404,7 +413,8 @@ std::tuple<Tensor, Tensor, Tensor> kvcache(const Tensor& q_in, const Tensor& k_c
                                            const Tensor& cache_seqlens, const std::optional<Tensor>& k_new_in,
                                            const std::optional<Tensor>& v_new_in,
                                            const std::optional<Tensor>& block_table, double tau, bool causal,
-                                           double softmax_scale, int64_t num_splits, bool return_stats) {
+                                           double softmax_scale, int64_t num_splits, bool return_stats,
+                                           c10::string_view split_rule) {
   check_dim(q_in, 4, "q", "[batch, seqlen, heads, head_dim]");
   const bool paged = block_table.has_value();
   check_dim(k_cache, 4, "k_cache",
@@ -422,6 +432,7 @@ std::tuple<Tensor, Tensor, Tensor> kvcache(const Tensor& q_in, const Tensor& k_c
   a.tau = check_tau(tau);
   a.softmax_scale = check_scale(softmax_scale);
   TORCH_CHECK_VALUE(num_splits >= 0, "num_splits: must be >= 0, 0 meaning automatic (got ", num_splits, ")");
+  a.split_rule = check_split_rule(split_rule);
   TORCH_CHECK_VALUE(cache_seqlens.device() == q_in.device(), "cache_seqlens: must be on the device of q (",
                     q_in.device(), "), got ", cache_seqlens.device());
   TORCH_CHECK_TYPE(cache_seqlens.scalar_type() == at::kInt, "cache_seqlens: dtype must be int32, got ",
@@ -567,8 +578,8 @@ TORCH_LIBRARY(mala, m) {
         " Tensor cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, float tau, bool causal, float softmax_scale,"
         " bool return_stats) -> (Tensor dq, Tensor dk, Tensor dv, Tensor bwd_slots, Tensor tile_mask)");
   m.def("kvcache(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor cache_seqlens, Tensor? k, Tensor? v,"
-        " Tensor? block_table, float tau, bool causal, float softmax_scale, int num_splits, bool return_stats)"
-        " -> (Tensor out, Tensor lse, Tensor fwd_slots)");
+        " Tensor? block_table, float tau, bool causal, float softmax_scale, int num_splits, bool return_stats,"
+        " str split_rule='per_split') -> (Tensor out, Tensor lse, Tensor fwd_slots)");
   m.def("tile_sizes(str kernel, Device device, ScalarType dtype, int batch, int seqlen_q, int seqlen_k,"
         " int heads_q, int heads_kv, int head_dim, bool causal, int num_splits) -> int[]",
         &mala_torch::tile_sizes);

@@ -15,6 +15,9 @@ import torch
 from .stats import AttentionStats, visible_keys_decode, visible_keys_dense, visible_keys_varlen
 
 
+SPLIT_RULES = ("per_split", "seeded")  # attention_with_kvcache's split_rule (mala::SplitRule)
+
+
 def _scale_arg(softmax_scale):
     if softmax_scale is None:
         return 0.0  # the library's 1/sqrt(head_dim)
@@ -168,7 +171,7 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            v: Optional[torch.Tensor] = None, block_table: Optional[torch.Tensor] = None,
                            tau: float = 1.0, causal: bool = True, softmax_scale: Optional[float] = None,
                            num_splits: int = 0, return_lse: bool = False, return_stats: bool = False,
-                           check_inputs: bool = True):
+                           check_inputs: bool = False, split_rule: str = "per_split"):
     """Decode / chunked prefill against a KV cache (flash_attn_with_kvcache semantics, no autograd).
 
     q [B, Nq, Hq, d]; k_cache/v_cache [B, capacity, Hkv, d], or paged [num_blocks, page_size, Hkv, d]
@@ -176,11 +179,27 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     k/v [B, Nnew, Hkv, d], if given, are written into the cache in place at cache_seqlens[b] before
     attending; attention then sees cache_seqlens[b] + Nnew keys, bottom-right causal.  cache_seqlens
     itself is not advanced.  num_splits 0 = automatic split-KV.  Capturable in a CUDA graph.
+
+    split_rule: how each split of split-KV tests its tiles (docs/rule.md, "Split rule"): "per_split"
+    (the paper's rule, the default) or "seeded" (every split also counts the exact mass of the anchor
+    tiles, key tile 0 and the newest tile, so far splits skip about what one split would; same bound).
+    With one split both are the forward rule.  CPU tensors implement both; the CUDA kernels implement
+    per_split only and raise a RuntimeError naming split_rule for seeded with more than one split.
+
+    check_inputs: off by default, as in flash_attn, so that the call never synchronizes with the host.
+    The values of cache_seqlens and block_table are then not checked: out-of-range lengths
+    (cache_seqlens[b] < 0 or cache_seqlens[b] + Nnew > capacity) or page indices outside
+    [0, num_blocks) are undefined behaviour (the kernels may read, and append, out of bounds).  True
+    validates them at the cost of one host synchronization (skipped under torch.compile and CUDA-graph
+    capture).  Shapes, dtypes and devices are always checked.  (CPU tensors are also checked by the
+    CPU implementation, which reads them on the host anyway.)
     """
     tau = _tau_arg(tau)
     scale = _scale_arg(softmax_scale)
     if int(num_splits) < 0:
         raise ValueError(f"num_splits: must be >= 0, 0 meaning automatic (got {num_splits})")
+    if split_rule not in SPLIT_RULES:
+        raise ValueError(f"split_rule: must be one of {', '.join(repr(r) for r in SPLIT_RULES)} (got {split_rule!r})")
     if isinstance(cache_seqlens, int):
         cache_seqlens = torch.full((q.shape[0],), cache_seqlens, dtype=torch.int32, device=q.device)
     if check_inputs and _host_checks_allowed(q) and isinstance(cache_seqlens, torch.Tensor) \
@@ -198,7 +217,7 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             if lo < 0 or hi >= k_cache.shape[0]:
                 raise ValueError(f"block_table: entries must lie in [0, {k_cache.shape[0]}) (got {lo}..{hi})")
     out, lse, slots = torch.ops.mala.kvcache(q, k_cache, v_cache, cache_seqlens, k, v, block_table, tau, causal,
-                                             scale, int(num_splits), bool(return_stats))
+                                             scale, int(num_splits), bool(return_stats), split_rule)
     stats = None
     if return_stats:
         _eager_only("return_stats")

@@ -10,10 +10,14 @@ cache_leftpad) raise NotImplementedError naming the argument when set to anythin
 "off" value, rather than being ignored.  `deterministic` is accepted: MALA's backward accumulates
 dQ with fp32 atomics and is not bit-deterministic, so deterministic=True raises as well.
 
-Like flash_attn, these never synchronize with the GPU to validate cu_seqlens / cache_seqlens (the
-native mala functions do by default, outside CUDA-graph capture); pass check_inputs=True to get
-those checks.  The kernels clamp lengths to the cache capacity, so invalid lengths cannot make them
-read out of bounds, but the output is then meaningless.
+Like flash_attn, these never synchronize with the GPU to validate cu_seqlens / cache_seqlens /
+block_table (mala.attention_varlen does by default, outside CUDA-graph capture;
+mala.attention_with_kvcache does not either); pass check_inputs=True to get those checks.  Without
+them, out-of-range values are undefined behaviour, as in flash_attn (the output is meaningless and
+the kernels may read out of bounds).
+
+flash_attn_with_kvcache also takes a keyword-only `split_rule` ("per_split" or "seeded"), passed to
+mala.attention_with_kvcache (docs/python.md).
 
 Returns follow flash_attn: `out`, or `(out, softmax_lse, None)` with return_attn_probs=True (MALA
 never materializes the probabilities); flash_attn_with_kvcache returns `(out, softmax_lse)` with
@@ -75,9 +79,11 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             block_table: Optional[torch.Tensor] = None, softmax_scale: Optional[float] = None,
                             causal: bool = False, window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
                             rotary_interleaved: bool = True, alibi_slopes=None, num_splits: int = 0,
-                            return_softmax_lse: bool = False, *, tau: float = 1.0, check_inputs: bool = False):
+                            return_softmax_lse: bool = False, *, tau: float = 1.0, check_inputs: bool = False,
+                            split_rule: str = "per_split"):
     """flash_attn.flash_attn_with_kvcache.  k/v, when given, are appended in place at cache_seqlens
-    like flash_attn does.  cache_seqlens None means every cache is full (then k/v cannot be given)."""
+    like flash_attn does.  cache_seqlens None means every cache is full (then k/v cannot be given).
+    split_rule ("per_split" or "seeded") is mala.attention_with_kvcache's."""
     if rotary_cos is not None or rotary_sin is not None:
         raise NotImplementedError("rotary_cos/rotary_sin: apply the rotary embedding before the call")
     if cache_batch_idx is not None:
@@ -91,4 +97,4 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         cache_seqlens = k_cache.shape[1] * (block_table.shape[1] if block_table is not None else 1)
     return attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k=k, v=v, block_table=block_table, tau=tau,
                                   causal=causal, softmax_scale=softmax_scale, num_splits=num_splits,
-                                  return_lse=return_softmax_lse, check_inputs=check_inputs)
+                                  return_lse=return_softmax_lse, check_inputs=check_inputs, split_rule=split_rule)

@@ -70,6 +70,13 @@ def test_compile_fullgraph_varlen_and_kvcache(device):
     k2, v2 = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
     torch.testing.assert_close(out, decode(qd, k2, v2, lens, kn, vn), rtol=0, atol=0)
 
+    if device == "cpu":  # split_rule reaches the operator through the compiled graph (seeded: CPU only)
+        def seeded(qd, k_cache, v_cache, lens):
+            return mala.attention_with_kvcache(qd, k_cache, v_cache, lens, tau=1.0, num_splits=2, split_rule="seeded")
+
+        out = torch.compile(seeded, fullgraph=True, backend=_backend(device))(qd, k_cache, v_cache, lens)
+        torch.testing.assert_close(out, seeded(qd, k_cache, v_cache, lens), rtol=0, atol=0)
+
 
 def test_fake_tensor_shapes():
     """The fake implementations give the real operators' shapes and dtypes (no device needed)."""
@@ -86,3 +93,6 @@ def test_fake_tensor_shapes():
         out, lse, slots = torch.ops.mala.kvcache(q[:, :1], k, k, torch.empty(2, dtype=torch.int32), None, None, None,
                                                  1.0, True, 0.0, 0, True)
         assert out.shape == (2, 1, 8, 128) and slots.shape == (2, 8, 1)
+        out, lse, slots = torch.ops.mala.kvcache(q[:, :1], k, k, torch.empty(2, dtype=torch.int32), None, None, None,
+                                                 1.0, True, 0.0, 2, False, "seeded")
+        assert out.shape == (2, 1, 8, 128) and slots.numel() == 0

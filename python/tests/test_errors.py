@@ -78,8 +78,9 @@ def test_kvcache_errors(device):
     lens = torch.tensor([10, 20], dtype=torch.int32, device=device)
     kn = rand((2, 1, 2, 64), device, dtype)
     f = mala.attention_with_kvcache
-    _raises(ValueError, "cache_seqlens", f, q, k_cache, v_cache, torch.tensor([10, 100], dtype=torch.int32,
-                                                                              device=device), k=kn, v=kn)
+    too_long = torch.tensor([10, 100], dtype=torch.int32, device=device)
+    # Value checks of cache_seqlens / block_table are opt-in (a host synchronization).
+    _raises(ValueError, "cache_seqlens", f, q, k_cache, v_cache, too_long, k=kn, v=kn, check_inputs=True)
     _raises(TypeError, "cache_seqlens", f, q, k_cache, v_cache, lens.long())
     _raises(ValueError, "cache_seqlens", f, q, k_cache, v_cache, lens[:1])
     _raises(ValueError, "v", f, q, k_cache, v_cache, lens, k=kn)
@@ -87,7 +88,13 @@ def test_kvcache_errors(device):
     _raises(ValueError, "num_splits", f, q, k_cache, v_cache, lens, num_splits=-1)
     _raises(ValueError, "tau", f, q, k_cache, v_cache, lens, tau=-0.5)
     _raises(ValueError, "block_table", f, q, k_cache, v_cache, lens,
-            block_table=torch.tensor([[0], [5]], dtype=torch.int32, device=device))
+            block_table=torch.tensor([[0], [5]], dtype=torch.int32, device=device), check_inputs=True)
+    _raises(ValueError, "split_rule", f, q, k_cache, v_cache, lens, split_rule="unsplit")
+    if device == "cpu":
+        # Without check_inputs the CPU implementation still checks what it reads on the host anyway.
+        _raises(RuntimeError, "cache_seqlens", f, q, k_cache, v_cache, too_long, k=kn, v=kn)
+        _raises(RuntimeError, "block_table", f, q, k_cache, v_cache, lens,
+                block_table=torch.tensor([[0], [5]], dtype=torch.int32, device=device))
 
 
 def test_lse_is_not_differentiable():

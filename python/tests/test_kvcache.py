@@ -1,10 +1,12 @@
-"""mala.attention_with_kvcache: decode against contiguous and paged caches, in-place append, CUDA graphs."""
+"""mala.attention_with_kvcache: decode against contiguous and paged caches, in-place append, CUDA graphs,
+split rules, and no host synchronization unless check_inputs=True."""
 
 import pytest
 import torch
 
 import mala
-from conftest import HAS_CUDA, device_params, dtype_for, rand, reference_attention, rel_l2
+from conftest import HAS_CUDA, device_params, dtype_for, local_inputs, rand, reference_attention, rel_l2
+from mala.flash_attn_interface import flash_attn_with_kvcache
 
 
 def _cache_case(device, batch=3, capacity=700, hq=8, hkv=2, d=128, seqlen_q=1, seqlen_new=1, seed=0):
@@ -130,3 +132,124 @@ def test_cuda_graph_capture_and_replay():
         eager = mala.attention_with_kvcache(new_q, k_eager, v_eager, static["lens"], k=new_k, v=new_v, tau=1.0)
         torch.testing.assert_close(static_out, eager, atol=0, rtol=0)
         assert torch.equal(k_cache, k_eager), f"replay {i}: the graph must append into the cache like eager"
+
+
+# ---- split_rule (issue 29): per_split, the paper's rule, and seeded ------------------------------
+
+def _recency_cache(batch=2, n=4096, hq=8, hkv=2, d=64, seed=4):
+    """A 4K CPU cache whose last query attends to recent keys (local_inputs' positional code): the
+    unsplit rule keeps a few tiles; far splits hold little mass of their own."""
+    q, k, v = local_inputs("cpu", batch, n, hq, hkv, d, sharpness=2.0, seed=seed)
+    return q[:, -1:].contiguous(), k, v, torch.full((batch,), n, dtype=torch.int32)
+
+
+def test_seeded_one_split_equals_per_split():
+    q, k_cache, v_cache, lens = _recency_cache(n=1024)
+    results = {}
+    for rule in ("per_split", "seeded"):
+        results[rule] = mala.attention_with_kvcache(q, k_cache, v_cache, lens, tau=1.0, num_splits=1, return_lse=True,
+                                                    return_stats=True, split_rule=rule)
+    (out_p, lse_p, st_p), (out_s, lse_s, st_s) = results["per_split"], results["seeded"]
+    assert torch.equal(out_s, out_p) and torch.equal(lse_s, lse_p)
+    assert torch.equal(st_s.fwd_slots, st_p.fwd_slots) and st_s.num_splits == st_p.num_splits == 1
+    assert st_p.fwd_retained_fraction < 0.5  # the case skips tiles, so the comparison means something
+
+
+@pytest.mark.parametrize("num_splits", [4, 32])
+def test_seeded_splits_retain_less_within_bound(num_splits):
+    tau = 1.0
+    q, k_cache, v_cache, lens = _recency_cache()
+    _, lse_dense = mala.attention_with_kvcache(q, k_cache, v_cache, lens, tau=0.0, num_splits=1, return_lse=True)
+    _, _, one = mala.attention_with_kvcache(q, k_cache, v_cache, lens, tau=tau, num_splits=1, return_lse=True,
+                                            return_stats=True)
+    fractions = {}
+    for rule in ("per_split", "seeded"):
+        out, lse, stats = mala.attention_with_kvcache(q, k_cache, v_cache, lens, tau=tau, num_splits=num_splits,
+                                                      return_lse=True, return_stats=True, split_rule=rule)
+        assert stats.num_splits == num_splits
+        assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+        omitted = 1 - torch.exp(lse.double() - lse_dense.double())
+        assert omitted.max().item() <= tau / (1 + tau) + 1e-4, f"{rule}: omitted mass {omitted.max().item():.4f}"
+        assert omitted.min().item() > -1e-4
+        fractions[rule] = stats.fwd_retained_fraction
+    # per_split: far splits keep nearly everything; seeded keeps about what one split keeps (plus tile 0).
+    assert fractions["seeded"] < fractions["per_split"], fractions
+    assert fractions["seeded"] <= one.fwd_retained_fraction + 2 * 128 / 4096 + 1e-9, (fractions, one)
+
+
+def test_split_rule_argument_errors():
+    q, k_cache, v_cache, lens = _recency_cache(batch=1, n=256)
+    for bad in ("Seeded", "", "per-split", None, 1):
+        with pytest.raises(ValueError, match="^split_rule:"):
+            mala.attention_with_kvcache(q, k_cache, v_cache, lens, split_rule=bad)
+    with pytest.raises(ValueError, match="^split_rule:"):
+        flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens, split_rule="bogus")
+    # The operator checks it too (what torch.ops.mala.kvcache callers get).
+    with pytest.raises(ValueError, match="split_rule"):
+        torch.ops.mala.kvcache(q, k_cache, v_cache, lens, None, None, None, 1.0, True, 0.0, 2, False, "bogus")
+    # The flash_attn shim passes it through.
+    ref = mala.attention_with_kvcache(q, k_cache, v_cache, lens, num_splits=2, split_rule="seeded", causal=True)
+    out = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens, causal=True, num_splits=2,
+                                  split_rule="seeded")
+    assert torch.equal(out, ref)
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="no CUDA GPU")
+def test_cuda_seeded_needs_one_split():
+    """The CUDA kernels implement per_split only: seeded with several splits is refused naming split_rule;
+    with one split it is the forward rule, so it runs."""
+    q, k_cache, v_cache, cache_seqlens, _, _ = _cache_case("cuda", seqlen_new=0, seed=5)
+    with pytest.raises(RuntimeError, match="split_rule"):
+        mala.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, num_splits=3, split_rule="seeded")
+    out = mala.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, num_splits=1, split_rule="seeded")
+    ref = mala.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, num_splits=1, split_rule="per_split")
+    torch.testing.assert_close(out, ref, atol=0, rtol=0)
+
+
+# ---- check_inputs: no host synchronization unless asked -----------------------------------------
+
+class _HostCopy(Exception):
+    pass
+
+
+def _forbid_host_copies(monkeypatch):
+    """Make every Tensor -> Python value conversion raise, so a test fails if the call reads a tensor
+    on the host (what a device -> host copy would be on CUDA)."""
+    def refuse(*args, **kwargs):
+        raise _HostCopy("host copy of a tensor")
+    for name in ("tolist", "item", "__int__", "__float__", "__bool__", "cpu", "numpy"):
+        monkeypatch.setattr(torch.Tensor, name, refuse)
+
+
+@pytest.mark.parametrize("device", device_params())
+@pytest.mark.parametrize("paged", [False, True])
+def test_default_call_does_not_read_indices_on_host(device, paged, monkeypatch):
+    q, k_cache, v_cache, cache_seqlens, k_new, v_new = _cache_case(device, capacity=512, seqlen_new=1, seed=6)
+    block_table = None
+    if paged:
+        k_cache, v_cache, block_table = _to_paged(k_cache, v_cache, 64)
+    args = (q, k_cache, v_cache, cache_seqlens)
+    kwargs = dict(k=k_new, v=v_new, block_table=block_table)
+    _forbid_host_copies(monkeypatch)
+    out = mala.attention_with_kvcache(*args, **kwargs)
+    out_fa = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=cache_seqlens, block_table=block_table)
+    assert out.shape == out_fa.shape == q.shape
+    # The spy works: the opt-in check reads cache_seqlens on the host.
+    with pytest.raises(_HostCopy):
+        mala.attention_with_kvcache(*args, check_inputs=True, **kwargs)
+
+
+@pytest.mark.parametrize("device", device_params())
+def test_check_inputs_true_still_validates(device):
+    dtype = dtype_for(device)
+    q = rand((2, 1, 4, 64), device, dtype)
+    k_cache, v_cache = rand((2, 100, 2, 64), device, dtype), rand((2, 100, 2, 64), device, dtype)
+    f = mala.attention_with_kvcache
+    for bad in ([10, 101], [-1, 5]):
+        lens = torch.tensor(bad, dtype=torch.int32, device=device)
+        with pytest.raises(ValueError, match="^cache_seqlens:"):
+            f(q, k_cache, v_cache, lens, check_inputs=True)
+    lens = torch.tensor([10, 20], dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match="^block_table:"):
+        f(q, k_cache, v_cache, lens, block_table=torch.tensor([[0], [5]], dtype=torch.int32, device=device),
+          check_inputs=True)
