@@ -76,7 +76,7 @@ def real_shape(prefix):
     return q.shape[0], q.shape[1], k.shape[1], q.shape[2]
 
 
-def load_real(prefix, B, N, seed, device, dtype, with_dout):
+def load_real(prefix, B, N, seed, device, with_dout):
     """The first N rows of captured states as [B, N, H, d] (the same states in every batch entry),
     dO ~ N(0, 1) from the seed."""
     import numpy as np
@@ -99,7 +99,7 @@ def make_inputs(regime, B, N, Hq, Hkv, d, sharpness=0.0, seed=0, device=None, dt
     import timing
     device = device or timing.DEVICE
     if regime.startswith("real:"):
-        q, k, v, dout = load_real(regime[5:], B, N, seed, device, dtype, with_dout)
+        q, k, v, dout = load_real(regime[5:], B, N, seed, device, with_dout)
         cast = lambda t: None if t is None else t.to(dtype)  # noqa: E731
         return cast(q), cast(k), cast(v), cast(dout)
     q, k, v, dout = workloads.make_workload(regime, B, N, Hq, Hkv, d, sharpness, seed, device=device,

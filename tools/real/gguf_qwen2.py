@@ -215,10 +215,16 @@ def rms_norm(x, w, eps):
     return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
 
 
+def rope_inv_freq(theta, d):
+    """The rotary frequencies theta^(-2i/d), i < d/2, in float64 (the one definition: the numpy
+    reference, the torch model's buffer and its check all use it)."""
+    return 1.0 / theta ** (np.arange(0, d, 2, dtype=np.float64) / d)
+
+
 def rope(x, positions, theta):
     """NEOX-style rotary embedding (rotate half) of x [N, H, d] at the given positions."""
     d = x.shape[-1]
-    inv = 1.0 / theta ** (np.arange(0, d, 2, dtype=np.float64) / d)
+    inv = rope_inv_freq(theta, d)
     ang = positions[:, None].astype(np.float64) * inv[None, :]
     cos = np.cos(np.concatenate([ang, ang], -1)).astype(np.float32)[:, None, :]
     sin = np.sin(np.concatenate([ang, ang], -1)).astype(np.float32)[:, None, :]

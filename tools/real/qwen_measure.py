@@ -28,9 +28,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import math
 import os
-import subprocess
 import sys
 import time
 
@@ -117,7 +115,7 @@ def build_model(cfg, state, device):
     # transformers keeps them) since the meta-device construction left them without data.
     rot = model.model.rotary_emb
     d = cfg.head_dim
-    inv = (1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))).float()
+    inv = torch.from_numpy(gguf_qwen2.rope_inv_freq(cfg.rope_theta, d)).float()
     rot.register_buffer("inv_freq", inv, persistent=False)
     if hasattr(rot, "original_inv_freq"):
         rot.original_inv_freq = inv.clone()
@@ -185,7 +183,7 @@ def greedy(model, tok, ids, n_new):
 def step_check(args, res, cfg, model, ref, tok, seqs):
     chk = {}
     rot = model.model.rotary_emb.inv_freq.double().cpu()
-    want = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim))
+    want = torch.from_numpy(gguf_qwen2.rope_inv_freq(cfg.rope_theta, cfg.head_dim))
     chk["rope_inv_freq_max_rel_err"] = float(((rot - want).abs() / want).max())
     if chk["rope_inv_freq_max_rel_err"] > 1e-6:
         raise RuntimeError(f"check: rotary frequencies off by {chk['rope_inv_freq_max_rel_err']:.3g} (relative)")
@@ -305,14 +303,11 @@ def step_states(args, res, model, seqs, mala, keep_for_decode, deadline):
                     for k_, x_ in vals.items():
                         per_tau[tau][k_].append(x_)
             st["tiles"] = tiles
-            for tau, vals in per_tau.items():
-                dst = rec if tau == args.tau else sweep.setdefault(f"{tau:g}", {})
-                for k_, x_ in vals.items():
-                    dst.setdefault(k_, []).append(x_)  # [sequence][layer][head]
-                if sweep is not None and tau == args.tau:
-                    sd = sweep.setdefault(f"{tau:g}", {})
+            for tau, vals in per_tau.items():  # [sequence][layer][head]; tau also in the sweep
+                dsts = ([rec] if tau == args.tau else []) + ([sweep.setdefault(f"{tau:g}", {})] if sweep is not None else [])
+                for dst in dsts:
                     for k_, x_ in vals.items():
-                        sd.setdefault(k_, []).append(x_)
+                        dst.setdefault(k_, []).append(x_)
             fr = np.mean(per_tau[args.tau]["fwd_retained"])
             fs = np.mean(per_tau[args.tau]["fwd_slots"])
             oe = np.mean(per_tau[args.tau]["o_err"])
@@ -320,10 +315,8 @@ def step_states(args, res, model, seqs, mala, keep_for_decode, deadline):
             log(f"states: seq {s} N={n}: fwd retained {fr:.3f}, fwd slots {fs:.0f}, O err {oe:.4f}, "
                 f"dQ err {de:.4f} ({time.time() - t:.1f} s, taus {taus})")
         if s == 0:
-            res.data["_seq0_layers"] = True
-            args._seq0 = layers
-        else:
-            del layers
+            args._seq0 = layers  # the speed and save steps use sequence 0's states
+        del layers
         st["sequences_done"] = s + 1
         res.save()
         gc.collect()
@@ -545,7 +538,6 @@ def main():
         timings["decode"] = time.time() - T0
     if "save" in steps and args._seq0 is not None:
         step_save(args, args._seq0)
-    res.data.pop("_seq0_layers", None)
     res.save()
     log("done")
 

@@ -165,7 +165,7 @@ def tables(summary, raw):
     fr = np.asarray(rec["fwd_retained"]).mean(axis=0)  # [layer, head]
     dq = np.asarray(rec["dq_err"]).mean(axis=0)
     oe = np.asarray(rec["o_err"]).mean(axis=0)
-    rows = [f"| layer | fwd retained (mean, min..max over heads) | O err | dQ err | fwd ms tau=1 / tau=0 / cuDNN | bwd ms tau=1 / tau=0 / cuDNN |",
+    rows = ["| layer | fwd retained (mean, min..max over heads) | O err | dQ err | fwd ms tau=1 / tau=0 / cuDNN | bwd ms tau=1 / tau=0 / cuDNN |",
             "|---|---|---|---|---|---|"]
     sp = raw.get("speed", {}).get(n)
     for li in range(fr.shape[0]):

@@ -105,16 +105,24 @@ def test_reference_forward_is_causal_and_rope_relative(tiny):
     assert g.next_token_loss(full, ids) > 0
 
 
-def test_torch_model_matches_reference(tiny):
-    """transformers' Qwen2 built by tools/real/qwen_measure.py equals the numpy reference (fp32)."""
+def _torch_model(tiny, dtype_name):
+    """(torch, qwen_measure, cfg, numpy weights, the model qwen_measure builds on the CPU in dtype)."""
     torch = pytest.importorskip("torch")
     pytest.importorskip("transformers")
     import qwen_measure as qm
 
-    path, _, _ = tiny
-    cfg, w = g.load(path)
-    qm.DEVICE.update(name="cpu", dtype=torch.float32)
-    model = qm.build_model(cfg, {k: torch.from_numpy(v.copy()) for k, v in w.items()}, "cpu")
+    cfg, w = g.load(tiny[0])
+    qm.DEVICE.update(name="cpu", dtype=getattr(torch, dtype_name))
+    try:
+        model = qm.build_model(cfg, {k: torch.from_numpy(v.copy()) for k, v in w.items()}, "cpu")
+    finally:
+        qm.DEVICE.update(dtype=torch.float32)
+    return torch, qm, cfg, w, model
+
+
+def test_torch_model_matches_reference(tiny):
+    """transformers' Qwen2 built by tools/real/qwen_measure.py equals the numpy reference (fp32)."""
+    torch, qm, cfg, w, model = _torch_model(tiny, "float32")
     ids = np.arange(3, 40) % cfg.vocab_size
     with torch.no_grad():
         lg = model(input_ids=torch.tensor(ids).view(1, -1)).logits[0].numpy()
@@ -132,18 +140,8 @@ def test_torch_model_matches_reference(tiny):
 
 def test_torch_model_keeps_float32_rotary_frequencies(tiny):
     """A bfloat16 model still rotates with float32 frequencies (as transformers' own loading does)."""
-    torch = pytest.importorskip("torch")
-    pytest.importorskip("transformers")
-    import qwen_measure as qm
-
-    path, _, _ = tiny
-    cfg, w = g.load(path)
-    qm.DEVICE.update(name="cpu", dtype=torch.bfloat16)
-    try:
-        model = qm.build_model(cfg, {k: torch.from_numpy(v.copy()) for k, v in w.items()}, "cpu")
-    finally:
-        qm.DEVICE.update(dtype=torch.float32)
+    torch, _, cfg, _, model = _torch_model(tiny, "bfloat16")
     inv = model.model.rotary_emb.inv_freq
-    want = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim))
+    want = g.rope_inv_freq(cfg.rope_theta, cfg.head_dim)
     assert inv.dtype == torch.float32 and model.model.embed_tokens.weight.dtype == torch.bfloat16
-    assert float(((inv.double() - want).abs() / want).max()) < 1e-6
+    assert float(np.max(np.abs(inv.double().numpy() - want) / want)) < 1e-6
