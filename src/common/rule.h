@@ -99,14 +99,11 @@ MALA_HD bool is_anchor_tile(int j, int newest_lo, int newest_hi) {
   return j == 0 || (j >= newest_lo && j <= newest_hi);
 }
 // log(exp(a) + exp(b)), -inf + -inf = -inf.  The seeded test's log_norm is
-// seeded_log_norm(log Z_anchor, m + log(l)): log(Z_anchor + exp(m) l), passed to row_allows_skip.
+// log_add_exp(log Z_anchor, m + log(l)) = log(Z_anchor + exp(m) l), passed to row_allows_skip.
 MALA_HD float log_add_exp(float a, float b) {
   const float hi = a > b ? a : b, lo = a > b ? b : a;
   if (hi == -INFINITY) return -INFINITY;
   return hi + log1pf(expf(lo - hi));
-}
-MALA_HD float seeded_log_norm(float log_anchor_mass, float log_own_mass) {
-  return log_add_exp(log_anchor_mass, log_own_mass);
 }
 
 }  // namespace rule

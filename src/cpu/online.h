@@ -76,7 +76,7 @@ int64_t attend_online(const QueryTile& t, OnlineState& st, int64_t j_begin, int6
       tile_max[r] = mx;
       if (!skip) continue;
       const float own = st.m[r] + std::log(st.l[r]);
-      const float log_norm = seed ? rule::seeded_log_norm(seed->log_anchor[r], own) : own;
+      const float log_norm = seed ? rule::log_add_exp(seed->log_anchor[r], own) : own;
       if (!rule::row_allows_skip(mx, log_norm, t.log_thr[r])) skip = false;
     }
     if (!any_legal) {

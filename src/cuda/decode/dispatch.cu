@@ -161,11 +161,7 @@ Status decode(const DecodeArgs& a) {
     return Status::error("dtype: CUDA decode supports bfloat16 and float16");
   const int d = static_cast<int>(a.head_dim);
   const Geometry g = geometry(a);
-  const int splits = cuda_backend::decode_num_splits(a);
-  {
-    Status s = check_split_rule(a, splits);
-    if (!s) return s;
-  }
+  const int splits = cuda_backend::decode_num_splits(a);  // check() refused seeded with > 1 split
   const bool paged = a.block_table != nullptr;
   const int64_t cache_rows = paged ? a.page_size : a.cache_capacity;
   const int64_t new_rows = std::max<int64_t>(a.seqlen_new, 1);
