@@ -4,10 +4,12 @@
 // Timing: CUDA events around one decode call, preceded (outside the events) by a kernel that reads
 // 256 MiB (evicts L2, leaves no dirty lines), median of `iters` runs after warm-up.  The workspace
 // is preallocated.
+// tau = 1 runs under both split rules (DecodeArgs::split_rule): seeded (the default) and per_split.
 // Every MALA timing prints the realized retained fraction of legal tiles (from tile_mask, in a
-// separate untimed call), the mean omitted mass (vs our tau = 0 lse of the same inputs), and the memory
-// floor: (bytes of K + retained V) / copy bandwidth, the bandwidth measured here with a 1 GiB
-// cudaMemcpy D2D counting read + write.
+// separate untimed call), the realized slots (mean fwd_slots per row: retained tiles * block_k), the
+// mean omitted mass (vs our tau = 0 lse of the same inputs), and the memory floor: (bytes of K +
+// retained V) / copy bandwidth, the bandwidth measured here with a 1 GiB cudaMemcpy D2D counting
+// read + write.
 //
 // Inputs:
 //   random    : q, K, V ~ N(0, 1) (device-generated).
@@ -16,12 +18,13 @@
 //               and its query row N-1 (the token at position N-1 sees every key).  Larger s: sharper
 //               attention (locality, a sink, planted needles), fewer retained tiles.
 //   recency   : score(q, key pos) ~ -slope * (N-1-pos)/128 + N(0,1) nats (see apply_recency): the
-//               last query attends sharply to the newest keys.  Under split-KV each split keeps its
+//               last query attends sharply to the newest keys.  Under per_split each split keeps its
 //               own normalizer, so a tile is skipped only when it is ~log(L) nats below what its own
-//               split has retained: homogeneous far context is retained; a ramp is skipped.
+//               split has retained: homogeneous far context is retained; a ramp is skipped.  Seeded
+//               splits also count the newest tile's mass, so far context is skipped too.
 // Each N uses a cache of capacity N (the kernel's split heuristic depends on the capacity only).
 //
-// Measured (H100 80GB HBM3, 2026-11-22, copy bandwidth 2.99 TB/s, Hq=8 Hkv=1 d=128 bf16, cold L2;
+// Measured with the per_split rule, before seeded existed (H100 80GB HBM3, 2026-11-22, copy bandwidth 2.99 TB/s, Hq=8 Hkv=1 d=128 bf16, cold L2;
 // bench/results/mala_bench_decode_h100.log):
 //   128K batch 8 : tau=0 183 us = 1.02x its K+V floor; recency(16/tile) tau=1 retained 3.5% ->
 //                  100 us = 1.83x faster than tau=0; recency(2/tile) 8.9% -> 105 us (1.75x);
@@ -290,13 +293,14 @@ struct Problem {
 };
 
 struct Stats {
-  double retained = 0, omitted_mean = 0, omitted_max = 0;
+  double retained = 0, slots = 0, omitted_mean = 0, omitted_max = 0;
   int splits = 0;
 };
 
 mala::DecodeArgs make_args(const Problem& pb, Env& env, int32_t* lens, float tau, void* ws, size_t ws_bytes,
-                           int num_splits) {
+                           int num_splits, mala::SplitRule rule = mala::SplitRule::seeded) {
   mala::DecodeArgs a;
+  a.split_rule = rule;
   a.device = mala::Device::cuda;
   a.dtype = mala::DType::bf16;
   a.q = pb.q;
@@ -326,19 +330,21 @@ struct Bufs {
   float* lse0 = nullptr;
   float* lse1 = nullptr;
   uint8_t* mask = nullptr;
+  int32_t* slots = nullptr;
   int32_t* lens = nullptr;
 };
 
 // Realized work of one configuration (untimed call with tile_mask and lse).
-Stats realized(const Problem& pb, Env& env, Bufs& bf, float tau, int num_splits) {
+Stats realized(const Problem& pb, Env& env, Bufs& bf, float tau, int num_splits, mala::SplitRule rule) {
   Stats s;
-  mala::DecodeArgs a = make_args(pb, env, bf.lens, tau, bf.ws, bf.ws_bytes, num_splits);
+  mala::DecodeArgs a = make_args(pb, env, bf.lens, tau, bf.ws, bf.ws_bytes, num_splits, rule);
   a.o = bf.o;
   s.splits = mala::decode_num_splits(a);
   const int64_t bk = mala::decode_tiles(a).block_k;
   const int64_t nkt = (pb.n + bk - 1) / bk;
   a.tile_mask = bf.mask;
   a.lse = bf.lse1;
+  a.fwd_slots = bf.slots;
   decode_or_exit(a);
   mala::DecodeArgs a0 = make_args(pb, env, bf.lens, 0.f, bf.ws, bf.ws_bytes, 0);
   a0.o = bf.o;
@@ -349,6 +355,10 @@ Stats realized(const Problem& pb, Env& env, Bufs& bf, float tau, int num_splits)
   std::vector<uint8_t> mask(pb.batch * pb.hkv * tiles_q * nkt);
   BENCH_CHECK(cudaMemcpy(mask.data(), bf.mask, mask.size(), cudaMemcpyDeviceToHost));
   s.retained = mala::retained_fraction(mask.data(), static_cast<int64_t>(mask.size()));
+  std::vector<int32_t> slots(pb.batch * pb.hq);
+  BENCH_CHECK(cudaMemcpy(slots.data(), bf.slots, slots.size() * 4, cudaMemcpyDeviceToHost));
+  for (int32_t x : slots) s.slots += x;
+  s.slots /= static_cast<double>(slots.size());
   std::vector<float> l0(pb.batch * pb.hq), l1(l0.size());
   BENCH_CHECK(cudaMemcpy(l0.data(), bf.lse0, l0.size() * 4, cudaMemcpyDeviceToHost));
   BENCH_CHECK(cudaMemcpy(l1.data(), bf.lse1, l1.size() * 4, cudaMemcpyDeviceToHost));
@@ -367,22 +377,23 @@ void bench_problem(const Problem& pb, Env& env, Bufs& bf, const char* input, boo
   const float t0 = time_decode(env, a0);
   const int s0 = mala::decode_num_splits(a0);
   const double floor0 = 2 * k_bytes / env.copy_bw * 1e6;
-  std::printf("decode N=%-6lld B=%lld %-14s tau=0 splits=%3d: %8.2f us | retained 1.000 | floor(K+V) %7.2f us | "
-              "x floor %.2f\n",
-              (long long)pb.n, (long long)pb.batch, input, s0, t0, floor0, t0 / floor0);
+  std::printf("decode N=%-6lld B=%lld %-14s tau=0           splits=%3d: %8.2f us | retained 1.000 | slots %8lld | "
+              "floor(K+V) %7.2f us | x floor %.2f\n",
+              (long long)pb.n, (long long)pb.batch, input, s0, t0, (long long)pb.n, floor0, t0 / floor0);
   std::vector<int> split_list = {0};
   if (sweep) split_list = {0, 16, 32, 64, 96, 128};
-  for (int ns : split_list) {
-    Stats st = realized(pb, env, bf, 1.f, ns);
-    mala::DecodeArgs a1 = make_args(pb, env, bf.lens, 1.f, bf.ws, bf.ws_bytes, ns);
-    a1.o = bf.o;
-    const float t1 = time_decode(env, a1);
-    const double floor1 = (k_bytes + st.retained * k_bytes) / env.copy_bw * 1e6;
-    std::printf("decode N=%-6lld B=%lld %-14s tau=1 splits=%3d: %8.2f us | retained %.3f | omitted mean %.2e max "
-                "%.2e | floor(K+retV) %7.2f us | x floor %.2f | speedup vs tau0 %.2fx\n",
-                (long long)pb.n, (long long)pb.batch, input, st.splits, t1, st.retained, st.omitted_mean,
-                st.omitted_max, floor1, t1 / floor1, t0 / t1);
-  }
+  for (int ns : split_list)
+    for (mala::SplitRule rule : {mala::SplitRule::seeded, mala::SplitRule::per_split}) {
+      Stats st = realized(pb, env, bf, 1.f, ns, rule);
+      mala::DecodeArgs a1 = make_args(pb, env, bf.lens, 1.f, bf.ws, bf.ws_bytes, ns, rule);
+      a1.o = bf.o;
+      const float t1 = time_decode(env, a1);
+      const double floor1 = (k_bytes + st.retained * k_bytes) / env.copy_bw * 1e6;
+      std::printf("decode N=%-6lld B=%lld %-14s tau=1 %-9s splits=%3d: %8.2f us | retained %.3f | slots %8.0f | "
+                  "omitted mean %.2e max %.2e | floor(K+retV) %7.2f us | x floor %.2f | speedup vs tau0 %.2fx\n",
+                  (long long)pb.n, (long long)pb.batch, input, mala::split_rule_name(rule), st.splits, t1, st.retained,
+                  st.slots, st.omitted_mean, st.omitted_max, floor1, t1 / floor1, t0 / t1);
+    }
   std::fflush(stdout);
 }
 
@@ -535,6 +546,7 @@ int run_decode_bench(int argc, char** argv) {
   BENCH_CHECK(cudaMalloc(&bf.lse0, max_b * hq * 4));
   BENCH_CHECK(cudaMalloc(&bf.lse1, max_b * hq * 4));
   BENCH_CHECK(cudaMalloc(&bf.mask, max_b * ((max_n + 15) / 16)));  // any key tile >= 16
+  BENCH_CHECK(cudaMalloc(&bf.slots, max_b * hq * 4));
   BENCH_CHECK(cudaMalloc(&bf.lens, max_b * 4));
   uint16_t *q, *k, *v;
   const size_t kv_elems = size_t(max_b) * max_n * d;
@@ -625,6 +637,7 @@ int run_decode_bench(int argc, char** argv) {
   cudaFree(bf.lse0);
   cudaFree(bf.lse1);
   cudaFree(bf.mask);
+  cudaFree(bf.slots);
   cudaFree(bf.lens);
   cudaFree(env.flush);
   return 0;

@@ -474,8 +474,6 @@ Status check_arguments(const DecodeArgs& a) {
   if (a.num_splits < 0) return fail("num_splits", "must be >= 0, 0 meaning automatic (got " + str(a.num_splits) + ")");
   if (a.split_rule != SplitRule::per_split && a.split_rule != SplitRule::seeded)
     return fail("split_rule", "must be per_split or seeded (got " + str(static_cast<int>(a.split_rule)) + ")");
-  // Before any device query, so that it is reachable (and testable) without a GPU.
-  if (a.device == Device::cuda && a.num_splits > 1) MALA_TRY(cuda_backend::check_split_rule(a, a.num_splits));
 
   const bool paged = a.block_table != nullptr;
   int64_t capacity;  // keys one sequence can hold
@@ -503,7 +501,6 @@ Status check_arguments(const DecodeArgs& a) {
         {a.block_table, "block_table"}, {a.k_new, "k_new"}, {a.v_new, "v_new"}, {a.o, "o"},
         {a.lse, "lse"}, {a.fwd_slots, "fwd_slots"}, {a.tile_mask, "tile_mask"}, {a.workspace, "workspace"}};
     for (const auto& p : ptrs) MALA_TRY(check_cuda_pointer(a.device, p.first, p.second));
-    if (a.num_splits == 0) MALA_TRY(cuda_backend::check_split_rule(a, cuda_backend::decode_num_splits(a)));
     Tiles t = cuda_backend::decode_tiles(a);
     MALA_TRY(check_block(a.device, a.block_q, t.block_q, "block_q"));
     MALA_TRY(check_block(a.device, a.block_k, t.block_k, "block_k"));

@@ -142,19 +142,16 @@ struct BackwardArgs {
 //   Split-KV: split s owns rule::split_tiles(ceil(Nk / block_k), num_splits, s) of the sequence's
 //   key tiles, Nk = cache_seqlens[b] + seqlen_new.  split_rule picks how a split tests its tiles.
 //
-// How a split of split-KV decode tests its tiles (MALA_SPEC "Decode and split-KV").  With one split
-// both are exactly the forward rule.
+// How a split of split-KV decode tests its tiles (MALA_SPEC "Seeded split-KV").  With one split
+// both are exactly the forward rule.  The CPU and the CUDA kernels implement both.
+//   seeded:    (the default) the anchor tiles of the query tile (key tile 0 and each row's newest
+//              legal key tile) are retained by the split owning them without a test; every split
+//              adds the exact mass of the anchor tiles it does not own (scores only, no V) to the
+//              denominator of its test.  Same bound, eps_q <= tau / (1 + tau); skips about what the
+//              unsplit rule skips.  A split may retain nothing.
 //   per_split: the paper's rule: each split tests against its own running retained mass (its first
 //              legal tile is always kept).  Far splits hold little mass, so they keep nearly every
 //              tile (99% at 132 splits where the unsplit rule keeps 1.5%).
-//   seeded:    the anchor tiles of the query tile (key tile 0 and each row's newest legal key tile)
-//              are retained by the split owning them without a test; every split adds the exact
-//              mass of the anchor tiles it does not own (scores only, no V) to the denominator of
-//              its test.  Same bound, eps_q <= tau / (1 + tau); skips about what the unsplit rule
-//              skips.  A split may retain nothing.
-// Today's default is per_split: the CUDA decode kernels implement only that rule, and reject
-// seeded with more than one split ("split_rule: ...").  The CPU implements both.  seeded becomes
-// the default once the kernels implement it.
 enum class SplitRule : int { per_split = 0, seeded = 1 };
 const char* split_rule_name(SplitRule);  // "per_split", "seeded"
 
@@ -187,7 +184,7 @@ struct DecodeArgs {
   float tau = 1.0f;
   int block_q = 0, block_k = 0;
   int num_splits = 0;     // 0 = heuristic (decode_num_splits)
-  SplitRule split_rule = SplitRule::per_split;  // see SplitRule; seeded: CPU only for now
+  SplitRule split_rule = SplitRule::seeded;  // see SplitRule
   bool pack_gqa = true;   // query heads sharing a KV head form one query tile
   void* workspace = nullptr;  // CUDA: decode_workspace_size() bytes; null = allocated in the call
   size_t workspace_bytes = 0;

@@ -14,9 +14,8 @@
 //       -> (dq, dk, dv, bwd_slots, tile_mask)
 //   fwd_varlen / bwd_varlen: the same with cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
 //   kvcache(q, k_cache!, v_cache!, cache_seqlens, k?, v?, block_table?, tau, causal, softmax_scale,
-//           num_splits, return_stats, split_rule='per_split') -> (out, lse, fwd_slots)
-//       split_rule: "per_split" or "seeded" (mala::SplitRule; the CUDA kernels refuse seeded with
-//       more than one split, as the library does: RuntimeError "mala.kvcache: split_rule: ...")
+//           num_splits, return_stats, split_rule='seeded') -> (out, lse, fwd_slots)
+//       split_rule: "seeded" or "per_split" (mala::SplitRule)
 //   tile_sizes(kernel, device, dtype, batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, causal,
 //              num_splits) -> [block_q, block_k, num_splits]
 #include <Python.h>
@@ -579,7 +578,7 @@ TORCH_LIBRARY(mala, m) {
         " bool return_stats) -> (Tensor dq, Tensor dk, Tensor dv, Tensor bwd_slots, Tensor tile_mask)");
   m.def("kvcache(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor cache_seqlens, Tensor? k, Tensor? v,"
         " Tensor? block_table, float tau, bool causal, float softmax_scale, int num_splits, bool return_stats,"
-        " str split_rule='per_split') -> (Tensor out, Tensor lse, Tensor fwd_slots)");
+        " str split_rule='seeded') -> (Tensor out, Tensor lse, Tensor fwd_slots)");
   m.def("tile_sizes(str kernel, Device device, ScalarType dtype, int batch, int seqlen_q, int seqlen_k,"
         " int heads_q, int heads_kv, int head_dim, bool causal, int num_splits) -> int[]",
         &mala_torch::tile_sizes);

@@ -58,7 +58,7 @@ def _bwd_varlen_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_se
 
 @torch.library.register_fake("mala::kvcache")
 def _kvcache_fake(q, k_cache, v_cache, cache_seqlens, k, v, block_table, tau, causal, softmax_scale, num_splits,
-                  return_stats, split_rule="per_split"):
+                  return_stats, split_rule="seeded"):
     batch, seqlen_q, heads_q, _ = q.shape
     lse = q.new_empty((batch, heads_q, seqlen_q), dtype=torch.float32)
     slots = q.new_empty(lse.shape if return_stats else _EMPTY, dtype=torch.int32)

@@ -171,7 +171,7 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            v: Optional[torch.Tensor] = None, block_table: Optional[torch.Tensor] = None,
                            tau: float = 1.0, causal: bool = True, softmax_scale: Optional[float] = None,
                            num_splits: int = 0, return_lse: bool = False, return_stats: bool = False,
-                           check_inputs: bool = False, split_rule: str = "per_split"):
+                           check_inputs: bool = False, split_rule: str = "seeded"):
     """Decode / chunked prefill against a KV cache (flash_attn_with_kvcache semantics, no autograd).
 
     q [B, Nq, Hq, d]; k_cache/v_cache [B, capacity, Hkv, d], or paged [num_blocks, page_size, Hkv, d]
@@ -180,11 +180,11 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     attending; attention then sees cache_seqlens[b] + Nnew keys, bottom-right causal.  cache_seqlens
     itself is not advanced.  num_splits 0 = automatic split-KV.  Capturable in a CUDA graph.
 
-    split_rule: how each split of split-KV tests its tiles (docs/rule.md, "Split rule"): "per_split"
-    (the paper's rule, the default) or "seeded" (every split also counts the exact mass of the anchor
-    tiles, key tile 0 and the newest tile, so far splits skip about what one split would; same bound).
-    With one split both are the forward rule.  CPU tensors implement both; the CUDA kernels implement
-    per_split only and raise a RuntimeError naming split_rule for seeded with more than one split.
+    split_rule: how each split of split-KV tests its tiles (docs/rule.md, "Split rule"): "seeded"
+    (the default: every split also counts the exact mass of the anchor tiles, key tile 0 and the
+    newest tile, so far splits skip about what one split would; same bound) or "per_split" (the
+    paper's rule: far splits keep nearly every tile).  With one split both are the forward rule.
+    CPU and CUDA tensors implement both.
 
     check_inputs: off by default, as in flash_attn, so that the call never synchronizes with the host.
     The values of cache_seqlens and block_table are then not checked: out-of-range lengths

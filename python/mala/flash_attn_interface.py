@@ -16,8 +16,8 @@ mala.attention_with_kvcache does not either); pass check_inputs=True to get thos
 them, out-of-range values are undefined behaviour, as in flash_attn (the output is meaningless and
 the kernels may read out of bounds).
 
-flash_attn_with_kvcache also takes a keyword-only `split_rule` ("per_split" or "seeded"), passed to
-mala.attention_with_kvcache (docs/python.md).
+flash_attn_with_kvcache also takes a keyword-only `split_rule` ("seeded", the default, or "per_split"),
+passed to mala.attention_with_kvcache (docs/python.md).
 
 Returns follow flash_attn: `out`, or `(out, softmax_lse, None)` with return_attn_probs=True (MALA
 never materializes the probabilities); flash_attn_with_kvcache returns `(out, softmax_lse)` with
@@ -80,10 +80,10 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             causal: bool = False, window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
                             rotary_interleaved: bool = True, alibi_slopes=None, num_splits: int = 0,
                             return_softmax_lse: bool = False, *, tau: float = 1.0, check_inputs: bool = False,
-                            split_rule: str = "per_split"):
+                            split_rule: str = "seeded"):
     """flash_attn.flash_attn_with_kvcache.  k/v, when given, are appended in place at cache_seqlens
     like flash_attn does.  cache_seqlens None means every cache is full (then k/v cannot be given).
-    split_rule ("per_split" or "seeded") is mala.attention_with_kvcache's."""
+    split_rule ("seeded" or "per_split") is mala.attention_with_kvcache's."""
     if rotary_cos is not None or rotary_sin is not None:
         raise NotImplementedError("rotary_cos/rotary_sin: apply the rotary embedding before the call")
     if cache_batch_idx is not None:

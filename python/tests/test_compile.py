@@ -70,12 +70,11 @@ def test_compile_fullgraph_varlen_and_kvcache(device):
     k2, v2 = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
     torch.testing.assert_close(out, decode(qd, k2, v2, lens, kn, vn), rtol=0, atol=0)
 
-    if device == "cpu":  # split_rule reaches the operator through the compiled graph (seeded: CPU only)
-        def seeded(qd, k_cache, v_cache, lens):
-            return mala.attention_with_kvcache(qd, k_cache, v_cache, lens, tau=1.0, num_splits=2, split_rule="seeded")
+    def per_split(qd, k_cache, v_cache, lens):  # split_rule reaches the operator through the compiled graph
+        return mala.attention_with_kvcache(qd, k_cache, v_cache, lens, tau=1.0, num_splits=2, split_rule="per_split")
 
-        out = torch.compile(seeded, fullgraph=True, backend=_backend(device))(qd, k_cache, v_cache, lens)
-        torch.testing.assert_close(out, seeded(qd, k_cache, v_cache, lens), rtol=0, atol=0)
+    out = torch.compile(per_split, fullgraph=True, backend=_backend(device))(qd, k_cache, v_cache, lens)
+    torch.testing.assert_close(out, per_split(qd, k_cache, v_cache, lens), rtol=0, atol=0)
 
 
 def test_fake_tensor_shapes():

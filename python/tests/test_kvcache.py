@@ -194,16 +194,40 @@ def test_split_rule_argument_errors():
     assert torch.equal(out, ref)
 
 
+def test_split_rule_default_is_seeded():
+    q, k_cache, v_cache, lens = _recency_cache(n=1024)
+    ref = mala.attention_with_kvcache(q, k_cache, v_cache, lens, num_splits=8, split_rule="seeded")
+    assert torch.equal(mala.attention_with_kvcache(q, k_cache, v_cache, lens, num_splits=8), ref)
+    assert torch.equal(flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens, causal=True, num_splits=8), ref)
+
+
 @pytest.mark.skipif(not HAS_CUDA, reason="no CUDA GPU")
-def test_cuda_seeded_needs_one_split():
-    """The CUDA kernels implement per_split only: seeded with several splits is refused naming split_rule;
-    with one split it is the forward rule, so it runs."""
-    q, k_cache, v_cache, cache_seqlens, _, _ = _cache_case("cuda", seqlen_new=0, seed=5)
-    with pytest.raises(RuntimeError, match="split_rule"):
-        mala.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, num_splits=3, split_rule="seeded")
-    out = mala.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, num_splits=1, split_rule="seeded")
-    ref = mala.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, num_splits=1, split_rule="per_split")
-    torch.testing.assert_close(out, ref, atol=0, rtol=0)
+@pytest.mark.parametrize("num_splits", [1, 4, 32])
+def test_cuda_split_rules_match_cpu(num_splits):
+    """The CUDA kernels implement both rules: the same retained fraction as the CPU (the same tiles up
+    to rounding flips), the output within bf16 tolerance, the omitted mass within the bound; with one
+    split both rules are the forward rule, bit for bit."""
+    tau = 1.0
+    q, k_cache, v_cache, lens = _recency_cache(n=4096, d=128)
+    qc, kc, vc = (t.to("cuda", torch.bfloat16) for t in (q, k_cache, v_cache))
+    q32, k32, v32 = (t.to(torch.bfloat16).float() for t in (q, k_cache, v_cache))
+    _, lse_dense = mala.attention_with_kvcache(q32, k32, v32, lens, tau=0.0, num_splits=1, return_lse=True)
+    results = {}
+    for rule in ("seeded", "per_split"):
+        out, lse, stats = mala.attention_with_kvcache(qc, kc, vc, lens.cuda(), tau=tau, num_splits=num_splits,
+                                                      return_lse=True, return_stats=True, split_rule=rule)
+        ref, ref_lse, ref_stats = mala.attention_with_kvcache(q32, k32, v32, lens, tau=tau, num_splits=num_splits,
+                                                              return_lse=True, return_stats=True, split_rule=rule)
+        assert stats.num_splits == ref_stats.num_splits == num_splits
+        assert abs(stats.fwd_retained_fraction - ref_stats.fwd_retained_fraction) <= 0.01, (rule, stats, ref_stats)
+        torch.testing.assert_close(out.float().cpu(), ref, atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(lse.cpu(), ref_lse, atol=1e-2, rtol=1e-3)
+        omitted = 1 - torch.exp(lse.cpu().double() - lse_dense.double())
+        assert omitted.max().item() <= tau / (1 + tau) + 1e-3, (rule, omitted.max().item())
+        results[rule] = (out, lse)
+    if num_splits == 1:
+        assert torch.equal(results["seeded"][0], results["per_split"][0])
+        assert torch.equal(results["seeded"][1], results["per_split"][1])
 
 
 # ---- check_inputs: no host synchronization unless asked -----------------------------------------

@@ -27,15 +27,6 @@ Status decode(const DecodeArgs& args);
 Tiles decode_tiles(const DecodeArgs& args);
 int decode_num_splits(const DecodeArgs& args);
 size_t decode_workspace_size(const DecodeArgs& args);
-// The decode kernels implement split_rule = per_split only.  seeded with one split is the forward
-// rule (the same as per_split), so only seeded with splits > 1 (num_splits, resolved) is refused.
-// Checked by mala::check(): an explicit num_splits before any device query, an automatic one after.
-inline Status check_split_rule(const DecodeArgs& a, int splits) {
-  if (a.split_rule == SplitRule::seeded && splits > 1)
-    return Status::error("split_rule: the CUDA decode kernels implement per_split only (seeded: CPU); got seeded with " +
-                         std::to_string(splits) + " splits (seeded with num_splits = 1 is accepted)");
-  return Status::success();
-}
 
 // ---- internal: kernel override ---------------------------------------------------------------------
 // Each op's dispatch.cu picks its kernel from the device, the head dim and the arguments.  The

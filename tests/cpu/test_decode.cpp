@@ -8,7 +8,6 @@
 #include <cstdio>
 #include <numeric>
 #include <string>
-#include <utility>
 
 #include "test_util.h"
 
@@ -626,9 +625,11 @@ TEST(DecodeSeeded, LongCacheRetainsFarLessThanPerSplit) {
   }
 }
 
-// The CUDA decode kernels implement per_split only: seeded with more than one split is refused by
-// the argument checks (before any device query, so this runs without a GPU) and nothing is written.
-TEST(DecodeSeeded, CudaRefusesSeededWithSplits) {
+// seeded is the default, and the CUDA decode takes both rules at any split count: the argument
+// checks (which run before any device query, so this runs without a GPU) name split_rule only for
+// an unknown value.
+TEST(DecodeSeeded, DefaultAndCudaAcceptsBothRules) {
+  EXPECT_EQ(mala::DecodeArgs{}.split_rule, mala::SplitRule::seeded);
   DecodeProblem dp = base_problem(1.f);
   const int64_t d = 128;  // a head dim the CUDA decode has
   std::vector<uint16_t> q(dp.sq * dp.hq * d), kc(dp.capacity * dp.hkv * d), vc(kc.size()), o(q.size(), 0x7777);
@@ -645,23 +646,13 @@ TEST(DecodeSeeded, CudaRefusesSeededWithSplits) {
   a.heads_q = dp.hq;
   a.heads_kv = dp.hkv;
   a.head_dim = d;
-  a.split_rule = mala::SplitRule::seeded;
-  const std::string want = "split_rule: the CUDA decode kernels implement per_split only (seeded: CPU)";
-  for (int splits : {2, 132}) {
-    a.num_splits = splits;
-    const mala::Status c = mala::check(a);
-    EXPECT_EQ(c.message.rfind(want, 0), 0u) << c.message;
-    const mala::Status s = mala::decode(a);
-    EXPECT_EQ(s.message.rfind(want, 0), 0u) << s.message;
-    for (uint16_t x : o) ASSERT_EQ(x, 0x7777) << "nothing written";
-  }
-  // One split (both rules are the forward rule) and per_split pass this check; here they fail
-  // later, at the device (no GPU or no CUDA build), or run where there is a GPU.
-  for (auto [rule, splits] : {std::pair{mala::SplitRule::seeded, 1}, std::pair{mala::SplitRule::per_split, 4}}) {
-    a.split_rule = rule;
-    a.num_splits = splits;
-    EXPECT_NE(mala::check(a).message.rfind("split_rule", 0), 0u) << mala::split_rule_name(rule) << " " << splits;
-  }
+  // Here they fail later, at the device (no GPU or no CUDA build; host memory), or not at all.
+  for (mala::SplitRule rule : {mala::SplitRule::seeded, mala::SplitRule::per_split})
+    for (int splits : {0, 1, 2, 132}) {
+      a.split_rule = rule;
+      a.num_splits = splits;
+      EXPECT_NE(mala::check(a).message.rfind("split_rule", 0), 0u) << mala::split_rule_name(rule) << " " << splits;
+    }
   // An unknown value is named on every device.
   a.split_rule = static_cast<mala::SplitRule>(7);
   EXPECT_EQ(mala::check(a).message.rfind("split_rule: must be per_split or seeded", 0), 0u);

@@ -4,6 +4,8 @@
 //   at most 1 in small cases); fwd_slots equal where no flip happened; poisoned outputs all written;
 //   no NaN; batch > 1 with different lengths; paged == contiguous; appended K/V present in the cache;
 //   num_splits = 1 equals the forward's last row; CUDA-graph capture replayed with new cache_seqlens.
+//   Both split rules (seeded, the default, and per_split) at 1, 2, 16 and 132 splits; with the seeded
+//   rule the omitted mass stays within tau / (1 + tau) over thousands of rows.
 // Every test runs once per split-kernel instance (the kernel override of src/cuda/backend.h, a test
 // parameter): the dispatch's own choice and the instance sized for sm_80's shared memory.
 #include <algorithm>
@@ -31,7 +33,10 @@ struct Case {
   float tau = 1.f;
   DType dtype = DType::bf16;
   int num_splits = 0;
+  mala::SplitRule split_rule = mala::SplitRule::seeded;  // the library's default
   double sharpness = 0;  // > 0: synthetic structure (keys near the query position score high)
+  float q_std = 1.f;     // query entries ~ N(0, q_std^2): larger is sharper attention on random keys
+  float ramp = 0;        // > 0: scores fall by `ramp` nats per 128 keys from the newest key (+ N(0, 1))
   uint64_t seed = 1;
 };
 
@@ -42,12 +47,27 @@ struct Inputs {
 Inputs make_inputs(const Case& c) {
   Inputs in;
   const int64_t d = c.head_dim;
-  in.q = randn(c.batch * c.seqlen_q * c.heads_q * d, c.seed * 11 + 1);
+  in.q = randn(c.batch * c.seqlen_q * c.heads_q * d, c.seed * 11 + 1, c.q_std);
   in.kc = randn(c.batch * c.capacity * c.heads_kv * d, c.seed * 11 + 2);
   in.vc = randn(c.batch * c.capacity * c.heads_kv * d, c.seed * 11 + 3);
   const int64_t nn = std::max<int64_t>(c.seqlen_new, 1);
   in.kn = randn(c.batch * nn * c.heads_kv * d, c.seed * 11 + 4);
   in.vn = randn(c.batch * nn * c.heads_kv * d, c.seed * 11 + 5);
+  if (c.ramp > 0) {
+    // Dimension 0 carries the ramp: q[0] = sqrt(d) and K[pos][0] = -ramp * (Nk - 1 - pos) / 128, so
+    // q.k / sqrt(d) = the ramp plus the other dimensions' N(0, 1).  The mass falls off smoothly, so
+    // skipped tiles sit near the threshold and omit measurable mass.
+    for (int64_t i = 0; i < c.batch * c.seqlen_q * c.heads_q; ++i) in.q[i * d] = std::sqrt(static_cast<float>(d));
+    for (int64_t b = 0; b < c.batch; ++b) {
+      const int64_t nk = c.seqlens[b] + c.seqlen_new;
+      auto ramp_at = [&](int64_t pos) { return -c.ramp * static_cast<float>(nk - 1 - pos) / 128.f; };
+      for (int64_t h = 0; h < c.heads_kv; ++h) {
+        for (int64_t pos = 0; pos < c.capacity; ++pos) in.kc[((b * c.capacity + pos) * c.heads_kv + h) * d] = ramp_at(pos);
+        for (int64_t t = 0; t < c.seqlen_new; ++t)
+          in.kn[((b * c.seqlen_new + t) * c.heads_kv + h) * d] = ramp_at(c.seqlens[b] + t);
+      }
+    }
+  }
   if (c.sharpness > 0) {
     // A shared direction u: the queries carry +a*u, a few "needle" keys and the most recent keys
     // carry +a*u too, so the decode rows attend sharply to them and skip most of the cache.
@@ -99,6 +119,7 @@ mala::DecodeArgs base_args(const Case& c) {
   a.tau = c.tau;
   a.pack_gqa = c.pack;
   a.num_splits = c.num_splits;
+  a.split_rule = c.split_rule;
   return a;
 }
 
@@ -323,9 +344,9 @@ Report check_case(const Case& c, const char* name) {
   }
   EXPECT_EQ(g.kc_after, r.kc_after) << name << ": K cache after append differs";
   EXPECT_EQ(g.vc_after, r.vc_after) << name << ": V cache after append differs";
-  std::printf("[decode] %-28s tiles %dx%d splits %3d  O err %.2e  lse err %.2e  retained %.3f  flips %zu/%zu\n", name,
-              g.tiles.block_q, g.tiles.block_k, g.splits, rep.o_err, rep.lse_err, rep.retained_gpu, rep.flips,
-              rep.legal);
+  std::printf("[decode] %-28s %-9s tiles %dx%d splits %3d  O err %.2e  lse err %.2e  retained %.3f  flips %zu/%zu\n",
+              name, mala::split_rule_name(c.split_rule), g.tiles.block_q, g.tiles.block_k, g.splits, rep.o_err,
+              rep.lse_err, rep.retained_gpu, rep.flips, rep.legal);
   return rep;
 }
 
@@ -620,6 +641,144 @@ TEST_P(GpuDecode, GraphCaptureReplay) {
   }
 }
 
+// Both split rules against the CPU reference on structured inputs (tiles are skipped): 1, 2, 16, 132
+// splits (132 leaves splits of the shorter sequence without tiles), packed GQA, one token and five
+// tokens with five appended keys (two query tiles of different L_q), and the paged cache equal to
+// the contiguous one bit for bit.  Seeded keeps far less than per_split at many splits.
+TEST_P(GpuDecode, SplitRulesAgainstCpu) {
+  REQUIRE_GPU();
+  for (int tokens : {1, 5})
+    for (int splits : {1, 2, 16, 132}) {
+      double retained[2] = {0, 0};
+      for (mala::SplitRule rule : {mala::SplitRule::seeded, mala::SplitRule::per_split}) {
+        Case c;
+        c.batch = 2;
+        c.heads_q = 8;
+        c.heads_kv = 2;
+        c.seqlen_q = tokens;
+        c.seqlen_new = tokens > 1 ? tokens : 0;
+        c.capacity = 20736;  // a multiple of both page sizes below (equal tile_mask widths)
+        c.seqlens = {20000, 9000};
+        c.sharpness = tokens == 1 ? 4.0 : 0.0;  // needles; a score ramp (tiles near the threshold)
+        c.ramp = tokens == 1 ? 0.f : 1.f;
+        c.num_splits = splits;
+        c.split_rule = rule;
+        c.seed = 3 + splits + tokens;
+        const std::string name = "Nq=" + std::to_string(tokens) + " splits=" + std::to_string(splits);
+        Inputs in = make_inputs(c);
+        Outputs contiguous, paged;
+        run_gpu(c, in, &contiguous);
+        c.page_size = splits % 2 ? 256 : 48;  // a tile inside one page; pages smaller than a tile
+        run_gpu(c, in, &paged);
+        ASSERT_FALSE(::testing::Test::HasFatalFailure());
+        EXPECT_EQ(contiguous.o, paged.o) << name;
+        EXPECT_EQ(contiguous.lse, paged.lse) << name;
+        EXPECT_EQ(contiguous.mask, paged.mask) << name;
+        EXPECT_EQ(contiguous.slots, paged.slots) << name;
+        c.page_size = 0;
+        retained[rule == mala::SplitRule::seeded ? 0 : 1] = check_case(c, name.c_str()).retained_gpu;
+      }
+      if (splits >= 16) EXPECT_LT(retained[0], retained[1]) << "seeded keeps less than per_split, " << splits << " splits";
+    }
+}
+
+// One split: both rules are the forward rule, bit for bit (nothing seeded, tile 0 not forced).
+TEST_P(GpuDecode, OneSplitRulesEqual) {
+  REQUIRE_GPU();
+  Case c;
+  c.batch = 2;
+  c.seqlen_q = 3;
+  c.seqlen_new = 3;
+  c.heads_q = 8;
+  c.heads_kv = 2;
+  c.capacity = 6000;
+  c.seqlens = {5990, 700};
+  c.sharpness = 4.0;
+  c.num_splits = 1;
+  Inputs in = make_inputs(c);
+  Outputs seeded, per_split;
+  c.split_rule = mala::SplitRule::seeded;
+  run_gpu(c, in, &seeded);
+  c.split_rule = mala::SplitRule::per_split;
+  run_gpu(c, in, &per_split);
+  ASSERT_FALSE(::testing::Test::HasFatalFailure());
+  EXPECT_EQ(seeded.splits, 1);
+  EXPECT_EQ(seeded.o, per_split.o);
+  EXPECT_EQ(seeded.lse, per_split.lse);
+  EXPECT_EQ(seeded.mask, per_split.mask);
+  EXPECT_EQ(seeded.slots, per_split.slots);
+}
+
+// The guarantee of the seeded rule over thousands of rows (MALA_SPEC "Seeded split-KV"): every row's
+// omitted dense mass 1 - exp(lse - lse_dense) is at most tau / (1 + tau) (lse_dense: the same call
+// at tau = 0), no row ends empty, tile 0 and the newest tile of every query tile are retained.
+// Random keys with wide queries (nothing is skipped: the bound must hold trivially), score ramps of
+// 1 and 4 nats per tile (skipped tiles near the threshold) and needles (sharp: nearly everything
+// skipped); 16 to 132 splits; packed GQA with three tokens (two query tiles whose rows see different
+// numbers of keys) and appended K/V.  (With 128-key tiles the omitted mass stays far below the bound:
+// the CPU reference of these inputs reaches about 2% of it.)
+TEST_P(GpuDecode, SeededOmittedMassWithinBound) {
+  REQUIRE_GPU();
+  int64_t rows = 0, skipped = 0;
+  double worst = 0;  // largest omitted mass / bound
+  for (int input = 0; input < 4; ++input) {
+    Case c;
+    c.batch = 6;
+    c.seqlen_q = 3;
+    c.seqlen_new = 3;
+    c.heads_q = 16;
+    c.heads_kv = 2;
+    c.capacity = 16384;
+    c.seqlens = {16000, 9000, 4000, 1500, 300, 40};
+    c.q_std = input == 0 ? 3.f : 1.f;
+    c.ramp = input == 1 ? 1.f : input == 2 ? 4.f : 0.f;
+    c.sharpness = input == 3 ? 2.0 : 0.0;
+    c.seed = 21 + input;
+    const Inputs in = make_inputs(c);
+    c.tau = 0.f;
+    Outputs dense;
+    run_gpu(c, in, &dense);
+    ASSERT_FALSE(::testing::Test::HasFatalFailure());
+    for (float tau : {0.5f, 1.f, 2.f})
+      for (int splits : {16, 64, 132}) {
+        c.tau = tau;
+        c.num_splits = splits;
+        Outputs g;
+        run_gpu(c, in, &g);
+        ASSERT_FALSE(::testing::Test::HasFatalFailure());
+        const std::string what = "input " + std::to_string(input) + " tau=" + std::to_string(tau) +
+                                 " splits=" + std::to_string(splits);
+        ASSERT_EQ(g.poison, 0u) << what;
+        ASSERT_EQ(g.nan, 0u) << what;
+        const double bound = tau / (1.0 + tau);
+        for (size_t r = 0; r < g.lse.size(); ++r) {
+          ASSERT_TRUE(std::isfinite(g.lse[r])) << what << " row " << r << ": no row may end empty";
+          ASSERT_GT(g.slots[r], 0) << what << " row " << r;
+          const double omitted = 1.0 - std::exp(static_cast<double>(g.lse[r]) - dense.lse[r]);
+          ASSERT_LE(omitted, bound + 1e-4) << what << " row " << r;
+          worst = std::max(worst, omitted / bound);
+          ++rows;
+        }
+        const int64_t nkt = (c.capacity + g.tiles.block_k - 1) / g.tiles.block_k;
+        for (size_t base = 0; base < g.mask.size(); base += static_cast<size_t>(nkt)) {
+          int64_t newest = -1;
+          for (int64_t j = 0; j < nkt; ++j) {
+            skipped += g.mask[base + j] == mala::kTileSkipped;
+            if (g.mask[base + j] != mala::kTileIllegal) newest = j;
+          }
+          if (newest < 0) continue;
+          ASSERT_EQ(g.mask[base], mala::kTileRetained) << what << ": tile 0 of query tile " << base / nkt;
+          ASSERT_EQ(g.mask[base + newest], mala::kTileRetained) << what << ": newest tile of query tile " << base / nkt;
+        }
+      }
+  }
+  std::printf("[decode] seeded bound: %lld rows, %lld skipped tiles, worst omitted mass %.3f of the bound\n",
+              static_cast<long long>(rows), static_cast<long long>(skipped), worst);
+  EXPECT_GE(rows, 5000);
+  EXPECT_GT(skipped, 1000) << "the property must be exercised with skipping";
+  EXPECT_GT(worst, 0.005) << "skipping must omit some mass";
+}
+
 TEST_P(GpuDecode, SmallForSanitizer) {
   REQUIRE_GPU();
   Case c;
@@ -641,6 +800,8 @@ TEST_P(GpuDecode, SmallForSanitizer) {
   check_case(c, "small paged 128");
   c.page_size = 48;  // neither a power of two nor a multiple of the tile
   c.capacity = 720;
+  check_case(c, "small paged 48");
+  c.split_rule = mala::SplitRule::per_split;
   check_case(c, "small paged 48");
 }
 

@@ -121,6 +121,21 @@ __device__ __forceinline__ bool warp_tile_skip_online(const float (&tile_max)[MT
   return warp_vote_skip(lane_rows_allow_skip<MT>(tile_max, log_norm, log_thr));
 }
 
+// The same test against a denominator the caller keeps (the seeded decode refreshes it only when its
+// running mass changes): log_norm [MT][2], log2 domain.
+template <int MT>
+__device__ __forceinline__ bool warp_tile_skip_norm(const float (&tile_max)[MT][2], const float (&log_norm)[MT][2],
+                                                    const float (&log_thr)[MT][2]) {
+  return warp_vote_skip(lane_rows_allow_skip<MT>(tile_max, log_norm, log_thr));
+}
+// The seeded split-KV denominator (MALA_SPEC "Seeded split-KV") in the kernels' base 2:
+// log2(2^log2_anchor + 2^m l), rule::log_add_exp carried over from natural logs.  log2_anchor = -inf
+// (no anchor mass) gives m + log2(l) up to rounding; nothing at all gives -inf.
+__device__ __forceinline__ float seeded_log2_norm(float log2_anchor, float m, float l) {
+  constexpr float kLn2 = 0.69314718055994531f;
+  return rule::log_add_exp(log2_anchor * kLn2, log2_norm(m, l) * kLn2) * (1.f / kLn2);
+}
+
 // ---- votes over more than one warp ------------------------------------------------------------------
 
 // pair_vote_flags: the warp pair's decision from its two warps' retentions (two-warpgroup forward).

@@ -29,10 +29,12 @@ namespace {
 using cuda::kDecodeBlockQ;
 
 constexpr int kMaxSplits = 256;
-// tau > 0 uses the same one-wave split count as tau = 0.  Fewer splits would retain less (each split
-// retains its first legal tile and tests against its own partial normalizer), but the lost
-// parallelism costs more than the skipped V saves (mala_bench --op decode --sweep shows it).
-// Callers who know their attention is sharp can pass num_splits.
+// tau > 0 uses the same one-wave split count as tau = 0.  Under the seeded rule (the default) a
+// split skips about what the unsplit rule skips, so more splits cost little retention (tile 0 and
+// the newest tiles are kept, and each split reads the anchors' K once more).  Under per_split each
+// split tests against its own partial normalizer and far splits keep nearly everything; fewer
+// splits would retain less there, but the lost parallelism costs more than the skipped V saves
+// (mala_bench --op decode --sweep shows it).
 
 struct Geometry {
   int64_t block_k, capacity, n_cap, HS, R, NQT;
@@ -161,7 +163,7 @@ Status decode(const DecodeArgs& a) {
     return Status::error("dtype: CUDA decode supports bfloat16 and float16");
   const int d = static_cast<int>(a.head_dim);
   const Geometry g = geometry(a);
-  const int splits = cuda_backend::decode_num_splits(a);  // check() refused seeded with > 1 split
+  const int splits = cuda_backend::decode_num_splits(a);
   const bool paged = a.block_table != nullptr;
   const int64_t cache_rows = paged ? a.page_size : a.cache_capacity;
   const int64_t new_rows = std::max<int64_t>(a.seqlen_new, 1);
@@ -221,6 +223,7 @@ Status decode(const DecodeArgs& a) {
   p.n_cap = static_cast<int>(g.n_cap);
   p.causal = a.causal ? 1 : 0;
   p.pack = a.pack_gqa ? 1 : 0;
+  p.seeded = a.split_rule == SplitRule::seeded && splits > 1 ? 1 : 0;
   const float scale = a.softmax_scale > 0.f ? a.softmax_scale : 1.0f / std::sqrt(static_cast<float>(d));
   p.scale_log2 = rule::scale_log2(scale);
   p.log2_tau = rule::log2_tau(a.tau);

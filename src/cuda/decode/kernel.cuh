@@ -3,6 +3,13 @@
 // Split kernel: one CTA of 4 warps per (query tile of 16 packed rows, split, query-tile owner, batch).
 // It walks the split's legal key tiles newest first (rule::split_tiles of ceil(Nk/BK) tiles) with its
 // own m, l and tests every tile with rule::row_allows_skip against the FULL L_q (log2 domain).
+// Seeded split rule (p.seeded, MALA_SPEC "Seeded split-KV"): the walk is preceded by the anchor
+// tiles the split does not own (key tile 0 and the rows' newest legal tiles, rule::is_anchor_tile):
+// their K goes through the same K ring and QK, and their exact per-row mass over legal keys is kept
+// as a second online pair (ma, la), no P, no V.  The test's denominator is then
+// log_add_exp(ma + log2(la), m + log2(l)) (seeded_log2_norm), refreshed whenever l changes; owned
+// anchor tiles are retained without a test.  Scoring them first keeps the pipeline uniform (one
+// K ring, every iteration commits the same groups) and hides their loads behind the prologue.
 //   QK^T : warp w computes the scores of keys [w*BK/4, (w+1)*BK/4) for all 16 rows (mma m16n8k16);
 //          row maxima are exchanged through shared memory (one barrier) so every warp holds the
 //          whole tile's row max and takes the same decision (warp_tile_skip_online).
@@ -22,6 +29,7 @@
 #pragma once
 
 #include <cuda_runtime.h>
+#include <limits.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -123,6 +131,8 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) decode_split_kernel(const D
   static_assert(NF % 2 == 0 && NDF % 2 == 0 && (BK * DCH) % kDecodeThreads == 0, "tile shape");
   static_assert(NST >= 2, "at least two K stages");
   static_assert(kDense || DEFER + 1 <= NV, "a ring slot is drained before it is refilled");
+  // The 16 rows of a query tile see at most 16 consecutive L_q: their newest tiles are at most two.
+  static_assert(BK >= kDecodeBlockQ, "a query tile's newest legal tiles span at most two key tiles");
 
   extern __shared__ __align__(128) unsigned char smem_raw[];
   T* bufs = reinterpret_cast<T*>(smem_raw);
@@ -175,7 +185,41 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) decode_split_kernel(const D
   int tb, te;
   rule::split_tiles(n_tiles, p.S, split, &tb, &te);
   const int te_l = min(te, rule::ceil_div(max_L, BK));  // legal tiles end
-  const int n_it = max(te_l - tb, 0);
+  const int n_own = max(te_l - tb, 0);
+
+  // Seeded: the anchors [0] and [newest_lo, newest_hi] (newest_hi - newest_lo <= 1, see the
+  // static_assert).  The split scores the ones outside [tb, te) first (iterations [0, na)), in the
+  // order tile 0, newest_lo, newest_hi; a split without legal tiles scores none.
+  const bool seeded = !kDense && p.seeded != 0;
+  int newest_lo = 0, newest_hi = -1;
+  if (seeded) {
+    int lo = INT_MAX, hi = -1;
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+      if (L[h] > 0) {
+        lo = min(lo, rule::newest_tile(L[h], BK));
+        hi = max(hi, rule::newest_tile(L[h], BK));
+      }
+    newest_lo = __reduce_min_sync(0xffffffffu, lo);
+    newest_hi = __reduce_max_sync(0xffffffffu, hi);
+  }
+  auto owned = [&](int j) { return j >= tb && j < te; };
+  const bool sc0 = seeded && n_own > 0 && newest_lo > 0 && !owned(0);
+  const bool sc1 = seeded && n_own > 0 && !owned(newest_lo);
+  const bool sc2 = seeded && n_own > 0 && newest_hi > newest_lo && !owned(newest_hi);
+  const int na = sc0 + sc1 + sc2;
+  const int n_it = na + n_own;
+  // Key tile of iteration it: the anchors, then the split's own tiles newest first.
+  auto tile_of = [&](int it) {
+    if (it >= na) return te_l - 1 - (it - na);
+    if (sc0 && it == 0) return 0;
+    return (sc1 && it == sc0) ? newest_lo : newest_hi;
+  };
+  auto forced = [&](int j) { return seeded && rule::is_anchor_tile(j, newest_lo, newest_hi); };
+  // The iteration whose V travels with its K (-1: none): the split's first own tile when it is
+  // certain to be retained: under per_split, or seeded without a seed (na = 0), nothing is retained
+  // before it, so its test cannot pass; seeded, a forced anchor.  Otherwise the seed may skip it.
+  const int v_early = (!seeded || na == 0 || (n_own > 0 && forced(te_l - 1))) ? na : -1;
 
   uint8_t* mask = p.tile_mask ? p.tile_mask + (static_cast<int64_t>(b * p.HS + hs) * p.NQT + qt) * p.n_cap : nullptr;
   if (mask) {
@@ -193,14 +237,14 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) decode_split_kernel(const D
   auto kbuf = [&](int it) { return bufs + (it % NST) * TILE; };
   auto vbuf = [&](int it) { return bufs + (NST + it % (kDense ? NST : NV)) * TILE; };
   auto pbuf = [&](int it) { return sP + (kDense ? 0 : it % NV) * kDecodeBlockQ * BK; };
-  // K (and V when dense) of iteration it, as one commit group (an empty group past the end keeps
-  // the group count of every iteration the same).  The split's first legal tile is always retained
-  // (nothing is retained yet, so its test cannot pass): its V travels with K in both variants.
+  // K (and V when dense or it == v_early) of iteration it, as one commit group (an empty group past
+  // the end keeps the group count of every iteration the same).  No V was loaded before v_early
+  // (anchor iterations have none), so its V slot is free whenever its K is issued.
   auto issue = [&](int it) {
     if (it < n_it) {
-      const int j = te_l - 1 - it;
+      const int j = tile_of(it);
       load_tile(kbuf(it), gk, p.k_sb, p.k_sr, p.k_sh, j);
-      if (kDense || it == 0) load_tile(vbuf(it), gv, p.v_sb, p.v_sr, p.v_sh, j);
+      if (kDense || it == v_early) load_tile(vbuf(it), gv, p.v_sb, p.v_sr, p.v_sh, j);
     }
     cp_async_commit();
   };
@@ -256,34 +300,47 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) decode_split_kernel(const D
     scale_acc(f);
     pv(pbuf(it_d), vbuf(it_d));
   };
-  // l = l * alpha + the row sums of a retained tile's P from all warps (red_sum parity it_r & 1).
-  // Sparse: it waits for the next top barrier; pend_l / alpha_l carry it.
+  // Seeded: (ma, la), the online max and sum of the anchor tiles' scores (log2 units), and the test's
+  // denominator log_norm (seeded_log2_norm of both pairs), refreshed whenever l or la changes (m
+  // changes only with l).  Per_split tests with warp_tile_skip_online on (m, l) directly.
+  float ma[2] = {-INFINITY, -INFINITY}, la[2] = {0.f, 0.f};
+  float log_norm[1][2] = {{-INFINITY, -INFINITY}};
+  // l = l * alpha + the row sums of a retained tile's P from all warps (red_sum parity it_r & 1); la
+  // likewise for an anchor tile's exp2 sums.  Sparse: it waits for the next top barrier; pend_l /
+  // alpha_l carry it.
   bool pend_l = false;
   float alpha_l[2] = {1.f, 1.f};
   auto apply_l = [&](int it_r) {
     const float* rs = red_sum + (it_r & 1) * 4 * kDecodeBlockQ;
+    const bool anchor = it_r < na;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       float sum = 0.f;
 #pragma unroll
       for (int w = 0; w < 4; ++w) sum += rs[w * kDecodeBlockQ + gid + 8 * h];
-      l[0][h] = l[0][h] * alpha_l[h] + sum;
+      if (anchor) la[h] = la[h] * alpha_l[h] + sum;
+      else l[0][h] = l[0][h] * alpha_l[h] + sum;
+      if (seeded) log_norm[0][h] = seeded_log2_norm(log2_norm(ma[h], la[h]), m[0][h], l[0][h]);
     }
   };
   uint32_t pend_pv = 0;  // sparse: bit d set = the tile of iteration it - 1 - d awaits its PV
 
   for (int it = 0; it < n_it; ++it) {
-    const int j = te_l - 1 - it;
+    const int j = tile_of(it);
+    const bool anchor = it < na;
     if (kDense) {
       cp_async_wait<NST - 2>();
     } else {
-      // Groups committed so far: Q, the NST - 1 prologue groups (K(0) with V(0), K(1), ...), then two
-      // per iteration (V of the tile if retained, else empty; K of the tile NST - 1 ahead).  K(it)
-      // must be complete, and V of the tile to drain (iteration it - DEFER) if there is one.
-      int after = it <= NST - 2 ? (NST - 2 - it) + 2 * it : 2 * (NST - 2);  // groups newer than K(it)
+      // Groups committed so far: Q, the NST - 1 prologue groups (K(0), K(1), ..., V(v_early) with its
+      // K), then two per iteration (V of the tile if retained, else empty; K of the tile NST - 1
+      // ahead).  K(it) must be complete, and V of the tile to drain (iteration it - DEFER) if any.
+      auto k_newer = [&](int i) {  // groups committed after K(i), as of this wait
+        return i <= NST - 2 ? (NST - 2 - i) + 2 * it : 2 * (NST - 2) + 2 * (it - i);
+      };
+      int after = k_newer(it);
       if (pend_pv & (1u << (DEFER - 1))) {
-        const int i = it - DEFER;  // its V: in the prologue group (i = 0) or iteration i's first group
-        after = min(after, i == 0 ? (NST - 2) + 2 * it : 2 * (it - i) - 1);
+        const int i = it - DEFER;  // its V: with K(i) (i = v_early) or in iteration i's first group
+        after = min(after, i == v_early ? k_newer(i) : 2 * (it - i) - 1);
       }
       cp_async_wait_dyn(after);
     }
@@ -329,16 +386,40 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) decode_split_kernel(const D
     mx[1] = warp_max_quad(mx[1]);
     float tmax[1][2];
     cta_row_max_exchange(mx, red_max, warp, gid, tig, tmax);
-    // The tile test (identical inputs in every warp, so every warp takes the same decision).
-    const bool skip = kDense ? false : warp_tile_skip_online<1>(tmax, m, l, log_thr);
-    if (mask && tid == 0) mask[j] = skip ? kTileSkipped : kTileRetained;
+    // The tile test (identical inputs in every warp, so every warp takes the same decision).  An
+    // anchor iteration is not tested (its mass goes to the seed); seeded, owned anchors are kept.
+    bool skip = false;
+    if (!kDense && !anchor && !forced(j))
+      skip = seeded ? warp_tile_skip_norm<1>(tmax, log_norm, log_thr) : warp_tile_skip_online<1>(tmax, m, l, log_thr);
+    if (mask && tid == 0 && !anchor) mask[j] = skip ? kTileSkipped : kTileRetained;
     if (!kDense) {
-      // V only after the test (V(0) came with K(0)); one group per iteration even when skipped.
-      if (!skip && it > 0) load_tile(vbuf(it), gv, p.v_sb, p.v_sr, p.v_sh, j);
+      // V only after the test (V(v_early) came with its K); one group per iteration even when skipped.
+      if (!skip && !anchor && it != v_early) load_tile(vbuf(it), gv, p.v_sb, p.v_sr, p.v_sh, j);
       cp_async_commit();
       issue(it + NST - 1);
     }
     if (skip) continue;
+    if (anchor) {
+      // The anchor tile's exact mass per row: (ma, la) updated like (m, l), la at the next top barrier.
+      float psa[2] = {0.f, 0.f};
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const float m_new = fmaxf(ma[h], tmax[0][h]);
+        const float mu = m_new == -INFINITY ? 0.f : m_new;
+        alpha_l[h] = exp2f(ma[h] - mu);
+        ma[h] = m_new;
+#pragma unroll
+        for (int nf = 0; nf < NF; ++nf) psa[h] += exp2f(sc[nf][2 * h] - mu) + exp2f(sc[nf][2 * h + 1] - mu);
+        psa[h] = warp_sum_quad(psa[h]);
+      }
+      float* rs = red_sum + (it & 1) * 4 * kDecodeBlockQ;
+      if (tig == 0) {
+        rs[warp * kDecodeBlockQ + gid] = psa[0];
+        rs[warp * kDecodeBlockQ + gid + 8] = psa[1];
+      }
+      pend_l = true;
+      continue;
+    }
     ++retained;
 
     // Online softmax update; P -> shared.
@@ -392,7 +473,7 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) decode_split_kernel(const D
   cp_async_wait<0>();  // nothing may stay in flight into exited shared memory
   if (!kDense) {
     __syncthreads();  // the last V slots, P slots, m slots and row sums visible
-    if (pend_l) apply_l(n_it - 1);
+    if (pend_l) apply_l(n_it - 1);  // (the last iteration is an own tile: na > 0 needs n_own > 0)
 #pragma unroll
     for (int d = DEFER - 1; d >= 0; --d)
       if (pend_pv & (1u << d)) drain(n_it - 1 - d);

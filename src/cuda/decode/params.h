@@ -73,6 +73,7 @@ struct DecodeParams {
   int S;     // splits
   int n_cap; // key tiles of the capacity (tile_mask width)
   int causal, pack;
+  int seeded;  // split_rule = seeded and S > 1 (S = 1: the forward rule, nothing seeded or forced)
   float scale_log2;  // softmax_scale * log2(e)
   float log2_tau;    // log2(tau), -inf for tau = 0
 
