@@ -305,9 +305,8 @@ struct Report {
   size_t flips = 0, legal = 0;
 };
 
-Report check_case(const Case& c, const char* name) {
+Report check_case(const Case& c, const Inputs& in, const char* name) {
   Report rep;
-  Inputs in = make_inputs(c);
   Outputs g, r;
   run_gpu(c, in, &g);
   if (::testing::Test::HasFatalFailure()) return rep;
@@ -349,6 +348,7 @@ Report check_case(const Case& c, const char* name) {
               rep.lse_err, rep.retained_gpu, rep.flips, rep.legal);
   return rep;
 }
+Report check_case(const Case& c, const char* name) { return check_case(c, make_inputs(c), name); }
 
 bool have_gpu() { return mala::cuda_available(); }
 
@@ -647,39 +647,41 @@ TEST_P(GpuDecode, GraphCaptureReplay) {
 // the contiguous one bit for bit.  Seeded keeps far less than per_split at many splits.
 TEST_P(GpuDecode, SplitRulesAgainstCpu) {
   REQUIRE_GPU();
-  for (int tokens : {1, 5})
+  for (int tokens : {1, 5}) {
+    Case c;
+    c.batch = 2;
+    c.heads_q = 8;
+    c.heads_kv = 2;
+    c.seqlen_q = tokens;
+    c.seqlen_new = tokens > 1 ? tokens : 0;
+    c.capacity = 20736;  // a multiple of both page sizes below (equal tile_mask widths)
+    c.seqlens = {20000, 9000};
+    c.sharpness = tokens == 1 ? 4.0 : 0.0;  // needles; a score ramp (tiles near the threshold)
+    c.ramp = tokens == 1 ? 0.f : 1.f;
+    c.seed = 3 + tokens;
+    const Inputs in = make_inputs(c);
     for (int splits : {1, 2, 16, 132}) {
       double retained[2] = {0, 0};
       for (mala::SplitRule rule : {mala::SplitRule::seeded, mala::SplitRule::per_split}) {
-        Case c;
-        c.batch = 2;
-        c.heads_q = 8;
-        c.heads_kv = 2;
-        c.seqlen_q = tokens;
-        c.seqlen_new = tokens > 1 ? tokens : 0;
-        c.capacity = 20736;  // a multiple of both page sizes below (equal tile_mask widths)
-        c.seqlens = {20000, 9000};
-        c.sharpness = tokens == 1 ? 4.0 : 0.0;  // needles; a score ramp (tiles near the threshold)
-        c.ramp = tokens == 1 ? 0.f : 1.f;
         c.num_splits = splits;
         c.split_rule = rule;
-        c.seed = 3 + splits + tokens;
         const std::string name = "Nq=" + std::to_string(tokens) + " splits=" + std::to_string(splits);
-        Inputs in = make_inputs(c);
         Outputs contiguous, paged;
+        c.page_size = 0;
         run_gpu(c, in, &contiguous);
-        c.page_size = splits % 2 ? 256 : 48;  // a tile inside one page; pages smaller than a tile
+        c.page_size = tokens == 1 ? 256 : 48;  // a tile inside one page; pages smaller than a tile
         run_gpu(c, in, &paged);
+        c.page_size = 0;
         ASSERT_FALSE(::testing::Test::HasFatalFailure());
         EXPECT_EQ(contiguous.o, paged.o) << name;
         EXPECT_EQ(contiguous.lse, paged.lse) << name;
         EXPECT_EQ(contiguous.mask, paged.mask) << name;
         EXPECT_EQ(contiguous.slots, paged.slots) << name;
-        c.page_size = 0;
-        retained[rule == mala::SplitRule::seeded ? 0 : 1] = check_case(c, name.c_str()).retained_gpu;
+        retained[rule == mala::SplitRule::seeded ? 0 : 1] = check_case(c, in, name.c_str()).retained_gpu;
       }
       if (splits >= 16) EXPECT_LT(retained[0], retained[1]) << "seeded keeps less than per_split, " << splits << " splits";
     }
+  }
 }
 
 // One split: both rules are the forward rule, bit for bit (nothing seeded, tile 0 not forced).
