@@ -39,6 +39,7 @@ struct Options {
   // --bwd-q-stages, --bwd-head-splits; set for the whole run by main.
   mala::cuda_backend::KernelOverride kernels;
   bool check = false;                                    // also compare with the CPU (small N only)
+  bool deterministic = false;                            // backward: BackwardArgs::deterministic
   // Forward: time the taus of one input in alternation (tau_a, tau_b, tau_a, ... per iteration)
   // instead of one after the other, so GPU clock drift (power limit, heating) does not favour
   // whichever tau runs first.
@@ -182,6 +183,8 @@ inline Options parse_options(int argc, char** argv) {
     else if (a == "--bwd-q-stages") o.kernels.bwd_q_stages = std::stoi(next());
     else if (a == "--bwd-head-splits") o.kernels.bwd_head_splits = std::stoi(next());
     else if (a == "--check") o.check = true;
+    else if (a == "--deterministic") o.deterministic = true;
+    else if (a == "--bwd-q-order") o.kernels.bwd_q_order = std::stoi(next());
     else if (a == "--interleave") o.interleave = true;
     else if (a == "--real") o.real = split_list(next());
     else if (a == "--varlen") o.varlen = true;

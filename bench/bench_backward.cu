@@ -31,8 +31,8 @@ int run_backward_bench(int argc, char** argv) {
   if (opt.real.empty())
     std::snprintf(shape, sizeof shape, "B=%lld Hq=%lld Hkv=%lld d=%lld", (long long)opt.batch, (long long)opt.heads_q,
                   (long long)opt.heads_kv, (long long)opt.head_dim);
-  std::printf("== backward: %s %s %s, %s (device %s)\n", mala::dtype_name(opt.dtype), shape,
-              opt.causal ? "causal" : "non-causal",
+  std::printf("== backward: %s %s %s%s, %s (device %s)\n", mala::dtype_name(opt.dtype), shape,
+              opt.causal ? "causal" : "non-causal", opt.deterministic ? ", deterministic" : "",
               opt.interleave ? "median of --iters, L2 flushed, taus interleaved" : "median of --iters, L2 flushed",
               mala::device_name().c_str());
   std::printf("%-10s %5s %6s %4s %10s %8s %10s %9s %9s\n", "regime", "sharp", "N", "tau", "bwd ms", "TFLOP/s",
@@ -145,6 +145,7 @@ int run_backward_bench(int argc, char** argv) {
       a.head_dim = d;
       a.causal = opt.causal;
       a.tau = tau;
+      a.deterministic = opt.deterministic;
       const size_t ws_need = mala::backward_workspace_size(a);
       if (ws.bytes < ws_need) ws.alloc(ws_need);
       // Realized work (untimed call with the counters on).

@@ -310,8 +310,10 @@ Status check_overlap(const BackwardArgs& a) {
   const size_t es = dtype_size(a.dtype);
   const bool varlen = a.cu_seqlens_q != nullptr;
   const int64_t nb = varlen ? 1 : a.batch;
-  const int64_t rq = varlen ? total_rows(a.device, a.cu_seqlens_q, a.batch, a.seqlen_q) : a.seqlen_q;
-  const int64_t rk = varlen ? total_rows(a.device, a.cu_seqlens_k, a.batch, a.seqlen_k) : a.seqlen_k;
+  int64_t rq = varlen ? total_rows(a.device, a.cu_seqlens_q, a.batch, a.seqlen_q) : a.seqlen_q;
+  int64_t rk = varlen ? total_rows(a.device, a.cu_seqlens_k, a.batch, a.seqlen_k) : a.seqlen_k;
+  if (varlen && a.total_q > 0) rq = a.total_q;
+  if (varlen && a.total_k > 0) rk = a.total_k;
   const int64_t rows = a.heads_q * (varlen ? rq : a.batch * a.seqlen_q);
   const Tiles t = backward_tiles(a);
   const std::vector<Region> in = {
@@ -438,6 +440,25 @@ Status check_arguments(const BackwardArgs& a) {
   }
   RowSpace rs;
   MALA_TRY(check_varlen_and_rows(s, &rs));
+  const struct {
+    int64_t total, seqlen;
+    const int32_t* cu;
+    const char *name, *cu_name, *seqlen_name;
+    int64_t* rows;
+  } totals[] = {{a.total_q, a.seqlen_q, a.cu_seqlens_q, "total_q", "cu_seqlens_q", "seqlen_q", &rs.rows_q},
+                {a.total_k, a.seqlen_k, a.cu_seqlens_k, "total_k", "cu_seqlens_k", "seqlen_k", &rs.rows_k}};
+  for (const auto& x : totals) {
+    if (x.total == 0) continue;
+    if (!x.cu) return fail(x.name, std::string("is for varlen inputs (") + x.cu_name + ") only");
+    if (x.total < 0 || x.total > kMaxSeqlen) return fail(x.name, "must be in [0, 2^31) (got " + str(x.total) + ")");
+    if (x.total < x.seqlen)
+      return fail(x.name, std::string("is below ") + x.seqlen_name + ", the longest sequence (" + str(x.total) +
+                              " < " + str(x.seqlen) + ")");
+    if (a.device == Device::cpu && x.total < x.cu[a.batch])
+      return fail(x.name, std::string("is below ") + x.cu_name + "[batch] (" + str(x.total) + " < " +
+                              str(x.cu[a.batch]) + ")");
+    *x.rows = x.total;
+  }
   const struct {
     const char* name;
     const Strides* st;

@@ -116,11 +116,18 @@ struct BackwardArgs {
 
   const int32_t* cu_seqlens_q = nullptr;
   const int32_t* cu_seqlens_k = nullptr;
+  // Varlen, optional: the rows of the packed q (and o, dout, dq) and of k (and v, dk, dv), as
+  // ForwardArgs::total_k.  Given both, the Hopper backward loads by TMA (its fastest kernel).
+  int64_t total_q = 0, total_k = 0;
 
   bool causal = true;
   float softmax_scale = 0.f;
   float tau = 1.0f;
   int block_q = 0, block_k = 0;
+  // dQ, dK and dV bit-identical from run to run: dQ is added in a fixed order of key tiles, dK and dV
+  // are never split over CTAs.  CUDA: the Hopper backward (sm_90, head dims 64 and 128, tensors the
+  // TMA can describe) only; the CPU backward is deterministic anyway.
+  bool deterministic = false;
   // CUDA: scratch of backward_workspace_size() bytes (fp32 dQ accumulator, rowsum(dO*O), lse in log2).
   // Null = allocated stream-ordered inside the call.
   void* workspace = nullptr;

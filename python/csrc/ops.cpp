@@ -266,15 +266,18 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> forward_impl(const Tensor& q_in, cons
   return {out, lse, slots, tile_mask};
 }
 
+// `deterministic` is the backward's (autograd saves it with the forward's inputs, as flash_attn).
 std::tuple<Tensor, Tensor, Tensor, Tensor> fwd(const Tensor& q, const Tensor& k, const Tensor& v, double tau,
-                                               bool causal, double softmax_scale, bool return_stats) {
+                                               bool causal, double softmax_scale, bool return_stats,
+                                               bool /*deterministic*/) {
   return forward_impl(q, k, v, nullptr, tau, causal, softmax_scale, return_stats);
 }
 
 std::tuple<Tensor, Tensor, Tensor, Tensor> fwd_varlen(const Tensor& q, const Tensor& k, const Tensor& v,
                                                       const Tensor& cu_seqlens_q, const Tensor& cu_seqlens_k,
                                                       int64_t max_seqlen_q, int64_t max_seqlen_k, double tau,
-                                                      bool causal, double softmax_scale, bool return_stats) {
+                                                      bool causal, double softmax_scale, bool return_stats,
+                                                      bool /*deterministic*/) {
   Varlen vl{&cu_seqlens_q, &cu_seqlens_k, max_seqlen_q, max_seqlen_k};
   return forward_impl(q, k, v, &vl, tau, causal, softmax_scale, return_stats);
 }
@@ -283,7 +286,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> fwd_varlen(const Tensor& q, const Ten
 
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> backward_impl(
     const Tensor& dout_in, const Tensor& q_in, const Tensor& k_in, const Tensor& v_in, const Tensor& out_in,
-    const Tensor& lse, const Varlen* varlen, double tau, bool causal, double softmax_scale, bool return_stats) {
+    const Tensor& lse, const Varlen* varlen, double tau, bool causal, double softmax_scale, bool return_stats,
+    bool deterministic) {
   const bool is_varlen = varlen != nullptr;
   const char* layout = is_varlen ? "[total, heads, head_dim]" : "[batch, seqlen, heads, head_dim]";
   const int64_t rank = is_varlen ? 3 : 4;
@@ -311,6 +315,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> backward_impl(
   a.softmax_scale = check_scale(softmax_scale);
   Tensor q = input_tensor(q_in, "q"), k = input_tensor(k_in, "k"), v = input_tensor(v_in, "v");
   Tensor out = internal_tensor(out_in), dout = internal_tensor(dout_in);
+  a.deterministic = deterministic;
   Tensor lse_c = lse.contiguous();
 
   c10::OptionalDeviceGuard guard(q.device());
@@ -353,6 +358,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> backward_impl(
     a.seqlen_k = varlen->max_k;
     a.cu_seqlens_q = cu_q.data_ptr<int32_t>();
     a.cu_seqlens_k = cu_k.data_ptr<int32_t>();
+    a.total_q = q.size(0);  // let the Hopper backward load by TMA
+    a.total_k = k.size(0);
     TORCH_CHECK_VALUE(lse_c.dim() == 2 && lse_c.size(0) == hq && lse_c.size(1) == q.size(0),
                       "lse: must have shape [heads_q, total_q] = [", hq, ", ", q.size(0), "] (got ",
                       lse_c.sizes(), ")");
@@ -394,16 +401,16 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> backward_impl(
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bwd(const Tensor& dout, const Tensor& q, const Tensor& k,
                                                        const Tensor& v, const Tensor& out, const Tensor& lse,
                                                        double tau, bool causal, double softmax_scale,
-                                                       bool return_stats) {
-  return backward_impl(dout, q, k, v, out, lse, nullptr, tau, causal, softmax_scale, return_stats);
+                                                       bool return_stats, bool deterministic) {
+  return backward_impl(dout, q, k, v, out, lse, nullptr, tau, causal, softmax_scale, return_stats, deterministic);
 }
 
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bwd_varlen(
     const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse,
     const Tensor& cu_seqlens_q, const Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k, double tau,
-    bool causal, double softmax_scale, bool return_stats) {
+    bool causal, double softmax_scale, bool return_stats, bool deterministic) {
   Varlen vl{&cu_seqlens_q, &cu_seqlens_k, max_seqlen_q, max_seqlen_k};
-  return backward_impl(dout, q, k, v, out, lse, &vl, tau, causal, softmax_scale, return_stats);
+  return backward_impl(dout, q, k, v, out, lse, &vl, tau, causal, softmax_scale, return_stats, deterministic);
 }
 
 // ---- decode against a KV cache ------------------------------------------------------------
@@ -565,17 +572,19 @@ std::vector<int64_t> tile_sizes(c10::string_view kernel, c10::Device device, c10
 }  // namespace mala_torch
 
 TORCH_LIBRARY(mala, m) {
-  m.def("fwd(Tensor q, Tensor k, Tensor v, float tau, bool causal, float softmax_scale, bool return_stats)"
+  m.def("fwd(Tensor q, Tensor k, Tensor v, float tau, bool causal, float softmax_scale, bool return_stats,"
+        " bool deterministic=False)"
         " -> (Tensor out, Tensor lse, Tensor fwd_slots, Tensor tile_mask)");
   m.def("fwd_varlen(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q,"
-        " int max_seqlen_k, float tau, bool causal, float softmax_scale, bool return_stats)"
-        " -> (Tensor out, Tensor lse, Tensor fwd_slots, Tensor tile_mask)");
+        " int max_seqlen_k, float tau, bool causal, float softmax_scale, bool return_stats,"
+        " bool deterministic=False) -> (Tensor out, Tensor lse, Tensor fwd_slots, Tensor tile_mask)");
   m.def("bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, float tau, bool causal,"
-        " float softmax_scale, bool return_stats)"
+        " float softmax_scale, bool return_stats, bool deterministic=False)"
         " -> (Tensor dq, Tensor dk, Tensor dv, Tensor bwd_slots, Tensor tile_mask)");
   m.def("bwd_varlen(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor cu_seqlens_q,"
         " Tensor cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, float tau, bool causal, float softmax_scale,"
-        " bool return_stats) -> (Tensor dq, Tensor dk, Tensor dv, Tensor bwd_slots, Tensor tile_mask)");
+        " bool return_stats, bool deterministic=False)"
+        " -> (Tensor dq, Tensor dk, Tensor dv, Tensor bwd_slots, Tensor tile_mask)");
   m.def("kvcache(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor cache_seqlens, Tensor? k, Tensor? v,"
         " Tensor? block_table, float tau, bool causal, float softmax_scale, int num_splits, bool return_stats,"
         " str split_rule='seeded') -> (Tensor out, Tensor lse, Tensor fwd_slots)");

@@ -22,7 +22,7 @@ def _stats_outputs(kernel, q, rows_shape, batch, seqlen_q, seqlen_k, heads_q, he
 
 
 @torch.library.register_fake("mala::fwd")
-def _fwd_fake(q, k, v, tau, causal, softmax_scale, return_stats):
+def _fwd_fake(q, k, v, tau, causal, softmax_scale, return_stats, deterministic=False):
     batch, seqlen_q, heads_q, _ = q.shape
     lse = q.new_empty((batch, heads_q, seqlen_q), dtype=torch.float32)
     slots, tile_mask = _stats_outputs("forward", q, lse.shape, batch, seqlen_q, k.shape[1], heads_q, k.shape[2],
@@ -32,7 +32,7 @@ def _fwd_fake(q, k, v, tau, causal, softmax_scale, return_stats):
 
 @torch.library.register_fake("mala::fwd_varlen")
 def _fwd_varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, tau, causal, softmax_scale,
-                     return_stats):
+                     return_stats, deterministic=False):
     total_q, heads_q, _ = q.shape
     lse = q.new_empty((heads_q, total_q), dtype=torch.float32)
     slots, tile_mask = _stats_outputs("forward", q, lse.shape, cu_seqlens_q.shape[0] - 1, max_seqlen_q, max_seqlen_k,
@@ -41,7 +41,7 @@ def _fwd_varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
 
 
 @torch.library.register_fake("mala::bwd")
-def _bwd_fake(dout, q, k, v, out, lse, tau, causal, softmax_scale, return_stats):
+def _bwd_fake(dout, q, k, v, out, lse, tau, causal, softmax_scale, return_stats, deterministic=False):
     batch, seqlen_q, heads_q, _ = q.shape
     slots, tile_mask = _stats_outputs("backward", q, lse.shape, batch, seqlen_q, k.shape[1], heads_q, k.shape[2],
                                       causal, return_stats)
@@ -50,7 +50,7 @@ def _bwd_fake(dout, q, k, v, out, lse, tau, causal, softmax_scale, return_stats)
 
 @torch.library.register_fake("mala::bwd_varlen")
 def _bwd_varlen_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, tau, causal,
-                     softmax_scale, return_stats):
+                     softmax_scale, return_stats, deterministic=False):
     slots, tile_mask = _stats_outputs("backward", q, lse.shape, cu_seqlens_q.shape[0] - 1, max_seqlen_q,
                                       max_seqlen_k, q.shape[1], k.shape[1], causal, return_stats)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), slots, tile_mask
@@ -68,34 +68,34 @@ def _kvcache_fake(q, k_cache, v_cache, cache_seqlens, k, v, block_table, tau, ca
 # ---- autograd -------------------------------------------------------------------------------
 
 def _fwd_setup_context(ctx, inputs, output):
-    q, k, v, tau, causal, softmax_scale, _ = inputs
+    q, k, v, tau, causal, softmax_scale, _, *rest = inputs
     out, lse, _, _ = output
     ctx.save_for_backward(q, k, v, out, lse)
-    ctx.rule = (tau, causal, softmax_scale)
+    ctx.rule = (tau, causal, softmax_scale, bool(rest[0]) if rest else False)
     ctx.mark_non_differentiable(lse)
 
 
 def _fwd_backward(ctx, dout, _dlse, _dslots, _dmask):
     q, k, v, out, lse = ctx.saved_tensors
-    tau, causal, softmax_scale = ctx.rule
-    dq, dk, dv, _, _ = torch.ops.mala.bwd(dout, q, k, v, out, lse, tau, causal, softmax_scale, False)
-    return dq, dk, dv, None, None, None, None
+    tau, causal, softmax_scale, deterministic = ctx.rule
+    dq, dk, dv, _, _ = torch.ops.mala.bwd(dout, q, k, v, out, lse, tau, causal, softmax_scale, False, deterministic)
+    return dq, dk, dv, None, None, None, None, None
 
 
 def _fwd_varlen_setup_context(ctx, inputs, output):
-    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, tau, causal, softmax_scale, _ = inputs
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, tau, causal, softmax_scale, _, *rest = inputs
     out, lse, _, _ = output
     ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
-    ctx.rule = (max_seqlen_q, max_seqlen_k, tau, causal, softmax_scale)
+    ctx.rule = (max_seqlen_q, max_seqlen_k, tau, causal, softmax_scale, bool(rest[0]) if rest else False)
     ctx.mark_non_differentiable(lse)
 
 
 def _fwd_varlen_backward(ctx, dout, _dlse, _dslots, _dmask):
     q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
-    max_seqlen_q, max_seqlen_k, tau, causal, softmax_scale = ctx.rule
+    max_seqlen_q, max_seqlen_k, tau, causal, softmax_scale, deterministic = ctx.rule
     dq, dk, dv, _, _ = torch.ops.mala.bwd_varlen(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                                 max_seqlen_k, tau, causal, softmax_scale, False)
-    return dq, dk, dv, None, None, None, None, None, None, None, None
+                                                 max_seqlen_k, tau, causal, softmax_scale, False, deterministic)
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None
 
 
 torch.library.register_autograd("mala::fwd", _fwd_backward, setup_context=_fwd_setup_context)

@@ -71,7 +71,7 @@ class _AttentionWithStats(torch.autograd.Function):
     """The same operators as the registered autograd, also filling an AttentionStats (eager only)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, tau, causal, softmax_scale, stats, varlen):
+    def forward(ctx, q, k, v, tau, causal, softmax_scale, stats, varlen, deterministic):
         if varlen is None:
             out, lse, slots, mask = torch.ops.mala.fwd(q, k, v, tau, causal, softmax_scale, True)
             ctx.save_for_backward(q, k, v, out, lse)
@@ -82,29 +82,31 @@ class _AttentionWithStats(torch.autograd.Function):
             ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
             ctx.max_seqlens = (max_q, max_k)
         stats.fwd_slots, stats.fwd_tile_mask = slots, mask
-        ctx.rule = (tau, causal, softmax_scale)
+        ctx.rule = (tau, causal, softmax_scale, deterministic)
         ctx.stats = stats
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        tau, causal, softmax_scale = ctx.rule
+        tau, causal, softmax_scale, deterministic = ctx.rule
         if len(ctx.saved_tensors) == 5:
             q, k, v, out, lse = ctx.saved_tensors
-            dq, dk, dv, slots, mask = torch.ops.mala.bwd(dout, q, k, v, out, lse, tau, causal, softmax_scale, True)
+            dq, dk, dv, slots, mask = torch.ops.mala.bwd(dout, q, k, v, out, lse, tau, causal, softmax_scale, True,
+                                                         deterministic)
             seqlen_q, seqlen_k, batch = q.shape[1], k.shape[1], q.shape[0]
         else:
             q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
             seqlen_q, seqlen_k = ctx.max_seqlens
             batch = cu_q.numel() - 1
             dq, dk, dv, slots, mask = torch.ops.mala.bwd_varlen(dout, q, k, v, out, lse, cu_q, cu_k, seqlen_q,
-                                                                seqlen_k, tau, causal, softmax_scale, True)
+                                                                seqlen_k, tau, causal, softmax_scale, True,
+                                                                deterministic)
         stats = ctx.stats
         stats.bwd_block_q, stats.bwd_block_k, _ = torch.ops.mala.tile_sizes(
             "backward", q.device, q.dtype, batch, seqlen_q, seqlen_k, q.shape[-2], k.shape[-2], q.shape[-1], causal, 0)
         stats.bwd_slots, stats.bwd_tile_mask = slots, mask
-        return dq, dk, dv, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None
 
 
 def _new_stats(q, k, batch, seqlen_q, seqlen_k, causal, visible_keys):
@@ -114,36 +116,40 @@ def _new_stats(q, k, batch, seqlen_q, seqlen_k, causal, visible_keys):
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tau: float = 1.0, causal: bool = True,
-              softmax_scale: Optional[float] = None, return_lse: bool = False, return_stats: bool = False):
+              softmax_scale: Optional[float] = None, return_lse: bool = False, return_stats: bool = False,
+              deterministic: bool = False):
     """MALA attention.  q [B, Nq, Hq, d], k/v [B, Nk, Hkv, d] (Hq % Hkv == 0) -> out [B, Nq, Hq, d].
 
     tau = 0 is exact dense attention; tau = 1 the paper's default tolerance.  causal aligns the
     diagonal bottom-right (row i sees keys <= i + Nk - Nq).  CUDA: float16/bfloat16, head_dim 64,
     128 or 256; CPU tensors run the exact CPU implementation (float32 too).  Differentiable in q, k, v.
-    Returns out, then lse [B, Hq, Nq] float32 if return_lse, then an AttentionStats if return_stats.
+    deterministic: the backward's gradients are bit-identical from run to run (CUDA: sm_90, head_dim
+    64 or 128; the CPU always is).  Returns out, then lse [B, Hq, Nq] float32 if return_lse, then an
+    AttentionStats if return_stats.
     """
     tau = _tau_arg(tau)
     scale = _scale_arg(softmax_scale)
     if not return_stats:
-        out, lse, _, _ = torch.ops.mala.fwd(q, k, v, tau, causal, scale, False)
+        out, lse, _, _ = torch.ops.mala.fwd(q, k, v, tau, causal, scale, False, bool(deterministic))
         return _results(out, lse, None, return_lse, False)
     _eager_only("return_stats")
     if q.dim() != 4 or k.dim() != 4:
         raise ValueError("q: must have 4 dimensions [batch, seqlen, heads, head_dim]")
     stats = _new_stats(q, k, q.shape[0], q.shape[1], k.shape[1], causal,
                        visible_keys_dense(q.shape[1], k.shape[1], causal, q.device))
-    out, lse = _AttentionWithStats.apply(q, k, v, tau, causal, scale, stats, None)
+    out, lse = _AttentionWithStats.apply(q, k, v, tau, causal, scale, stats, None, bool(deterministic))
     return _results(out, lse, stats, return_lse, True)
 
 
 def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                      cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, tau: float = 1.0,
                      causal: bool = True, softmax_scale: Optional[float] = None, return_lse: bool = False,
-                     return_stats: bool = False, check_inputs: bool = True):
+                     return_stats: bool = False, check_inputs: bool = True, deterministic: bool = False):
     """MALA attention over packed sequences.  q [total_q, Hq, d], k/v [total_k, Hkv, d]; sequence b is
     rows cu_seqlens_q[b]:cu_seqlens_q[b+1] of q (and likewise for k).  cu_seqlens_* are int32
     [batch + 1] on the device of q.  lse is [Hq, total_q].  check_inputs validates the offsets on the
-    host (one synchronization; skipped under torch.compile and CUDA-graph capture).
+    host (one synchronization; skipped under torch.compile and CUDA-graph capture).  deterministic as
+    for attention.
     """
     tau = _tau_arg(tau)
     scale = _scale_arg(softmax_scale)
@@ -156,13 +162,14 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
                              f"(got {cu_seqlens_k.numel()})")
     if not return_stats:
         out, lse, _, _ = torch.ops.mala.fwd_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                                   tau, causal, scale, False)
+                                                   tau, causal, scale, False, bool(deterministic))
         return _results(out, lse, None, return_lse, False)
     _eager_only("return_stats")
     stats = _new_stats(q, k, cu_seqlens_q.numel() - 1, max_seqlen_q, max_seqlen_k, causal,
                        visible_keys_varlen(cu_seqlens_q, cu_seqlens_k, causal))
     out, lse = _AttentionWithStats.apply(q, k, v, tau, causal, scale, stats,
-                                         (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
+                                         (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
+                                         bool(deterministic))
     return _results(out, lse, stats, return_lse, True)
 
 

@@ -7,8 +7,8 @@ defaults are flash_attn's too (causal=False), plus one keyword-only argument, `t
 MALA's tolerance; tau=0.0 is exact dense attention).  Arguments MALA does not implement (dropout,
 sliding windows, softcapping, ALiBi, rotary embedding inside the call, cache_batch_idx,
 cache_leftpad) raise NotImplementedError naming the argument when set to anything but their
-"off" value, rather than being ignored.  `deterministic` is accepted: MALA's backward accumulates
-dQ with fp32 atomics and is not bit-deterministic, so deterministic=True raises as well.
+"off" value, rather than being ignored.  `deterministic=True` gives bit-identical gradients from run
+to run (CUDA: sm_90, head dims 64 and 128, an error elsewhere; mala.attention's `deterministic`).
 
 Like flash_attn, these never synchronize with the GPU to validate cu_seqlens / cache_seqlens /
 block_table (mala.attention_varlen does by default, outside CUDA-graph capture;
@@ -33,7 +33,7 @@ from .api import attention, attention_varlen, attention_with_kvcache
 __all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache"]
 
 
-def _common_checks(dropout_p, window_size, softcap, alibi_slopes, deterministic):
+def _common_checks(dropout_p, window_size, softcap, alibi_slopes):
     if float(dropout_p) != 0.0:
         raise NotImplementedError(f"dropout_p: MALA has no attention dropout (got {dropout_p}; only 0.0)")
     if tuple(window_size) != (-1, -1):
@@ -42,9 +42,6 @@ def _common_checks(dropout_p, window_size, softcap, alibi_slopes, deterministic)
         raise NotImplementedError(f"softcap: no logit softcapping in MALA (got {softcap}; only 0.0)")
     if alibi_slopes is not None:
         raise NotImplementedError("alibi_slopes: not supported by MALA")
-    if deterministic:
-        raise NotImplementedError("deterministic: MALA's backward accumulates dQ with fp32 atomics "
-                                  "(not bit-deterministic)")
 
 
 def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
@@ -52,8 +49,9 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p
                     window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0, alibi_slopes=None,
                     deterministic: bool = False, return_attn_probs: bool = False, *, tau: float = 1.0):
     """flash_attn.flash_attn_func: q [B, Nq, Hq, d], k/v [B, Nk, Hkv, d] -> out [B, Nq, Hq, d]."""
-    _common_checks(dropout_p, window_size, softcap, alibi_slopes, deterministic)
-    res = attention(q, k, v, tau=tau, causal=causal, softmax_scale=softmax_scale, return_lse=return_attn_probs)
+    _common_checks(dropout_p, window_size, softcap, alibi_slopes)
+    res = attention(q, k, v, tau=tau, causal=causal, softmax_scale=softmax_scale, return_lse=return_attn_probs,
+                    deterministic=deterministic)
     return (*res, None) if return_attn_probs else res
 
 
@@ -65,11 +63,12 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
                            block_table: Optional[torch.Tensor] = None, *, tau: float = 1.0,
                            check_inputs: bool = False):
     """flash_attn.flash_attn_varlen_func: packed q [total_q, Hq, d], k/v [total_k, Hkv, d]."""
-    _common_checks(dropout_p, window_size, softcap, alibi_slopes, deterministic)
+    _common_checks(dropout_p, window_size, softcap, alibi_slopes)
     if block_table is not None:
         raise NotImplementedError("block_table: paged keys are supported by flash_attn_with_kvcache only")
     res = attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, tau=tau, causal=causal,
-                           softmax_scale=softmax_scale, return_lse=return_attn_probs, check_inputs=check_inputs)
+                           softmax_scale=softmax_scale, return_lse=return_attn_probs, check_inputs=check_inputs,
+                           deterministic=deterministic)
     return (*res, None) if return_attn_probs else res
 
 
@@ -90,7 +89,7 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         raise NotImplementedError("cache_batch_idx: not supported by MALA (index the cache instead)")
     if cache_leftpad is not None:
         raise NotImplementedError("cache_leftpad: not supported by MALA")
-    _common_checks(0.0, window_size, softcap, alibi_slopes, False)
+    _common_checks(0.0, window_size, softcap, alibi_slopes)
     if cache_seqlens is None:
         if k is not None or v is not None:
             raise ValueError("cache_seqlens: required when k/v are appended (None means the caches are full)")

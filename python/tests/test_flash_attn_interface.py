@@ -75,7 +75,6 @@ def test_kvcache_is_attention_with_kvcache(device):
     (dict(window_size=(64, 0)), "window_size"),
     (dict(softcap=30.0), "softcap"),
     (dict(alibi_slopes=torch.ones(4)), "alibi_slopes"),
-    (dict(deterministic=True), "deterministic"),
 ])
 def test_unsupported_arguments_raise(kwargs, name):
     q, k, v = (rand((1, 8, h, 64), "cpu", torch.float32) for h in (4, 4, 4))
@@ -84,6 +83,33 @@ def test_unsupported_arguments_raise(kwargs, name):
     cu = torch.tensor([0, 8], dtype=torch.int32)
     with pytest.raises(NotImplementedError, match=name):
         flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, 8, 8, **kwargs)
+
+
+@pytest.mark.parametrize("device", device_params())
+def test_deterministic_gradients_repeat(device):
+    """deterministic=True: bit-identical gradients over three backward passes (CPU: always; CUDA: the
+    Hopper backward, an error naming the argument elsewhere)."""
+    dtype = dtype_for(device)
+    q, k, v = (rand((1, 200, h, 64), device, dtype).requires_grad_() for h in (4, 2, 2))
+    cu = torch.tensor([0, 70, 200], dtype=torch.int32, device=device)
+    for call in (lambda: flash_attn_func(q, k, v, causal=True, deterministic=True),
+                 lambda: flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, 130, 130, causal=True, deterministic=True)):
+        grads = []
+        for _ in range(3):
+            try:
+                out = call()
+            except RuntimeError as e:  # a GPU without the Hopper backward
+                assert "deterministic" in str(e)
+                pytest.skip("deterministic backward not available on this device")
+            try:
+                g = torch.autograd.grad(out.float().square().sum(), (q, k, v))
+            except RuntimeError as e:
+                assert "deterministic" in str(e)
+                pytest.skip("deterministic backward not available on this device")
+            grads.append(g)
+        for g in grads[1:]:
+            for a, b in zip(grads[0], g):
+                assert torch.equal(a, b)
 
 
 def test_kvcache_unsupported_arguments_raise():

@@ -42,7 +42,9 @@ enum class FwdVariant {
 };
 enum class BwdVariant {
   automatic,
-  mma_sync,  // the mma.sync backward (bwd/kernel_sm80.cuh) on sm_90 too
+  mma_sync,        // the mma.sync backward (bwd/kernel_sm80.cuh) on sm_90 too
+  wgmma_cp_async,  // sm_90, d = 64 and 128: the two-warpgroup wgmma kernel with cp.async loads
+                   // (bwd/kernel_sm90.cuh), which the dispatch picks only where the TMA cannot be used
 };
 enum class DecodeVariant {
   automatic,
@@ -54,6 +56,8 @@ struct KernelOverride {
   DecodeVariant decode = DecodeVariant::automatic;
   int bwd_q_stages = 0;     // 0: 3 where the device's shared memory holds them, else 2; or 2, 3
   int bwd_head_splits = 0;  // 0: the occupancy heuristic; else CTAs per query-head group (a divisor)
+  int bwd_q_order = 0;      // warp-specialized backward: 0 the dispatch's order, 1 heads outer and query
+                            // tiles ascending, 2 query tiles descending and heads inner
 };
 void set_kernel_override(const KernelOverride& o);
 const KernelOverride& kernel_override();

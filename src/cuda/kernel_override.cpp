@@ -18,7 +18,13 @@ const char* variant_name(FwdVariant v) {
     default: return "auto";
   }
 }
-const char* variant_name(BwdVariant v) { return v == BwdVariant::mma_sync ? "mma_sync" : "auto"; }
+const char* variant_name(BwdVariant v) {
+  switch (v) {
+    case BwdVariant::mma_sync: return "mma_sync";
+    case BwdVariant::wgmma_cp_async: return "wgmma_cp_async";
+    default: return "auto";
+  }
+}
 const char* variant_name(DecodeVariant v) { return v == DecodeVariant::small_smem ? "small_smem" : "auto"; }
 
 bool parse_variant(const std::string& s, FwdVariant* v) {
@@ -27,7 +33,7 @@ bool parse_variant(const std::string& s, FwdVariant* v) {
   return false;
 }
 bool parse_variant(const std::string& s, BwdVariant* v) {
-  for (BwdVariant x : {BwdVariant::automatic, BwdVariant::mma_sync})
+  for (BwdVariant x : {BwdVariant::automatic, BwdVariant::mma_sync, BwdVariant::wgmma_cp_async})
     if (s == variant_name(x)) return *v = x, true;
   return false;
 }

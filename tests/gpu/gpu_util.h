@@ -100,6 +100,14 @@ struct DeviceBuffer {
 };
 
 // 16-bit words that are still the poison pattern (0xFFFF is a NaN in both bf16 and fp16).
+// Whether the current device is sm_90 (the Hopper-only paths).
+inline bool device_is_sm90() {
+  int dev = 0, major = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess)
+    return false;
+  return major == 9;
+}
+
 inline size_t count_poison(const std::vector<uint16_t>& bits) {
   size_t n = 0;
   for (uint16_t b : bits) n += (b == 0xFFFF);

@@ -5,7 +5,9 @@
 //   - dQ/dK/dV rel L2 < 1e-2 vs the CPU fp32 result, no poison left, no NaN,
 //   - bwd_slots equal to the CPU's (exact when there is no flip).
 // Every test runs once per backward kernel (the kernel override of src/cuda/backend.h, a test
-// parameter): the dispatch's own choice and the mma.sync kernel (the same on devices without wgmma).
+// parameter): the dispatch's own choice (on sm_90 the warp-specialized TMA kernel), the two-warpgroup
+// cp.async wgmma kernel and the mma.sync kernel (the same on devices without wgmma).  Deterministic
+// calls also run three times and must give bit-identical dQ, dK, dV.
 #include <string>
 #include <vector>
 
@@ -33,6 +35,8 @@ struct Case {
   int head_splits = 0;                  // the override's bwd_head_splits (0 = heuristic)
   bool outputs = true;                  // request tile_mask and bwd_slots
   bool user_workspace = false;
+  bool totals = true;         // varlen: give total_q and total_k (the TMA kernel needs them)
+  bool deterministic = false;
   uint64_t seed = 1;
 };
 
@@ -89,7 +93,7 @@ void run_case(const Case& c) {
                                     << " nk=" << c.nk << " hq=" << c.hq << " hkv=" << c.hkv << " d=" << c.d
                                     << " causal=" << c.causal << " tau=" << c.tau << " regime=" << c.regime
                                     << " strided=" << c.strided << " varlen=" << !c.varlen_q.empty()
-                                    << " splits=" << c.head_splits);
+                                    << " splits=" << c.head_splits << " deterministic=" << c.deterministic);
   // The head splits through the kernel override, beside the fixture's kernel.
   auto set_head_splits = [](int splits) {
     mala::cuda_backend::KernelOverride o = mala::cuda_backend::kernel_override();
@@ -248,6 +252,11 @@ void run_case(const Case& c) {
   ga.tile_mask = c.outputs ? gmask.ptr : nullptr;
   ga.cu_seqlens_q = varlen ? gcu_q.ptr : nullptr;
   ga.cu_seqlens_k = varlen ? gcu_k.ptr : nullptr;
+  if (varlen && c.totals) {
+    ga.total_q = cu_q.back();
+    ga.total_k = cu_k.back();
+  }
+  ga.deterministic = c.deterministic;
   DeviceBuffer<uint8_t> gws(c.user_workspace ? mala::backward_workspace_size(ga) : 0);
   if (c.user_workspace) {
     ga.workspace = gws.ptr;
@@ -257,6 +266,16 @@ void run_case(const Case& c) {
   ASSERT_TRUE(s.ok) << s.message;
   MALA_CUDA_CHECK(cudaDeviceSynchronize());
   MALA_CUDA_CHECK(cudaGetLastError());
+  if (c.deterministic) {
+    const auto dq0 = gdq.download(), dk0 = gdk.download(), dv0 = gdv.download();
+    for (int rep = 0; rep < 2; ++rep) {
+      ASSERT_TRUE(mala::backward(ga).ok);
+      MALA_CUDA_CHECK(cudaDeviceSynchronize());
+      EXPECT_TRUE(gdq.download() == dq0) << "dq differs in run " << rep + 2;
+      EXPECT_TRUE(gdk.download() == dk0) << "dk differs in run " << rep + 2;
+      EXPECT_TRUE(gdv.download() == dv0) << "dv differs in run " << rep + 2;
+    }
+  }
   set_head_splits(0);
 
   // Decisions.
@@ -353,9 +372,11 @@ class BackwardGpu : public BackwardKernels {};
 auto bwd_variant_name = [](const ::testing::TestParamInfo<BwdVariant>& i) {
   return std::string(mala::cuda_backend::variant_name(i.param));
 };
-INSTANTIATE_TEST_SUITE_P(Kernels, BackwardGpuSmall, ::testing::Values(BwdVariant::automatic, BwdVariant::mma_sync),
+INSTANTIATE_TEST_SUITE_P(Kernels, BackwardGpuSmall,
+                         ::testing::Values(BwdVariant::automatic, BwdVariant::wgmma_cp_async, BwdVariant::mma_sync),
                          bwd_variant_name);
-INSTANTIATE_TEST_SUITE_P(Kernels, BackwardGpu, ::testing::Values(BwdVariant::automatic, BwdVariant::mma_sync),
+INSTANTIATE_TEST_SUITE_P(Kernels, BackwardGpu,
+                         ::testing::Values(BwdVariant::automatic, BwdVariant::wgmma_cp_async, BwdVariant::mma_sync),
                          bwd_variant_name);
 
 namespace {
@@ -408,6 +429,34 @@ TEST_P(BackwardGpuSmall, VarlenStrided) {
   run_case(c);
 }
 
+// The dispatch's own kernel only: deterministic mode and varlen without totals (the cp.async
+// fallback).  Deterministic runs on Hopper's warp-specialized kernel; elsewhere it must be refused.
+TEST_P(BackwardGpuSmall, DeterministicAndFallbacks) {
+  if (GetParam() != BwdVariant::automatic) GTEST_SKIP() << "the dispatch's choice only";
+  if (!mala_test::device_is_sm90()) GTEST_SKIP() << "deterministic mode needs sm_90";
+  for (int64_t d : {64, 128})
+    for (float tau : {0.f, 1.f}) {
+      Case c;
+      c.d = d;
+      c.tau = tau;
+      c.regime = "sharp";
+      c.hq = 4;
+      c.hkv = 1;
+      c.nq = c.nk = 333;
+      c.deterministic = true;
+      run_case(c);
+    }
+  Case v;
+  v.varlen_q = {70, 0, 130, 257};
+  v.varlen_k = {70, 33, 200, 100};
+  v.regime = "sharp";
+  v.deterministic = true;
+  run_case(v);
+  v.deterministic = false;
+  v.totals = false;
+  run_case(v);
+}
+
 // ---- larger shapes -----------------------------------------------------------------------------
 
 TEST_P(BackwardGpu, UnequalLengths) {
@@ -448,6 +497,21 @@ TEST_P(BackwardGpu, MhaNoOutputs) {
   c.outputs = false;
   c.dtype = DType::f16;
   run_case(c);
+}
+
+TEST_P(BackwardGpu, DeterministicGqaLong) {
+  if (GetParam() != BwdVariant::automatic || !mala_test::device_is_sm90()) GTEST_SKIP();
+  for (float tau : {0.f, 1.f}) {
+    Case c;
+    c.regime = "synthetic";
+    c.sharpness = 4.0;
+    c.nq = c.nk = 2048;
+    c.hq = 8;
+    c.hkv = 1;
+    c.tau = tau;
+    c.deterministic = true;
+    run_case(c);
+  }
 }
 
 TEST_P(BackwardGpu, SyntheticWorkload) {

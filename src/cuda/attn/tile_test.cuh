@@ -10,7 +10,10 @@
 //   pair_vote_popc        a warp pair owns it (warp-specialized forward): one bar.red.popc over
 //                         the warpgroup, whose count carries both pairs' decisions
 //   cta_vote_mbarrier     the CTA owns it (backward): flags and an mbarrier that only warps that
-//                         would skip wait on
+//                         would skip wait on (cta_vote_arrive / cta_vote_result: the same with
+//                         tagged words, for the warp-specialized backward)
+//   barrier_vote_or       the CTA owns it and every warp waits anyway (the warp-specialized
+//                         backward after a skipped tile): one bar.red.or
 //   cta_row_max_exchange  the CTA's warps split the tile's keys (decode): the row maxima through
 //                         shared memory, so every warp takes the same decision
 //
@@ -168,6 +171,18 @@ __device__ __forceinline__ uint32_t pair_vote_popc(int id, int nthreads, bool la
   return count;
 }
 
+// barrier_vote_or: barrier `id` over `nthreads` threads that returns whether any passed `pred` (one
+// bar.red.or; like pair_vote_popc it blocks only where its result is read).
+__device__ __forceinline__ bool barrier_vote_or(int id, int nthreads, bool pred) {
+  uint32_t any;
+  asm volatile(
+      "{\n .reg .pred p;\n setp.ne.u32 p, %1, 0;\n bar.red.or.pred p, %2, %3, p;\n selp.u32 %0, 1, 0, p;\n}\n"
+      : "=r"(any)
+      : "r"((uint32_t)pred), "r"(id), "r"(nthreads)
+      : "memory");
+  return any != 0u;
+}
+
 // cta_vote_mbarrier: the CTA's decision on iteration t (backward), from this warp's warp_retain (some
 // entry of the warp blocks the skip).  Each warp ORs its vote into vote_s[st] and arrives on mbarrier
 // st (of two, used alternately).  A warp that retains knows the outcome (one retaining entry keeps
@@ -182,6 +197,26 @@ __device__ __forceinline__ bool cta_vote_mbarrier(bool warp_retain, uint32_t* vo
   if (warp_retain) return true;
   mbar_wait(mbar_s + st * 8, (t >> 1) & 1);
   return *reinterpret_cast<volatile uint32_t*>(&vote_s[st]) != 0u;
+}
+
+// cta_vote_arrive / cta_vote_result: cta_vote_mbarrier for kernels without a CTA-wide barrier per
+// iteration (the warp-specialized backward, whose 8 consumer warps vote), in two halves so that work
+// can be issued between them: a ring of 4 words and mbarriers indexed by t, each word tagged with
+// t + 1 by the retaining warps, so that nothing has to reset it.  A warp that retains knows the
+// outcome and does not call cta_vote_result.  The warps stay within a tile or two of each other
+// (every tile's Q slot is given back by all of them before the producer refills it), so a slot is
+// never reused while a warp still reads it.
+__device__ __forceinline__ void cta_vote_arrive(bool warp_retain, uint32_t* words, uint32_t mbar0, int t, int lane) {
+  const int slot = t & 3;
+  if (lane == 0) {
+    if (warp_retain) *reinterpret_cast<volatile uint32_t*>(&words[slot]) = static_cast<uint32_t>(t + 1);
+    mbar_arrive(mbar0 + 8 * slot);
+  }
+}
+__device__ __forceinline__ bool cta_vote_result(uint32_t* words, uint32_t mbar0, int t) {
+  const int slot = t & 3;
+  mbar_wait(mbar0 + 8 * slot, static_cast<uint32_t>(t >> 2) & 1u);
+  return *reinterpret_cast<volatile uint32_t*>(&words[slot]) == static_cast<uint32_t>(t + 1);
 }
 
 // cta_row_max_exchange: the tile max of this lane's two rows (gid, gid + 8) over the CTA's 4 warps,

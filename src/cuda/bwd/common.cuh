@@ -37,7 +37,7 @@ __device__ __forceinline__ void bwd_red_add2(float* p, float a, float b) {
 struct BwdWork {
   int j, hs, hk, b;
   bool varlen;
-  int qlen, klen, kb, kn, i_start, n_iq, n_iter, h0;
+  int qlen, klen, kb, kn, i_start, n_iq, n_iter, h0, heads_per_cta;
   int64_t qrow0, krow0, total_q;
   __device__ __forceinline__ int head(int t) const { return h0 + t / n_iq; }
   __device__ __forceinline__ int q_tile(int t) const { return i_start + t % n_iq; }
@@ -54,6 +54,17 @@ struct BwdWork {
   }
   __device__ __forceinline__ Tile next(Tile x) const {
     return x.qi() + 1 < i_start + n_iq ? Tile{x.v + 1} : Tile{(x.v & 0xffff0000u) + 0x10000u + i_start};
+  }
+  // The warp-specialized kernel's deterministic order: query tiles descending, heads inner.  Every
+  // CTA then meets a (head, query tile) at about the same step, so the CTAs that add its dQ one
+  // after another in key-tile order wait little for each other.  desc = false: tile / next.
+  __device__ __forceinline__ Tile first(bool desc) const {
+    return desc ? Tile{static_cast<uint32_t>(h0) << 16 | static_cast<uint32_t>(i_start + n_iq - 1)} : tile(0);
+  }
+  __device__ __forceinline__ Tile step(Tile x, bool desc) const {
+    if (!desc) return next(x);
+    return x.h() + 1 < h0 + heads_per_cta ? Tile{x.v + 0x10000u}
+                                          : Tile{static_cast<uint32_t>(h0) << 16 | static_cast<uint32_t>(x.qi() - 1)};
   }
   // (query head h, row) in lse and bwd_slots: [B, Hq, Nq], or [Hq, total rows] for varlen.
   __device__ __forceinline__ int64_t row_index(const BwdParams& p, int h, int row) const {
@@ -87,6 +98,7 @@ __device__ __forceinline__ BwdWork bwd_cta_work(const BwdParams& p) {
   w.kn = min(BK, w.klen - w.kb);
   w.i_start = p.causal ? max(w.kb - (w.klen - w.qlen), 0) / BQ : 0;  // first row seeing key kb
   w.n_iq = max(rule::ceil_div(w.qlen, BQ) - w.i_start, 0);
+  w.heads_per_cta = p.heads_per_cta;
   w.n_iter = p.heads_per_cta * w.n_iq;
   w.h0 = w.hk * p.group + w.hs * p.heads_per_cta;
   w.total_q = w.varlen ? static_cast<int64_t>(p.cu_q[p.batch]) : 0;
@@ -155,9 +167,11 @@ __device__ __forceinline__ void bwd_load_dsum(const BwdParams& p, const BwdWork&
 }
 
 // The optional outputs of one decision (tile mask, slot counters) for iteration t.
+// tid: the thread's index among the kernel's math threads (threadIdx.x, or the consumer index of the
+// warp-specialized kernel).
 template <int BQ, int BK>
-__device__ __forceinline__ void bwd_record(const BwdParams& p, const BwdWork& w, int t, bool keep) {
-  const int h = w.head(t), i = w.q_tile(t), tid = threadIdx.x;
+__device__ __forceinline__ void bwd_record_tile(const BwdParams& p, const BwdWork& w, int h, int i, bool keep,
+                                                int tid) {
   if (p.tile_mask != nullptr && tid == 0)
     p.tile_mask[((static_cast<int64_t>(w.b) * p.heads_q + h) * p.n_q_tiles + i) * p.n_k_tiles + w.j] = keep ? 2 : 1;
   if (keep && p.bwd_slots != nullptr && tid < BQ) {
@@ -165,6 +179,10 @@ __device__ __forceinline__ void bwd_record(const BwdParams& p, const BwdWork& w,
     if (r < w.qlen && rule::visible_keys(r, w.qlen, w.klen, p.causal) > 0)
       atomicAdd(p.bwd_slots + w.row_index(p, h, r), BK);
   }
+}
+template <int BQ, int BK>
+__device__ __forceinline__ void bwd_record(const BwdParams& p, const BwdWork& w, int t, bool keep) {
+  bwd_record_tile<BQ, BK>(p, w, w.head(t), w.q_tile(t), keep, static_cast<int>(threadIdx.x));
 }
 
 // The loads a retained tile t issues (the pipeline both main kernels share; Q stages nqs, LA = nqs - 1

@@ -1,10 +1,13 @@
 // The CUDA backward's host side: the plan (tiles, head splits, workspace), the three steps, and the
 // choice of the main kernel -- the only place where that happens:
-//   sm_90 (sm_90a build), d = 64 and 128: the wgmma kernel (bwd/kernel_sm90.cuh), while the query
-//     tiles and heads fit its packed 16-bit tile words;
+//   sm_90 (sm_90a build), d = 64 and 128, while the query tiles and heads fit the packed 16-bit tile
+//     words: the warp-specialized TMA kernel (bwd/kernel_sm90_ws.cuh) where the TMA can describe Q,
+//     dO, K, V and the dQ accumulator (varlen: when the call gives total_q and total_k), else the
+//     two-warpgroup cp.async kernel (bwd/kernel_sm90.cuh);
 //   everything else: the mma.sync kernel (bwd/kernel_sm80.cuh).
-// Each kernel's tau = 0 instance runs at tau = 0.  The kernel override (backend.h) forces the
-// mma.sync kernel, the Q stages or the head splits for tests and benchmarks.
+// deterministic = true runs only on the warp-specialized kernel (an error elsewhere), without head
+// splits.  Each kernel's tau = 0 instance runs at tau = 0.  The kernel override (backend.h) forces
+// another kernel, the Q stages or the head splits for tests and benchmarks.
 //   1. preprocess kernel (bwd/rowwise.cuh): D = rowsum(dO * O) (fp32) into the workspace, lse in
 //      log2 units and (tau > 0) each row's skip bound on raw scores beside it, bwd_slots zeroed;
 //      the fp32 dQ accumulator (and the dK/dV accumulators when used) zeroed with cudaMemsetAsync.
@@ -25,6 +28,7 @@
 #include "cuda/backend.h"
 #include "cuda/bwd/launch.h"
 #include "cuda/bwd/rowwise.cuh"
+#include "cuda/core/tma.cuh"
 
 namespace mala {
 namespace cuda_backend {
@@ -42,6 +46,16 @@ Tiles tiles_for_dim(int64_t d) {
     case 256: return {cuda::BwdConfig<256>::BQ, cuda::BwdConfig<256>::BK};
     default: return {64, 128};
   }
+}
+
+// The device's L2 in bytes (50 MB on an H100 when unknown).
+int64_t device_l2_bytes() {
+  int dev = 0, n = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&n, cudaDevAttrL2CacheSize, dev) != cudaSuccess) {
+    cudaGetLastError();
+    return 50LL << 20;
+  }
+  return n > 0 ? n : 50LL << 20;
 }
 
 int device_sm_count() {
@@ -73,7 +87,7 @@ struct Plan {
   int64_t rows_q_cap = 0, rows_k_cap = 0;
   int heads_per_cta = 1, head_splits = 1;
   bool kv_atomic = false;
-  size_t off_dsum = 0, off_lse2 = 0, off_bound2 = 0, off_dq = 0, off_dk = 0, off_dv = 0, bytes = 0;
+  size_t off_dsum = 0, off_lse2 = 0, off_bound2 = 0, off_dq = 0, off_dk = 0, off_dv = 0, off_sem = 0, bytes = 0;
 };
 
 size_t align_up(size_t x) { return (x + 255) & ~static_cast<size_t>(255); }
@@ -89,16 +103,25 @@ Plan make_plan(const BackwardArgs& a) {
   // Split the query-head group over CTAs only while the grid is small against the GPU.
   int splits = 1;
   const int forced = kernel_override().bwd_head_splits;
-  if (forced >= 1 && forced <= group && group % forced == 0) {
+  if (a.deterministic) {
+    splits = 1;  // dK and dV from one CTA each: no fp32 adds in run-dependent order
+  } else if (forced >= 1 && forced <= group && group % forced == 0) {
     splits = forced;
   } else {
     const int64_t base = static_cast<int64_t>(pl.n_k_tiles) * a.batch * a.heads_kv;
     const int64_t want = 4LL * device_sm_count();
-    while (splits < group && base * splits < want) {
+    auto more = [&] {
       int next = splits + 1;
       while (group % next != 0) ++next;
       splits = next;
-    }
+    };
+    while (splits < group && base * splits < want) more();
+    // Long sequences: CTAs that loop over many heads drift apart (a CTA with fewer query tiles reaches
+    // the next head sooner), and once one head's dQ accumulator outgrows the L2 the CTAs running
+    // together no longer share its lines; at most two heads per CTA keeps them together (H100, 128K,
+    // d = 128: 172 ms instead of 197 ms).
+    if (a.seqlen_q * a.head_dim * 4 > device_l2_bytes() / 2)
+      while (group / splits > 2) more();
   }
   pl.head_splits = splits;
   pl.heads_per_cta = group / splits;
@@ -121,6 +144,10 @@ Plan make_plan(const BackwardArgs& a) {
   // accumulator's placement).
   pl.off_bound2 = off;
   off = align_up(off + sizeof(float) * static_cast<size_t>(a.heads_q * pl.rows_q_cap));
+  if (a.deterministic) {
+    pl.off_sem = off;
+    off = align_up(off + sizeof(int32_t) * static_cast<size_t>(a.batch * a.heads_q) * pl.n_q_tiles);
+  }
   pl.bytes = off;
   return pl;
 }
@@ -130,16 +157,36 @@ RowStrides strides(const Strides& s, int64_t seqlen, int64_t heads, int64_t d) {
   return {r.batch, r.row, r.head};
 }
 
-// The main kernel for this call (see the top of the file).
+// The TMA's view of the call's tensors (false where it cannot describe one): Q, dO [rows, heads, d]
+// in boxes of 64 rows, K, V in boxes of 128 rows (varlen: the packed rows as one batch entry), the fp32
+// dQ accumulator [heads_q * rows_q_cap, d] in boxes of 32 columns x 64 rows.
+bool make_tma_maps(const BackwardArgs& a, const BwdParams& p, cuda::BwdTmaMaps* m) {
+  const bool varlen = a.cu_seqlens_q != nullptr, bf16 = a.dtype == DType::bf16;
+  if (varlen && (a.total_q <= 0 || a.total_k <= 0)) return false;
+  const int d = static_cast<int>(a.head_dim), batch = varlen ? 1 : p.batch;
+  const int rq = static_cast<int>(varlen ? a.total_q : a.seqlen_q), rk = static_cast<int>(varlen ? a.total_k : a.seqlen_k);
+  return cuda::make_kv_tensor_map(&m->q, a.q, bf16, d, rq, p.heads_q, batch, p.q_r, p.q_h, p.q_b, 64) &&
+         cuda::make_kv_tensor_map(&m->dout, a.dout, bf16, d, rq, p.heads_q, batch, p.do_r, p.do_h, p.do_b, 64) &&
+         cuda::make_kv_tensor_map(&m->k, a.k, bf16, d, rk, p.heads_kv, batch, p.k_r, p.k_h, p.k_b, 128) &&
+         cuda::make_kv_tensor_map(&m->v, a.v, bf16, d, rk, p.heads_kv, batch, p.v_r, p.v_h, p.v_b, 128) &&
+         cuda::make_f32_tensor_map(&m->dq, p.dq_acc, d, a.heads_q * p.rows_q_cap, 64);
+}
+
+// The main kernel for this call (see the top of the file); maps is filled for sm90_ws.
 template <typename T, int D>
-cuda::BwdLaunch choose_kernel(const BwdParams& p, bool dense) {
+cuda::BwdLaunch choose_kernel(const BackwardArgs& a, const BwdParams& p, bool dense, cuda::BwdTmaMaps* maps) {
   cuda::BwdLaunch l;
   l.dense = dense;
   l.kernel = cuda::BwdKernelKind::sm80;
+  const BwdVariant v = kernel_override().bwd;
   // (BwdWork::Tile packs a head and a query tile into 16 bits each.)
-  if (kernel_override().bwd != BwdVariant::mma_sync && p.n_q_tiles < 65536 && p.heads_q < 65536 &&
-      cuda::bwd_wgmma_usable<T, D>())
-    l.kernel = cuda::BwdKernelKind::sm90;
+  if (v == BwdVariant::mma_sync || p.n_q_tiles >= 65536 || p.heads_q >= 65536 || !cuda::bwd_wgmma_usable<T, D>())
+    return l;
+  l.kernel = cuda::BwdKernelKind::sm90;
+  if (v != BwdVariant::wgmma_cp_async && make_tma_maps(a, p, maps)) {
+    l.kernel = cuda::BwdKernelKind::sm90_ws;
+    l.maps = maps;
+  }
   return l;
 }
 
@@ -167,45 +214,8 @@ cudaError_t run_typed(const BackwardArgs& a, const Plan& pl, char* ws, cudaStrea
   const bool dense = rule::dense(a.tau);
   cudaError_t err;
 
-  // 1. zero accumulators, tile_mask; D and slot zeroing.
-  err = cudaMemsetAsync(dq_acc, 0, sizeof(float) * static_cast<size_t>(a.heads_q * pl.rows_q_cap * d), stream);
-  if (err != cudaSuccess) return err;
-  if (pl.kv_atomic) {
-    err = cudaMemsetAsync(ws + pl.off_dk, 0, pl.bytes - pl.off_dk, stream);
-    if (err != cudaSuccess) return err;
-  }
-  if (a.tile_mask) {
-    err = cudaMemsetAsync(a.tile_mask, 0,
-                          static_cast<size_t>(a.batch * a.heads_q) * pl.n_q_tiles * pl.n_k_tiles, stream);
-    if (err != cudaSuccess) return err;
-  }
-  RowParams rq{};
-  rq.o = a.o;
-  rq.dout = a.dout;
-  rq.o_s = os;
-  rq.do_s = dos;
-  rq.dsum = dsum;
-  rq.lse2 = lse2;
-  rq.bound2 = dense ? nullptr : bound2;
-  rq.cu_k = a.cu_seqlens_k;
-  rq.seqlen_k = static_cast<int>(a.seqlen_k);
-  rq.causal = a.causal;
-  rq.log2_tau = log2_tau;
-  rq.inv_scale_log2 = 1.0f / scale_log2;
-  rq.lse = a.lse;
-  rq.slots = a.bwd_slots;
-  rq.cu = a.cu_seqlens_q;
-  rq.batch = static_cast<int>(a.batch);
-  rq.seqlen = static_cast<int>(a.seqlen_q);
-  rq.heads = static_cast<int>(a.heads_q);
-  rq.rows_cap = pl.rows_q_cap;
-  const int64_t q_warps = pl.rows_q_cap * a.heads_q;
-  if (q_warps > 0) {
-    cuda::bwd_preprocess_kernel<T, D><<<static_cast<unsigned>((q_warps + 7) / 8), 256, 0, stream>>>(rq);
-    if ((err = cudaGetLastError()) != cudaSuccess) return err;
-  }
-
-  // 2. fused kernel.
+  // The main kernel's parameters and choice, first: a deterministic call that no kernel serves
+  // fails before anything is written.
   BwdParams p{};
   p.q = a.q;
   p.k = a.k;
@@ -246,7 +256,60 @@ cudaError_t run_typed(const BackwardArgs& a, const Plan& pl, char* ws, cudaStrea
   p.heads_per_cta = pl.heads_per_cta;
   p.q_stages = pick_q_stages(cuda::bwd_smem_bytes<D>(3));
   p.head_splits = pl.head_splits;
-  if ((err = cuda::launch_bwd_main<T, D>(p, choose_kernel<T, D>(p, dense), stream)) != cudaSuccess) return err;
+  p.dq_sem = nullptr;
+  p.q_desc = a.deterministic;
+  if (kernel_override().bwd_q_order == 1 || kernel_override().bwd_q_order == 2)
+    p.q_desc = kernel_override().bwd_q_order == 2;
+  cuda::BwdTmaMaps maps;
+  const cuda::BwdLaunch launch = choose_kernel<T, D>(a, p, dense, &maps);
+  if (a.deterministic) {
+    if (launch.kernel != cuda::BwdKernelKind::sm90_ws) return cudaErrorNotSupported;  // backward() words it
+    p.dq_sem = reinterpret_cast<int32_t*>(ws + pl.off_sem);
+  }
+  // 1. zero accumulators, tile_mask; D and slot zeroing.
+  err = cudaMemsetAsync(dq_acc, 0, sizeof(float) * static_cast<size_t>(a.heads_q * pl.rows_q_cap * d), stream);
+  if (err != cudaSuccess) return err;
+  if (pl.kv_atomic) {
+    err = cudaMemsetAsync(ws + pl.off_dk, 0, pl.bytes - pl.off_dk, stream);
+    if (err != cudaSuccess) return err;
+  }
+  if (p.dq_sem) {
+    err = cudaMemsetAsync(p.dq_sem, 0, sizeof(int32_t) * static_cast<size_t>(a.batch * a.heads_q) * pl.n_q_tiles, stream);
+    if (err != cudaSuccess) return err;
+  }
+  if (a.tile_mask) {
+    err = cudaMemsetAsync(a.tile_mask, 0,
+                          static_cast<size_t>(a.batch * a.heads_q) * pl.n_q_tiles * pl.n_k_tiles, stream);
+    if (err != cudaSuccess) return err;
+  }
+  RowParams rq{};
+  rq.o = a.o;
+  rq.dout = a.dout;
+  rq.o_s = os;
+  rq.do_s = dos;
+  rq.dsum = dsum;
+  rq.lse2 = lse2;
+  rq.bound2 = dense ? nullptr : bound2;
+  rq.cu_k = a.cu_seqlens_k;
+  rq.seqlen_k = static_cast<int>(a.seqlen_k);
+  rq.causal = a.causal;
+  rq.log2_tau = log2_tau;
+  rq.inv_scale_log2 = 1.0f / scale_log2;
+  rq.lse = a.lse;
+  rq.slots = a.bwd_slots;
+  rq.cu = a.cu_seqlens_q;
+  rq.batch = static_cast<int>(a.batch);
+  rq.seqlen = static_cast<int>(a.seqlen_q);
+  rq.heads = static_cast<int>(a.heads_q);
+  rq.rows_cap = pl.rows_q_cap;
+  const int64_t q_warps = pl.rows_q_cap * a.heads_q;
+  if (q_warps > 0) {
+    cuda::bwd_preprocess_kernel<T, D><<<static_cast<unsigned>((q_warps + 7) / 8), 256, 0, stream>>>(rq);
+    if ((err = cudaGetLastError()) != cudaSuccess) return err;
+  }
+
+  // 2. fused kernel.
+  if ((err = cuda::launch_bwd_main<T, D>(p, launch, stream)) != cudaSuccess) return err;
 
   // 3. converts.
   if (q_warps > 0) {
@@ -332,6 +395,9 @@ Status backward(const BackwardArgs& a) {
     cudaError_t e2 = cudaFreeAsync(ws, stream);
     if (err == cudaSuccess) err = e2;
   }
+  if (err == cudaErrorNotSupported && a.deterministic)
+    return Status::error("deterministic: needs the Hopper backward (sm_90 with an sm_90a build, head_dim 64 or 128, "
+                         "tensors the TMA can describe; varlen calls must give total_q and total_k)");
   if (err != cudaSuccess) return Status::error(std::string("device: CUDA backward failed: ") + cudaGetErrorString(err));
   return Status::success();
 }

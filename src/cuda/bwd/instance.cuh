@@ -5,6 +5,7 @@
 
 #include "cuda/bwd/kernel_sm80.cuh"
 #include "cuda/bwd/kernel_sm90.cuh"
+#include "cuda/bwd/kernel_sm90_ws.cuh"
 #include "cuda/bwd/launch.h"
 #include "cuda/core/arch.cuh"
 
@@ -28,6 +29,7 @@ bool bwd_wgmma_usable() {
 template <typename T, int D>
 cudaError_t launch_bwd_main(const BwdParams& p, const BwdLaunch& l, cudaStream_t stream) {
   if constexpr (bwd_has_wgmma<D>()) {
+    if (l.kernel == BwdKernelKind::sm90_ws) return launch_bwd_sm90_ws<T, D>(p, *l.maps, l.dense, stream);
     if (l.kernel == BwdKernelKind::sm90) return launch_bwd_sm90<T, D>(p, l.dense, stream);
   }
   return launch_bwd_sm80<T, D>(p, l.dense, stream);

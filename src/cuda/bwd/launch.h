@@ -2,6 +2,7 @@
 // launchers that instantiations/bwd_*.cu define (bwd/instance.cuh).  Host code only.
 #pragma once
 
+#include <cuda.h>
 #include <cuda_runtime.h>
 
 #include "cuda/bwd/params.cuh"
@@ -10,12 +11,18 @@ namespace mala {
 namespace cuda {
 
 enum class BwdKernelKind {
-  sm80,  // mma.sync (bwd/kernel_sm80.cuh): every device, every head dim
-  sm90,  // wgmma (bwd/kernel_sm90.cuh): sm_90a, d = 64 and 128
+  sm80,     // mma.sync (bwd/kernel_sm80.cuh): every device, every head dim
+  sm90,     // two-warpgroup wgmma with cp.async loads (bwd/kernel_sm90.cuh): sm_90a, d = 64 and 128
+  sm90_ws,  // warp-specialized wgmma + TMA (bwd/kernel_sm90_ws.cuh): sm_90a, d = 64 and 128
+};
+// What the TMA reads (Q, dO, K, V) and adds into (the fp32 dQ accumulator), for sm90_ws.
+struct BwdTmaMaps {
+  CUtensorMap q, dout, k, v, dq;
 };
 struct BwdLaunch {
   BwdKernelKind kernel = BwdKernelKind::sm80;
-  bool dense = false;  // tau = 0: the kernel's dense instance
+  bool dense = false;               // tau = 0: the kernel's dense instance
+  const BwdTmaMaps* maps = nullptr;  // sm90_ws
 };
 
 // Launches the main kernel l names; every choice is the caller's (dispatch.cu).

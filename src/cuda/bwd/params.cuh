@@ -60,6 +60,12 @@ struct BwdParams {
   int heads_per_cta;    // query heads of one KV group handled by one CTA
   int head_splits;      // group / heads_per_cta
   int q_stages;         // 2 or 3 shared-memory stages of Q (3 where the shared memory allows)
+  // Deterministic mode (warp-specialized kernel): [batch, heads_q, n_q_tiles] counters, zeroed; the CTA
+  // of key tile j adds its dQ to query tile i once the counter reads j.  Null: adds in any order.
+  int32_t* dq_sem;
+  // Warp-specialized kernel's visiting order: query tiles descending with the heads inner (BwdWork::first
+  // and step), else heads outer with query tiles ascending.
+  bool q_desc;
 };
 
 // Bytes of dynamic shared memory of the main kernel with q_stages Q stages (host-computable).

@@ -129,6 +129,33 @@ __device__ __forceinline__ void mbar_wait(uint32_t addr, uint32_t parity) {
   }
 }
 
+// Named barrier `id` (1..15) over `count` threads (a multiple of 32): sync waits for the count,
+// arrive counts this warp without waiting (a producer signalling consumers, or the reverse).
+__device__ __forceinline__ void named_barrier_sync(int id, int count) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+__device__ __forceinline__ void named_barrier_arrive(int id, int count) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+// An arrival on mbarrier `addr` once every cp.async this thread issued before it has completed; the
+// barrier's expected count includes it (noinc).
+__device__ __forceinline__ void cp_async_mbar_arrive_noinc(uint32_t addr) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(addr) : "memory");
+}
+
+// GPU-scope acquire load and release store of a counter (cross-CTA ordering of the backward's
+// deterministic dQ adds).
+__device__ __forceinline__ int ld_acquire_gpu(const int* p) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void st_release_gpu(int* p, int v) {
+  asm volatile("st.release.gpu.global.b32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
+}
+// Orders this thread's generic-proxy accesses with its async-proxy (TMA) ones, in every state space.
+__device__ __forceinline__ void fence_proxy_async_all() { asm volatile("fence.proxy.async;\n" ::: "memory"); }
+
 // Barrier of one warpgroup of the wgmma kernels (ids 1 and 2; 0 is __syncthreads).  The id from a
 // register: one instruction instead of a branch between two immediate ids (ptxas then reserves all
 // 16 barriers, which costs nothing at one CTA per SM).

@@ -1,5 +1,6 @@
-// Tensor Memory Accelerator (TMA, sm_90) loads of K and V tiles, and the host side that describes
-// a K or V tensor to it.
+// Tensor Memory Accelerator (TMA, sm_90): loads of 2-byte tiles (K, V, Q, dO), the fp32 reduce-add
+// of a tile into a global accumulator (the backward's dQ), and the host side that describes those
+// tensors to it.
 //
 // A tile of ROWS keys x D columns lands in the 128-byte-swizzled GmmaTile layout: one TMA box of
 // 64 columns x ROWS rows per 64-column block (kBlockBytes apart), with CU_TENSOR_MAP_SWIZZLE_128B,
@@ -48,14 +49,28 @@ __device__ __forceinline__ void tma_load_tile(uint32_t dst, const CUtensorMap* m
   for (int c = 0; c < COLS / 64; ++c) tma_load_4d(dst + c * ROWS * 128, map, mbar, 64 * c, row0, hk, b);
 }
 
+// Element-wise fp32 add of a shared-memory box into global memory at (c0 = column, c1 = row) of a
+// rank-2 fp32 tensor map (each element's add is atomic, so CTAs may add to the same rows); one thread
+// issues it, after the writers' fence.proxy.async and a barrier.  Completion is tracked by bulk groups.
+__device__ __forceinline__ void tma_reduce_add_2d(const CUtensorMap* map, uint32_t src, int c0, int c1) {
+  asm volatile(
+      "cp.reduce.async.bulk.tensor.2d.global.shared::cta.add.tile.bulk_group [%0, {%2, %3}], [%1];\n" ::"l"(
+          reinterpret_cast<uint64_t>(map)),
+      "r"(src), "r"(c0), "r"(c1)
+      : "memory");
+}
+__device__ __forceinline__ void bulk_commit_group() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+// Until the committed bulk groups have finished reading shared memory (the source may be rewritten).
+__device__ __forceinline__ void bulk_wait_group_read0() {
+  asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+}
+// Until the committed bulk groups are complete (their writes performed).
+__device__ __forceinline__ void bulk_wait_group0() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
+
 // ---- host ------------------------------------------------------------------------------------------
 
-// Tensor map of a [batch, rows, heads, d] tensor of 2-byte elements (any strides, in elements, with
-// contiguous d) for boxes of 64 columns x box_rows rows.  False (the caller keeps cp.async) when the
-// TMA cannot describe it: an address or a stride that is not a multiple of 16 bytes, or the driver
-// refuses the map.
-inline bool make_kv_tensor_map(CUtensorMap* map, const void* base, bool bf16, int d, int rows, int heads, int batch,
-                               int64_t stride_row, int64_t stride_head, int64_t stride_batch, int box_rows) {
+// The driver's cuTensorMapEncodeTiled (null when the driver does not offer it).
+inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
   static PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
     void* fn = nullptr;
     cudaDriverEntryPointQueryResult q{};
@@ -66,6 +81,16 @@ inline bool make_kv_tensor_map(CUtensorMap* map, const void* base, bool bf16, in
     }
     return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
   }();
+  return encode;
+}
+
+// Tensor map of a [batch, rows, heads, d] tensor of 2-byte elements (any strides, in elements, with
+// contiguous d) for boxes of 64 columns x box_rows rows.  False (the caller keeps cp.async) when the
+// TMA cannot describe it: an address or a stride that is not a multiple of 16 bytes, or the driver
+// refuses the map.
+inline bool make_kv_tensor_map(CUtensorMap* map, const void* base, bool bf16, int d, int rows, int heads, int batch,
+                               int64_t stride_row, int64_t stride_head, int64_t stride_batch, int box_rows) {
+  const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
   if (encode == nullptr || (reinterpret_cast<uintptr_t>(base) & 15) != 0) return false;
   // A dimension of size 1 is never stepped: give it a valid stride whatever the caller's is.
   const int64_t s1 = stride_row * 2;
@@ -80,6 +105,23 @@ inline bool make_kv_tensor_map(CUtensorMap* map, const void* base, bool bf16, in
   return encode(map, bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 4,
                 const_cast<void*>(base), dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
                 CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+// Tensor map of a row-major fp32 matrix [rows, cols] (cols contiguous, a multiple of 32) for boxes of
+// 32 columns (128 bytes) x box_rows rows in the 128-byte swizzle: chunk c of a box row r at c ^ (r % 8),
+// so that the backward's warps store their dQ fragments without bank conflicts.
+inline bool make_f32_tensor_map(CUtensorMap* map, float* base, int cols, int64_t rows, int box_rows) {
+  const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
+  if (encode == nullptr || (reinterpret_cast<uintptr_t>(base) & 15) != 0 || cols % 32 != 0 || rows <= 0 ||
+      rows >= (int64_t(1) << 31))
+    return false;
+  const cuuint64_t dims[2] = {(cuuint64_t)cols, (cuuint64_t)rows};
+  const cuuint64_t strides[1] = {(cuuint64_t)cols * 4};
+  const cuuint32_t box[2] = {32, (cuuint32_t)box_rows};
+  const cuuint32_t elem_strides[2] = {1, 1};
+  return encode(map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 2, base, dims, strides, box, elem_strides,
+                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 

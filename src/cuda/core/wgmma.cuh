@@ -57,6 +57,18 @@ __device__ __forceinline__ void fence_proxy_async_smem() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 #endif
 }
+// Registers per thread of a warpgroup in the warp-specialized kernels: the producer gives up what
+// the consumers take (24 x 128 + 240 x 256 fits the 168 x 384 a 384-thread CTA launches with).
+__device__ __forceinline__ void setmaxnreg_dec24() {
+#ifdef MALA_WGMMA_ENABLED
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void setmaxnreg_inc240() {
+#ifdef MALA_WGMMA_ENABLED
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n" ::: "memory");
+#endif
+}
 // Keeps the compiler from moving accumulator reads/writes across an in-flight wgmma.
 template <int M>
 __device__ __forceinline__ void wgmma_fence_operands(float (&d)[M]) {

@@ -34,18 +34,6 @@
 namespace mala {
 namespace cuda {
 
-// Registers per thread of a warpgroup (sm_90): the producer gives up what the consumers take.
-__device__ __forceinline__ void setmaxnreg_dec24() {
-#ifdef MALA_WGMMA_ENABLED
-  asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void setmaxnreg_inc240() {
-#ifdef MALA_WGMMA_ENABLED
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n" ::: "memory");
-#endif
-}
-
 template <int D_>
 struct FwdWs {
   static constexpr int D = D_;

@@ -1,0 +1,525 @@
+// The warp-specialized backward on Hopper (wgmma + TMA), head dims 64 and 128, sm_90a: the kernel for
+// every tau whenever the TMA can describe Q, dO, K, V and the dQ accumulator (dispatch.cu; varlen
+// calls when they give total_q and total_k).  Same work split, tile order, offline test, vote and
+// outputs as the two-warpgroup kernel (kernel_sm90.cuh) -- one CTA per (key tile of 128 keys,
+// sequence, KV head, head split), query tiles of 64 rows ascending from the first legal one, dK/dV in
+// registers -- so the tile mask, the slots and the gradients are its (up to the order of dQ's adds).
+//
+// Three warpgroups (384 threads):
+//   producer (warpgroup 0, 24 registers):
+//     warp 0  K and V once, then Q_t with its lse and skip bound into a ring of kQStages slots (TMA for
+//             the tile, cp.async for the per-row scalars; full/empty mbarriers);
+//     warp 1  dO_t with D = rowsum(dO * O) into a ring of 2 slots: speculatively when tile t - 2 was
+//             retained (always at tau = 0), else once the consumers have decided tile t, and only if
+//             they retain it.  The slot's full barrier completes once per tile either way (with no
+//             bytes when dO_t is not loaded), so every phase is static;
+//     warp 2  dQ writer: adds each retained tile's dQ (fp32, 64 x d, in shared memory) into the dQ
+//             accumulator with one TMA reduce-add per 32 columns, off the consumers' path.
+//   consumers (warpgroups 1 and 2, 240 registers; warpgroup g owns keys 64g..64g+63 of the tile):
+//     S^T_g  = K_g Q^T                 (dP^T_g = V_g dO^T right behind it when dO_t is expected)
+//     mask, offline test against each row's raw-score bound, CTA vote (tau > 0)
+//     P^T = exp2(S^T - lse), dS^T = P^T (dP^T - D)      in registers
+//     dS^T -> shared memory;  dV_g += P^T dO,  dK_g += dS^T Q    (A from registers)
+//     both warpgroups' dS^T stored (named barrier): dQ[:, 64g..] = dS K  (d = 64: dQ over own keys)
+//     dQ -> shared memory (swizzled, conflict-free) for the writer.
+//   A skipped tile stops after S^T: it releases its Q slot and issues no dP^T, dV, dK or dQ work.
+#pragma once
+
+#include <type_traits>
+
+#include "cuda/bwd/common.cuh"
+#include "cuda/bwd/launch.h"
+#include "cuda/core/smem_tile.cuh"
+#include "cuda/core/tma.cuh"
+#include "cuda/core/wgmma.cuh"
+
+namespace mala {
+namespace cuda {
+
+template <int D_>
+struct BwdWs {
+  static constexpr int D = D_, BQ = 64, BK = 128, kThreads = 384, kQStages = 4;
+  static_assert(D == 64 || D == 128, "warp-specialized backward: head dim 64 or 128");
+  using KTile = GmmaTile<BK, D>;
+  using QTile = GmmaTile<BQ, D>;
+  using STile = GmmaTile<BK, BQ>;            // dS^T [key][query]
+  static constexpr int kDqBytes = BQ * 128 * 4;  // 4 boxes of 32 fp32 columns x 64 rows
+  static constexpr int kOffK = 0;
+  static constexpr int kOffV = kOffK + KTile::kBytes;
+  static constexpr int kOffQ = kOffV + KTile::kBytes;
+  static constexpr int kOffDO = kOffQ + kQStages * QTile::kBytes;
+  static constexpr int kOffDS = kOffDO + 2 * QTile::kBytes;
+  // One dS^T buffer: both warpgroups have finished a tile's dQ products once they meet at the dQ
+  // buffer's barrier, before either writes the next tile's dS^T.  (The space went to a fourth Q
+  // stage, which the skip path, loading nothing else, runs on.)
+  static constexpr int kOffDQ = kOffDS + STile::kBytes;
+  static constexpr int kOffLse = kOffDQ + kDqBytes;         // [kQStages][BQ] log2 units
+  static constexpr int kOffBound = kOffLse + kQStages * BQ * 4;  // [kQStages][BQ]
+  static constexpr int kOffDsum = kOffBound + kQStages * BQ * 4;  // [2][BQ]
+  // mbarriers: kv_full, q_full[kQStages], q_empty[kQStages], do_full[2], do_empty[2], vote[4]
+  static constexpr int kOffMbar = kOffDsum + 2 * BQ * 4;
+  static constexpr int kOffVote = kOffMbar + (9 + 2 * kQStages + 1) / 2 * 16;  // [4] tagged vote words
+  static constexpr int kOffDec = kOffVote + 4 * 4;    // [8] (t << 1) | retained, for the dO producer
+  // To the dQ writer: the tile's first accumulator row (-2: skipped, -1: no more tiles), its counter.
+  static constexpr int kOffDqRow = kOffDec + 8 * 4;
+  static constexpr int kBytes = kOffDqRow + 16;
+  static constexpr int kSmem = kBytes + 1024;
+  // Named barriers (0 is __syncthreads): both consumer warpgroups' dS^T stored; dQ buffer full / empty.
+  // The vote after a skipped tile (barrier_vote_or).
+  static constexpr int kBarDs = 1, kBarDqFull = 2, kBarDqEmpty = 3, kBarVote = 4, kConsumers = 256,
+                       kDqParties = 256 + 32;
+};
+
+template <typename T, int D, bool kDense>
+__global__ void __launch_bounds__(384, 1)
+    bwd_main_kernel_sm90_ws(const BwdParams p, const __grid_constant__ BwdTmaMaps maps) {
+#ifdef MALA_WGMMA_ENABLED
+  using C = BwdWs<D>;
+  constexpr int BQ = C::BQ, BK = C::BK, NQS = C::kQStages;
+  using KTile = typename C::KTile;
+  using QTile = typename C::QTile;
+  using STile = typename C::STile;
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  uint32_t sbase;
+  unsigned char* smem = smem_align_1024(smem_raw, sbase);
+  const int tid = threadIdx.x;
+
+  const BwdWork w = bwd_cta_work<BQ, BK>(p);
+  if (w.kb >= w.klen) return;
+  const int qlen = w.qlen, klen = w.klen, kb = w.kb, kn = w.kn, n_iter = w.n_iter;
+
+  const uint32_t sK = sbase + C::kOffK, sV = sbase + C::kOffV, sQ = sbase + C::kOffQ, sDO = sbase + C::kOffDO,
+                 sDS = sbase + C::kOffDS, sDQ = sbase + C::kOffDQ;
+  const uint32_t mb_kv = sbase + C::kOffMbar, mb_q_full = mb_kv + 8, mb_q_empty = mb_q_full + 8 * NQS,
+                 mb_do_full = mb_q_empty + 8 * NQS, mb_do_empty = mb_do_full + 16, mb_vote = mb_do_empty + 16;
+  uint32_t* vote_w = reinterpret_cast<uint32_t*>(smem + C::kOffVote);
+  volatile int* s_dec = reinterpret_cast<volatile int*>(smem + C::kOffDec);
+  volatile int* s_dq_row = reinterpret_cast<volatile int*>(smem + C::kOffDqRow);  // [0] row, [1] counter
+  const bool det = p.dq_sem != nullptr, desc = p.q_desc;
+  if (tid == 0) {
+    mbar_init(mb_kv, 2);  // K's and V's expect_tx arrivals
+    for (int i = 0; i < NQS; ++i) {
+      mbar_init(mb_q_full + 8 * i, 33);  // the TMA's expect_tx arrival + 32 lanes' cp.async arrivals
+      mbar_init(mb_q_empty + 8 * i, 8);  // one arrival per consumer warp
+    }
+    for (int i = 0; i < 2; ++i) {
+      mbar_init(mb_do_full + 8 * i, 33);
+      mbar_init(mb_do_empty + 8 * i, 8);
+    }
+    for (int i = 0; i < 4; ++i) {
+      mbar_init(mb_vote + 8 * i, 8);
+      vote_w[i] = 0u;
+    }
+    for (int i = 0; i < 8; ++i) s_dec[i] = -1;
+    fence_mbarrier_init();
+  }
+  __syncthreads();
+
+  // TMA coordinates of this sequence's row 0: varlen maps the packed rows as one batch entry.
+  const int q_row0 = w.varlen ? static_cast<int>(w.qrow0) : 0, k_row0 = w.varlen ? static_cast<int>(w.krow0) : 0;
+  const int map_b = w.varlen ? 0 : w.b;
+  // Phase parity of the k-th use of a ring slot (k = t / slots).
+  auto parity = [](int use) { return static_cast<uint32_t>(use) & 1u; };
+
+  if (tid < 128) {
+    setmaxnreg_dec24();
+    const int warp = tid >> 5, lane = tid & 31;
+    if (warp == 0) {
+      if (lane == 0) {
+        tma_load_tile<BK, D>(sK, &maps.k, mb_kv, k_row0 + kb, w.hk, map_b);
+        tma_load_tile<BK, D>(sV, &maps.v, mb_kv, k_row0 + kb, w.hk, map_b);
+      }
+      BwdWork::Tile x = w.first(desc);
+      for (int t = 0, s = 0, use = 0; t < n_iter; ++t, x = w.step(x, desc)) {
+        if (use > 0) mbar_wait<true>(mb_q_empty + 8 * s, parity(use - 1));
+        const int h = x.h(), r0 = x.qi() * BQ, valid = min(BQ, qlen - r0);
+        if (lane == 0) tma_load_tile<BQ, D>(sQ + s * QTile::kBytes, &maps.q, mb_q_full + 8 * s, q_row0 + r0, h, map_b);
+        const int64_t at = h * p.rows_q_cap + w.qrow0 + r0;
+#pragma unroll
+        for (int i = lane; i < BQ; i += 32) {
+          const bool ok = i < valid;
+          bwd_cp_async_4(sbase + C::kOffLse + (s * BQ + i) * 4, ok ? p.lse2 + at + i : p.lse2, ok);
+          if (!kDense) bwd_cp_async_4(sbase + C::kOffBound + (s * BQ + i) * 4, ok ? p.bound2 + at + i : p.bound2, ok);
+        }
+        cp_async_mbar_arrive_noinc(mb_q_full + 8 * s);
+        if (++s == NQS) {
+          s = 0;
+          ++use;
+        }
+      }
+    } else if (warp == 1) {
+      // Tile t's decision, (t << 1) | retained, once the consumers have published it.
+      auto decision = [&](int t) {
+        int v;
+        do {
+          v = s_dec[t & 7];
+        } while ((v >> 1) != t);
+        return v;
+      };
+      BwdWork::Tile x = w.first(desc);
+      for (int t = 0; t < n_iter; ++t, x = w.step(x, desc)) {
+        const int s = t & 1;
+        if (t >= 2) mbar_wait<true>(mb_do_empty + 8 * s, parity((t >> 1) - 1));
+        bool load = true;
+        // Speculative when tile t - 2 was retained: its decision is out by the time its dO slot (this
+        // one) comes back, so the load is not held up by tile t - 1's.
+        if (!kDense && t > 1 && (decision(t - 2) & 1) == 0) load = (decision(t) & 1) != 0;
+        const int h = x.h(), r0 = x.qi() * BQ, valid = min(BQ, qlen - r0);
+        if (lane == 0) {
+          if (load)
+            tma_load_tile<BQ, D>(sDO + s * QTile::kBytes, &maps.dout, mb_do_full + 8 * s, q_row0 + r0, h, map_b);
+          else
+            mbar_arrive(mb_do_full + 8 * s);
+        }
+        if (load) {
+          const int64_t at = h * p.rows_q_cap + w.qrow0 + r0;
+#pragma unroll
+          for (int i = lane; i < BQ; i += 32) {
+            const bool ok = i < valid;
+            bwd_cp_async_4(sbase + C::kOffDsum + (s * BQ + i) * 4, ok ? p.dsum + at + i : p.dsum, ok);
+          }
+        }
+        cp_async_mbar_arrive_noinc(mb_do_full + 8 * s);
+      }
+    } else if (warp == 2) {
+      // Deterministic mode: the tile's adds wait until the counter says that every key tile before
+      // this one has added (or skipped) it, and complete before the counter moves on; at d = 64 the two
+      // warpgroups' halves, which add to the same elements, go one after the other.
+      named_barrier_arrive(C::kBarDqEmpty, C::kDqParties);  // the buffer starts empty
+      for (;;) {
+        named_barrier_sync(C::kBarDqFull, C::kDqParties);
+        const int row = s_dq_row[0];
+        if (row == -1) break;
+        if (lane == 0) {
+          int* sem = det ? p.dq_sem + s_dq_row[1] : nullptr;
+          if (det) {
+            while (ld_acquire_gpu(sem) != w.j) {
+            }
+            fence_proxy_async_all();
+          }
+          if (row >= 0) {
+#pragma unroll
+            for (int b = 0; b < 4; ++b) {
+              tma_reduce_add_2d(&maps.dq, sDQ + b * (BQ * 128), 32 * (b % (D / 32)), row);
+              if (det && D == 64 && b == 1) {
+                bulk_commit_group();
+                bulk_wait_group0();
+              }
+            }
+            bulk_commit_group();
+            if (det)
+              bulk_wait_group0();
+            else
+              bulk_wait_group_read0();
+          }
+          if (det) {
+            fence_proxy_async_all();
+            st_release_gpu(sem, w.j + 1);
+          }
+        }
+        __syncwarp();
+        named_barrier_arrive(C::kBarDqEmpty, C::kDqParties);
+      }
+      if (lane == 0) bulk_wait_group0();
+    }
+    return;
+  }
+
+  setmaxnreg_inc240();
+  const int ctid = tid - 128, warp = __shfl_sync(0xffffffffu, ctid >> 5, 0), lane = ctid & 31, wg = warp >> 2,
+            wl = warp & 3, gid = lane >> 2, tig = lane & 3;
+  const int krow = 64 * wg + 16 * wl + gid;  // this thread's first key row in the tile (+8: second)
+  const float* lse_s = reinterpret_cast<const float*>(smem + C::kOffLse);
+  const float* bound_s = reinterpret_cast<const float*>(smem + C::kOffBound);
+  const float* dsum_s = reinterpret_cast<const float*>(smem + C::kOffDsum);
+
+  float dk[D / 2], dv[D / 2];  // m64nD accumulators: keys 64 wg.., all D dims
+#pragma unroll
+  for (int i = 0; i < D / 2; ++i) dk[i] = dv[i] = 0.f;
+
+  // dQ of the tile whose dS^T is in buffer `buf` (m64n64 per warpgroup).  d = 128: warpgroup g takes
+  // dims 64g.. over all 128 keys.  d = 64: warpgroup g takes all 64 dims over its own keys 64g..,
+  // into its own half of the buffer; the writer adds both halves.
+  constexpr bool kDqSplitKeys = D == 64;
+  constexpr int kDqKeys = kDqSplitKeys ? 64 : BK;
+  const int dq_key0 = kDqSplitKeys ? 64 * wg : 0, dq_col0 = kDqSplitKeys ? 0 : 64 * wg;
+  const bool recording = p.tile_mask != nullptr || p.bwd_slots != nullptr;
+
+  mbar_wait<true>(mb_kv, 0);
+  // The dQ writer's handshake: wait for its buffer, post the tile (row; its counter), hand it over.
+  auto post_dq = [&](int row, int h, int qi) {
+    if (ctid == 0) {
+      s_dq_row[0] = row;
+      s_dq_row[1] = static_cast<int>((static_cast<int64_t>(w.b) * p.heads_q + h) * p.n_q_tiles + qi);
+    }
+    named_barrier_arrive(C::kBarDqFull, C::kDqParties);
+  };
+  // acc (this warpgroup's 64 keys x 64 rows) = X_g Y^T over d, X = K or V, Y = Q or dO; committed.
+  auto keys_x_rows = [&](float(&acc)[32], uint32_t sX, uint32_t sY) {
+#pragma unroll
+    for (int e = 0; e < 32; ++e) acc[e] = 0.f;
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      const uint32_t xa = (kk >> 2) * KTile::kBlockBytes + 64 * wg * 128 + (kk & 3) * 32;
+      const uint32_t ya = (kk >> 2) * QTile::kBlockBytes + (kk & 3) * 32;
+      WgmmaSS<64, 0, 0, T>::run(acc, wgmma_desc(sX + xa, 16, 1024), wgmma_desc(sY + ya, 16, 1024));
+    }
+    wgmma_commit();
+  };
+  // Masked entries of S^T -> -inf (tiles that cross the diagonal or an end).  Entry 4n + 2hh + c: key
+  // krow + 8hh, query row q0 + 8n + 2tig + c.  The scores stay raw: the test takes them raw.
+  auto mask_scores = [&](float(&s)[32], int q0) {
+    if ((q0 + BQ > qlen) || (kb + BK > klen) || (p.causal && kb + BK - 1 > q0 + klen - qlen)) {
+#pragma unroll
+      for (int n = 0; n < 8; ++n)
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          const int qr = q0 + n * 8 + 2 * tig + c;
+          const int L = qr < qlen ? rule::visible_keys(qr, qlen, klen, p.causal) : 0;
+#pragma unroll
+          for (int hh = 0; hh < 2; ++hh)
+            if (kb + krow + hh * 8 >= L) s[4 * n + 2 * hh + c] = -INFINITY;
+        }
+    }
+  };
+  // Whether some entry of this warp blocks the skip (the offline test against each row's raw bound).
+  auto warp_blocks = [&](const float(&s)[32], int qs) {
+    const float* bound_t = bound_s + qs * BQ;
+    bool block = false;
+#pragma unroll
+    for (int n = 0; n < 8; ++n)
+#pragma unroll
+      for (int c = 0; c < 2; ++c)
+        block |= !rule::row_allows_skip_raw(fmaxf(s[4 * n + c], s[4 * n + 2 + c]), bound_t[n * 8 + 2 * tig + c]);
+    return __any_sync(0xffffffffu, block);
+  };
+  // After the decision on tile t: the producer's copy, the optional outputs.
+  auto decided = [&](int t, int h, int qi, bool retain) {
+    if (!kDense && ctid == 0) s_dec[t & 7] = (t << 1) | (retain ? 1 : 0);
+    if (recording) bwd_record_tile<BQ, BK>(p, w, h, qi, retain, ctid);
+  };
+  // A skipped tile: its Q slot goes back (S^T is complete), and in deterministic mode its dQ counter
+  // moves on all the same.
+  auto skipped = [&](int qs, int h, int qi) {
+    if (lane == 0) mbar_arrive(mb_q_empty + 8 * qs);
+    if (det) {
+      named_barrier_sync(C::kBarDqEmpty, C::kDqParties);
+      post_dq(-2, h, qi);
+    }
+  };
+  // A skipped tile's dO slot goes back once its (byte-less) phase has completed, a tile late so that
+  // the skip path does not wait for the producer.
+  int pend_do = -1;
+  auto release_pending_do = [&]() {
+    if (pend_do >= 0) {
+      mbar_wait<true>(mb_do_full + 8 * (pend_do & 1), parity(pend_do >> 1));
+      if (lane == 0) mbar_arrive(mb_do_empty + 8 * (pend_do & 1));
+      pend_do = -1;
+    }
+  };
+
+  BwdWork::Tile x = w.first(desc);
+  int n_mvotes = 0;                 // mbarrier votes so far (their ring's index)
+  bool retain_1 = true, retain_2 = true;  // tiles t - 1's and t - 2's decisions: dO_t was loaded
+                                          // speculatively when tile t - 2 was retained
+  int t = 0, qs = 0, quse = 0;
+  auto advance = [&]() {
+    ++t;
+    x = w.step(x, desc);
+    if (++qs == NQS) {
+      qs = 0;
+      ++quse;
+    }
+  };
+  // The tile in two copies: dO_t prefetched (tile t - 2 retained; dP^T issued right behind S^T), or
+  // loaded only once the tile is retained.  (One copy with a run-time branch
+  // makes ptxas serialize every wgmma of the kernel.)
+  auto step = [&](auto early) {
+    constexpr bool dp_early = decltype(early)::value;
+    float s[32], dp[32];
+    mbar_wait<true>(mb_q_full + 8 * qs, parity(quse));
+    // The bounds of this thread's first two query rows, for the retained-tile shortcut below.
+    float2 early_bound = make_float2(0.f, 0.f);
+    if (!kDense && dp_early) early_bound = *reinterpret_cast<const float2*>(bound_s + qs * BQ + 2 * tig);
+    keys_x_rows(s, sK, sQ + qs * QTile::kBytes);
+    if constexpr (dp_early) {
+      mbar_wait<true>(mb_do_full + 8 * (t & 1), parity(t >> 1));
+      keys_x_rows(dp, sV, sDO + (t & 1) * QTile::kBytes);
+      release_pending_do();
+      wgmma_wait<1>();
+      wgmma_fence_operands(s);
+      mask_scores(s, x.qi() * BQ);
+      bool retain = true;
+      if (!kDense) {
+        // A warp first tests only its first two query rows; the full test runs only when none of
+        // those blocks the skip (same decisions, fewer instructions where tiles are kept).
+        auto blocks = [&](int c, float bound) { return !rule::row_allows_skip_raw(fmaxf(s[c], s[2 + c]), bound); };
+        bool warp_retain = __any_sync(0xffffffffu, blocks(0, early_bound.x) || blocks(1, early_bound.y));
+        if (!warp_retain) warp_retain = warp_blocks(s, qs);
+        // The mbarrier vote: warps that retain do not wait (on inputs that keep most tiles, none does).
+        cta_vote_arrive(warp_retain, vote_w, mb_vote, n_mvotes, lane);
+        retain = __any_sync(0xffffffffu, warp_retain || cta_vote_result(vote_w, mb_vote, n_mvotes));
+        ++n_mvotes;
+      }
+      decided(t, x.h(), x.qi(), retain);
+      retain_2 = retain_1;
+      retain_1 = retain;
+      if (!retain) {
+        wgmma_wait<0>();  // dP^T's reads of dO_t end before its slot goes back
+        if (lane == 0) mbar_arrive(mb_do_empty + 8 * (t & 1));
+        skipped(qs, x.h(), x.qi());
+        return;
+      }
+    } else {
+      release_pending_do();
+      wgmma_wait<0>();
+      wgmma_fence_operands(s);
+      mask_scores(s, x.qi() * BQ);
+      // After a skipped tile most warps would wait for the vote anyway: one hardware barrier.
+      const bool retain = __any_sync(0xffffffffu, barrier_vote_or(C::kBarVote, C::kConsumers, warp_blocks(s, qs)));
+      decided(t, x.h(), x.qi(), retain);
+      if (!retain) {
+        pend_do = t;
+        skipped(qs, x.h(), x.qi());
+        retain_2 = retain_1;
+        retain_1 = false;
+        return;
+      }
+      retain_2 = retain_1;
+      retain_1 = true;
+      release_pending_do();
+      mbar_wait<true>(mb_do_full + 8 * (t & 1), parity(t >> 1));
+      keys_x_rows(dp, sV, sDO + (t & 1) * QTile::kBytes);
+    }
+    // Retained tile t.
+    const int ds = t & 1, h = x.h(), q0 = x.qi() * BQ;
+    const uint32_t sQs = sQ + qs * QTile::kBytes, sDOs = sDO + ds * QTile::kBytes;
+    // P = exp2(S - lse) while dP^T is computed.
+    const float* lse_t = lse_s + qs * BQ;
+#pragma unroll
+    for (int n = 0; n < 8; ++n)
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        const float l2 = lse_t[n * 8 + 2 * tig + c];
+        s[4 * n + c] = exp2f(s[4 * n + c] * p.scale_log2 - l2);
+        s[4 * n + 2 + c] = exp2f(s[4 * n + 2 + c] * p.scale_log2 - l2);
+      }
+    wgmma_wait<0>();
+    wgmma_fence_operands(dp);
+    const float* dsum_t = dsum_s + ds * BQ;
+#pragma unroll
+    for (int n = 0; n < 8; ++n)
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        const float dd = dsum_t[n * 8 + 2 * tig + c];
+        dp[4 * n + c] = s[4 * n + c] * (dp[4 * n + c] - dd);
+        dp[4 * n + 2 + c] = s[4 * n + 2 + c] * (dp[4 * n + 2 + c] - dd);
+      }
+    uint32_t pa[4][4], da[4][4];
+#pragma unroll
+    for (int kq = 0; kq < 4; ++kq)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        pa[kq][i] = pack2<T>(s[8 * kq + 2 * i], s[8 * kq + 2 * i + 1]);
+        da[kq][i] = pack2<T>(dp[8 * kq + 2 * i], dp[8 * kq + 2 * i + 1]);
+      }
+    // dS^T -> shared memory for dQ.
+    unsigned char* dsb = smem + C::kOffDS;
+#pragma unroll
+    for (int kq = 0; kq < 4; ++kq) {
+      const int c = kq * 16 + 2 * tig;
+      *reinterpret_cast<uint32_t*>(dsb + STile::offset(krow, c)) = da[kq][0];
+      *reinterpret_cast<uint32_t*>(dsb + STile::offset(krow + 8, c)) = da[kq][1];
+      *reinterpret_cast<uint32_t*>(dsb + STile::offset(krow, c + 8)) = da[kq][2];
+      *reinterpret_cast<uint32_t*>(dsb + STile::offset(krow + 8, c + 8)) = da[kq][3];
+    }
+    fence_proxy_async_smem();
+    // dV += P^T dO, dK += dS^T Q.
+    wgmma_fence();
+#pragma unroll
+    for (int kq = 0; kq < 4; ++kq)
+      WgmmaRS<D, 1, T>::run(dv, pa[kq], wgmma_desc(sDOs + kq * 2048, QTile::kBlockBytes, 1024));
+#pragma unroll
+    for (int kq = 0; kq < 4; ++kq)
+      WgmmaRS<D, 1, T>::run(dk, da[kq], wgmma_desc(sQs + kq * 2048, QTile::kBlockBytes, 1024));
+    wgmma_commit();
+    // dQ once both warpgroups' dS^T are in shared memory.
+    named_barrier_sync(C::kBarDs, C::kConsumers);
+    float dq[32];
+#pragma unroll
+    for (int i = 0; i < 32; ++i) dq[i] = 0.f;
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kDqKeys / 16; ++kk) {
+      const uint32_t krow_off = (dq_key0 + kk * 16) * 128;
+      const uint64_t a = wgmma_desc(sDS + krow_off, STile::kBlockBytes, 1024);
+      const uint64_t b = wgmma_desc(sK + (dq_col0 / 64) * KTile::kBlockBytes + krow_off, KTile::kBlockBytes, 1024);
+      WgmmaSS<64, 1, 1, T>::run(dq, a, b);
+    }
+    wgmma_commit();
+    wgmma_wait<1>();  // dV, dK: Q_t and dO_t are free
+    wgmma_fence_operands(dv);
+    wgmma_fence_operands(dk);
+    if (lane == 0) {
+      mbar_arrive(mb_q_empty + 8 * qs);
+      mbar_arrive(mb_do_empty + 8 * ds);
+    }
+    wgmma_wait<0>();
+    wgmma_fence_operands(dq);
+    // dQ -> the writer's buffer: 4 boxes of 32 columns x 64 rows, 128-byte swizzle (chunk c of row r
+    // at c ^ (r % 8)); warpgroup g writes boxes 2g, 2g + 1.  Accumulator element 4n + 2hh + c: row
+    // 16 wl + gid + 8 hh, column 8n + 2 tig + c of the warpgroup's 64.
+    named_barrier_sync(C::kBarDqEmpty, C::kDqParties);
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const int r = wl * 16 + gid + hh * 8;
+#pragma unroll
+      for (int n = 0; n < 8; ++n) {
+        const uint32_t chunk = static_cast<uint32_t>(((n & 3) << 1) | (tig >> 1)) ^ static_cast<uint32_t>(r & 7);
+        const uint32_t addr = sDQ + (2 * wg + (n >> 2)) * (BQ * 128) + r * 128 + (chunk << 4) + ((tig & 1) << 3);
+        asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(dq[4 * n + 2 * hh]),
+                     "f"(dq[4 * n + 2 * hh + 1])
+                     : "memory");
+      }
+    }
+    fence_proxy_async_smem();
+    post_dq(static_cast<int>(h * p.rows_q_cap + w.qrow0 + q0), h, x.qi());
+  };
+  for (; t < n_iter; advance()) {
+    if (kDense || retain_2)
+      step(std::true_type{});
+    else
+      step(std::false_type{});
+  }
+  // The writer stops once it has added the last tile.
+  named_barrier_sync(C::kBarDqEmpty, C::kDqParties);
+  post_dq(-1, 0, 0);
+
+  // Epilogue: dK (scaled), dV.  Accumulator element 4n + 2hh + c: key krow + 8hh, dim 8n + 2tig + c.
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    const int r = krow + hh * 8;
+    if (r >= kn) continue;
+    bwd_store_dkdv_row<T, D, D / 8>(p, w, r, 2 * tig, [&](int n) {
+      return make_float4(dk[4 * n + 2 * hh], dk[4 * n + 2 * hh + 1], dv[4 * n + 2 * hh], dv[4 * n + 2 * hh + 1]);
+    });
+  }
+#endif
+}
+
+// Launches the instance `dense` names (grid as the other backward kernels').
+template <typename T, int D>
+cudaError_t launch_bwd_sm90_ws(const BwdParams& p, const BwdTmaMaps& maps, bool dense, cudaStream_t stream) {
+  using C = BwdWs<D>;
+  auto kernel = dense ? bwd_main_kernel_sm90_ws<T, D, true> : bwd_main_kernel_sm90_ws<T, D, false>;
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmem);
+  if (err != cudaSuccess) return err;
+  const int64_t grid = static_cast<int64_t>(p.n_k_tiles) * p.batch * p.heads_kv * p.head_splits;
+  if (grid <= 0) return cudaSuccess;
+  kernel<<<static_cast<unsigned>(grid), C::kThreads, C::kSmem, stream>>>(p, maps);
+  return cudaGetLastError();
+}
+
+}  // namespace cuda
+}  // namespace mala
