@@ -222,14 +222,19 @@ __device__ __forceinline__ void bwd_wait_do(int newer) {
 template <typename T, int D, int NF, typename Frag>
 __device__ __forceinline__ void bwd_store_dkdv_row(const BwdParams& p, const BwdWork& w, int r, int col0, Frag&& frag) {
   if (p.dk_acc != nullptr) {
-    const int64_t at = (w.hk * p.rows_k_cap + w.krow0 + w.kb + r) * D + col0;
+    const int64_t at = (w.hk * p.rows_k_cap + w.krow0 + w.kb + r) * D + col0 + w.hs * p.kv_slice;
     float* dka = p.dk_acc + at;
     float* dva = p.dv_acc + at;
 #pragma unroll
     for (int n = 0; n < NF; ++n) {
       const float4 v = frag(n);
-      bwd_red_add2(dka + n * 8, v.x * p.scale, v.y * p.scale);
-      bwd_red_add2(dva + n * 8, v.z, v.w);
+      if (p.kv_slice > 0) {
+        *reinterpret_cast<float2*>(dka + n * 8) = make_float2(v.x * p.scale, v.y * p.scale);
+        *reinterpret_cast<float2*>(dva + n * 8) = make_float2(v.z, v.w);
+      } else {
+        bwd_red_add2(dka + n * 8, v.x * p.scale, v.y * p.scale);
+        bwd_red_add2(dva + n * 8, v.z, v.w);
+      }
     }
   } else {
     T* dkp = static_cast<T*>(p.dk) + (w.varlen ? w.krow0 * p.dk_r : w.b * p.dk_b) +

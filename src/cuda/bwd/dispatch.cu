@@ -20,6 +20,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cmath>
 #include <string>
 
@@ -86,7 +87,8 @@ struct Plan {
   int n_q_tiles = 0, n_k_tiles = 0;
   int64_t rows_q_cap = 0, rows_k_cap = 0;
   int heads_per_cta = 1, head_splits = 1;
-  bool kv_atomic = false;
+  bool kv_atomic = false;  // dK/dV through the fp32 workspace (head splits)
+  int kv_slices = 0;       // > 0: one workspace slice per split (deterministic), else atomics
   size_t off_dsum = 0, off_lse2 = 0, off_bound2 = 0, off_dq = 0, off_dk = 0, off_dv = 0, off_sem = 0, bytes = 0;
 };
 
@@ -103,9 +105,7 @@ Plan make_plan(const BackwardArgs& a) {
   // Split the query-head group over CTAs only while the grid is small against the GPU.
   int splits = 1;
   const int forced = kernel_override().bwd_head_splits;
-  if (a.deterministic) {
-    splits = 1;  // dK and dV from one CTA each: no fp32 adds in run-dependent order
-  } else if (forced >= 1 && forced <= group && group % forced == 0) {
+  if (forced >= 1 && forced <= group && group % forced == 0) {
     splits = forced;
   } else {
     const int64_t base = static_cast<int64_t>(pl.n_k_tiles) * a.batch * a.heads_kv;
@@ -126,6 +126,9 @@ Plan make_plan(const BackwardArgs& a) {
   pl.head_splits = splits;
   pl.heads_per_cta = group / splits;
   pl.kv_atomic = splits > 1;
+  // Deterministic: each head split stores its dK/dV partial into a slice of its own, summed in split
+  // order by the convert kernel, instead of adding it with atomics in arrival order.
+  pl.kv_slices = a.deterministic && splits > 1 ? splits : 0;
   const size_t d = static_cast<size_t>(a.head_dim);
   size_t off = 0;
   pl.off_dsum = off;
@@ -135,10 +138,11 @@ Plan make_plan(const BackwardArgs& a) {
   pl.off_dq = off;
   off = align_up(off + sizeof(float) * static_cast<size_t>(a.heads_q * pl.rows_q_cap) * d);
   if (pl.kv_atomic) {
+    const size_t n = static_cast<size_t>(std::max(pl.kv_slices, 1)) * static_cast<size_t>(a.heads_kv * pl.rows_k_cap) * d;
     pl.off_dk = off;
-    off = align_up(off + sizeof(float) * static_cast<size_t>(a.heads_kv * pl.rows_k_cap) * d);
+    off = align_up(off + sizeof(float) * n);
     pl.off_dv = off;
-    off = align_up(off + sizeof(float) * static_cast<size_t>(a.heads_kv * pl.rows_k_cap) * d);
+    off = align_up(off + sizeof(float) * n);
   }
   // Last, so that the accumulators keep their offsets (the backward's speed is sensitive to the dQ
   // accumulator's placement).
@@ -159,7 +163,8 @@ RowStrides strides(const Strides& s, int64_t seqlen, int64_t heads, int64_t d) {
 
 // The TMA's view of the call's tensors (false where it cannot describe one): Q, dO [rows, heads, d]
 // in boxes of 64 rows, K, V in boxes of 128 rows (varlen: the packed rows as one batch entry), the fp32
-// dQ accumulator [heads_q * rows_q_cap, d] in boxes of 32 columns x 64 rows.
+// dQ accumulator [heads_q * rows_q_cap, d] in boxes of 32 columns x 64 rows, the per-row lse, bound
+// and D [heads_q * rows_q_cap] in boxes of 68 (64 rows from the 16-byte boundary before the first).
 bool make_tma_maps(const BackwardArgs& a, const BwdParams& p, cuda::BwdTmaMaps* m) {
   const bool varlen = a.cu_seqlens_q != nullptr, bf16 = a.dtype == DType::bf16;
   if (varlen && (a.total_q <= 0 || a.total_k <= 0)) return false;
@@ -169,7 +174,10 @@ bool make_tma_maps(const BackwardArgs& a, const BwdParams& p, cuda::BwdTmaMaps* 
          cuda::make_kv_tensor_map(&m->dout, a.dout, bf16, d, rq, p.heads_q, batch, p.do_r, p.do_h, p.do_b, 64) &&
          cuda::make_kv_tensor_map(&m->k, a.k, bf16, d, rk, p.heads_kv, batch, p.k_r, p.k_h, p.k_b, 128) &&
          cuda::make_kv_tensor_map(&m->v, a.v, bf16, d, rk, p.heads_kv, batch, p.v_r, p.v_h, p.v_b, 128) &&
-         cuda::make_f32_tensor_map(&m->dq, p.dq_acc, d, a.heads_q * p.rows_q_cap, 64);
+         cuda::make_f32_tensor_map(&m->dq, p.dq_acc, d, a.heads_q * p.rows_q_cap, 64) &&
+         cuda::make_f32_vec_tensor_map(&m->lse, p.lse2, a.heads_q * p.rows_q_cap, 68) &&
+         cuda::make_f32_vec_tensor_map(&m->bound, p.bound2, a.heads_q * p.rows_q_cap, 68) &&
+         cuda::make_f32_vec_tensor_map(&m->dsum, p.dsum, a.heads_q * p.rows_q_cap, 68);
 }
 
 // The main kernel for this call (see the top of the file); maps is filled for sm90_ws.
@@ -253,6 +261,7 @@ cudaError_t run_typed(const BackwardArgs& a, const Plan& pl, char* ws, cudaStrea
   p.dq_acc = dq_acc;
   p.dk_acc = dk_acc;
   p.dv_acc = dv_acc;
+  p.kv_slice = pl.kv_slices > 0 ? a.heads_kv * pl.rows_k_cap * a.head_dim : 0;
   p.heads_per_cta = pl.heads_per_cta;
   p.q_stages = pick_q_stages(cuda::bwd_smem_bytes<D>(3));
   p.head_splits = pl.head_splits;
@@ -269,7 +278,7 @@ cudaError_t run_typed(const BackwardArgs& a, const Plan& pl, char* ws, cudaStrea
   // 1. zero accumulators, tile_mask; D and slot zeroing.
   err = cudaMemsetAsync(dq_acc, 0, sizeof(float) * static_cast<size_t>(a.heads_q * pl.rows_q_cap * d), stream);
   if (err != cudaSuccess) return err;
-  if (pl.kv_atomic) {
+  if (pl.kv_atomic && pl.kv_slices == 0) {  // (slices: every valid row is stored)
     err = cudaMemsetAsync(ws + pl.off_dk, 0, pl.bytes - pl.off_dk, stream);
     if (err != cudaSuccess) return err;
   }
@@ -318,6 +327,7 @@ cudaError_t run_typed(const BackwardArgs& a, const Plan& pl, char* ws, cudaStrea
     rc.dst_s = dqs;
     rc.src = dq_acc;
     rc.mul = scale;
+    rc.slices = 1;
     cuda::bwd_convert_kernel<T, D><<<static_cast<unsigned>((q_warps + 7) / 8), 256, 0, stream>>>(rc);
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
   }
@@ -329,6 +339,8 @@ cudaError_t run_typed(const BackwardArgs& a, const Plan& pl, char* ws, cudaStrea
     rk.heads = static_cast<int>(a.heads_kv);
     rk.rows_cap = pl.rows_k_cap;
     rk.mul = 1.f;
+    rk.slices = std::max(pl.kv_slices, 1);
+    rk.slice_stride = a.heads_kv * pl.rows_k_cap * a.head_dim;
     const int64_t k_warps = pl.rows_k_cap * a.heads_kv;
     if (k_warps > 0) {
       rk.dst = a.dk;

@@ -7,14 +7,15 @@
 //
 // Three warpgroups (384 threads):
 //   producer (warpgroup 0, 24 registers):
-//     warp 0  K and V once, then Q_t with its lse and skip bound into a ring of kQStages slots (TMA for
-//             the tile, cp.async for the per-row scalars; full/empty mbarriers);
+//     warp 0  K and V once, then Q_t with its rows' lse and skip bound into a ring of kQStages slots
+//             (one thread issues every TMA load; full/empty mbarriers);
 //     warp 1  dO_t with D = rowsum(dO * O) into a ring of 2 slots: speculatively when tile t - 2 was
 //             retained (always at tau = 0), else once the consumers have decided tile t, and only if
 //             they retain it.  The slot's full barrier completes once per tile either way (with no
 //             bytes when dO_t is not loaded), so every phase is static;
 //     warp 2  dQ writer: adds each retained tile's dQ (fp32, 64 x d, in shared memory) into the dQ
-//             accumulator with one TMA reduce-add per 32 columns, off the consumers' path.
+//             accumulator with one TMA reduce-add per 32 columns, off the consumers' path (a buffer
+//             handed over through a full and an empty mbarrier).
 //   consumers (warpgroups 1 and 2, 240 registers; warpgroup g owns keys 64g..64g+63 of the tile):
 //     S^T_g  = K_g Q^T                 (dP^T_g = V_g dO^T right behind it when dO_t is expected)
 //     mask, offline test against each row's raw-score bound, CTA vote (tau > 0)
@@ -53,21 +54,26 @@ struct BwdWs {
   // buffer's barrier, before either writes the next tile's dS^T.  (The space went to a fourth Q
   // stage, which the skip path, loading nothing else, runs on.)
   static constexpr int kOffDQ = kOffDS + STile::kBytes;
-  static constexpr int kOffLse = kOffDQ + kDqBytes;         // [kQStages][BQ] log2 units
-  static constexpr int kOffBound = kOffLse + kQStages * BQ * 4;  // [kQStages][BQ]
-  static constexpr int kOffDsum = kOffBound + kQStages * BQ * 4;  // [2][BQ]
-  // mbarriers: kv_full, q_full[kQStages], q_empty[kQStages], do_full[2], do_empty[2], vote[4]
-  static constexpr int kOffMbar = kOffDsum + 2 * BQ * 4;
-  static constexpr int kOffVote = kOffMbar + (9 + 2 * kQStages + 1) / 2 * 16;  // [4] tagged vote words
-  static constexpr int kOffDec = kOffVote + 4 * 4;    // [8] (t << 1) | retained, for the dO producer
+  // The per-row scalars of a query tile (lse in log2 units, the skip bound, D) arrive by TMA as kVec
+  // floats from the 16-byte boundary at or before the tile's first row (a box must start there): the
+  // tile's rows begin (row & 3) floats in.  kVecStride floats per slot (a box lands 128-byte aligned).
+  static constexpr int kVec = BQ + 4, kVecStride = 96;
+  static constexpr int kOffLse = kOffDQ + kDqBytes;                   // [kQStages][kVecStride]
+  static constexpr int kOffBound = kOffLse + kQStages * kVecStride * 4;  // [kQStages][kVecStride]
+  static constexpr int kOffDsum = kOffBound + kQStages * kVecStride * 4;  // [2][kVecStride]
+  // mbarriers: kv_full, q_full[kQStages], q_empty[kQStages], do_full[2], do_empty[2], vote[4],
+  // dq_full, dq_empty, dec[8]
+  static constexpr int kOffMbar = kOffDsum + 2 * kVecStride * 4;
+  static constexpr int kOffVote = kOffMbar + (19 + 2 * kQStages + 1) / 2 * 16;  // [4] tagged vote words
+  static constexpr int kOffDec = kOffVote + 4 * 4;    // [8] (t << 1) | retained, for the dO producer (tile
+                                                      // t in slot t % 8, published through mbarrier dec[t % 8])
   // To the dQ writer: the tile's first accumulator row (-2: skipped, -1: no more tiles), its counter.
   static constexpr int kOffDqRow = kOffDec + 8 * 4;
   static constexpr int kBytes = kOffDqRow + 16;
   static constexpr int kSmem = kBytes + 1024;
-  // Named barriers (0 is __syncthreads): both consumer warpgroups' dS^T stored; dQ buffer full / empty.
-  // The vote after a skipped tile (barrier_vote_or).
-  static constexpr int kBarDs = 1, kBarDqFull = 2, kBarDqEmpty = 3, kBarVote = 4, kConsumers = 256,
-                       kDqParties = 256 + 32;
+  // Named barriers of the consumers (0 is __syncthreads): both warpgroups' dS^T stored; the vote after
+  // a skipped tile (barrier_vote_or).
+  static constexpr int kBarDs = 1, kBarVote = 2, kConsumers = 256;
 };
 
 template <typename T, int D, bool kDense>
@@ -91,7 +97,8 @@ __global__ void __launch_bounds__(384, 1)
   const uint32_t sK = sbase + C::kOffK, sV = sbase + C::kOffV, sQ = sbase + C::kOffQ, sDO = sbase + C::kOffDO,
                  sDS = sbase + C::kOffDS, sDQ = sbase + C::kOffDQ;
   const uint32_t mb_kv = sbase + C::kOffMbar, mb_q_full = mb_kv + 8, mb_q_empty = mb_q_full + 8 * NQS,
-                 mb_do_full = mb_q_empty + 8 * NQS, mb_do_empty = mb_do_full + 16, mb_vote = mb_do_empty + 16;
+                 mb_do_full = mb_q_empty + 8 * NQS, mb_do_empty = mb_do_full + 16, mb_vote = mb_do_empty + 16,
+                 mb_dq_full = mb_vote + 32, mb_dq_empty = mb_dq_full + 8, mb_dec = mb_dq_empty + 8;
   uint32_t* vote_w = reinterpret_cast<uint32_t*>(smem + C::kOffVote);
   volatile int* s_dec = reinterpret_cast<volatile int*>(smem + C::kOffDec);
   volatile int* s_dq_row = reinterpret_cast<volatile int*>(smem + C::kOffDqRow);  // [0] row, [1] counter
@@ -99,18 +106,20 @@ __global__ void __launch_bounds__(384, 1)
   if (tid == 0) {
     mbar_init(mb_kv, 2);  // K's and V's expect_tx arrivals
     for (int i = 0; i < NQS; ++i) {
-      mbar_init(mb_q_full + 8 * i, 33);  // the TMA's expect_tx arrival + 32 lanes' cp.async arrivals
+      mbar_init(mb_q_full + 8 * i, 1);   // the producer's expect_tx arrival
       mbar_init(mb_q_empty + 8 * i, 8);  // one arrival per consumer warp
     }
     for (int i = 0; i < 2; ++i) {
-      mbar_init(mb_do_full + 8 * i, 33);
+      mbar_init(mb_do_full + 8 * i, 1);
       mbar_init(mb_do_empty + 8 * i, 8);
     }
+    mbar_init(mb_dq_full, 8);   // each consumer warp, once its part of the dQ tile is stored
+    mbar_init(mb_dq_empty, 1);  // the writer, once the TMA has read the buffer
+    for (int i = 0; i < 8; ++i) mbar_init(mb_dec + 8 * i, 1);  // tile t's decision (one consumer thread)
     for (int i = 0; i < 4; ++i) {
       mbar_init(mb_vote + 8 * i, 8);
       vote_w[i] = 0u;
     }
-    for (int i = 0; i < 8; ++i) s_dec[i] = -1;
     fence_mbarrier_init();
   }
   __syncthreads();
@@ -132,29 +141,28 @@ __global__ void __launch_bounds__(384, 1)
       BwdWork::Tile x = w.first(desc);
       for (int t = 0, s = 0, use = 0; t < n_iter; ++t, x = w.step(x, desc)) {
         if (use > 0) mbar_wait<true>(mb_q_empty + 8 * s, parity(use - 1));
-        const int h = x.h(), r0 = x.qi() * BQ, valid = min(BQ, qlen - r0);
-        if (lane == 0) tma_load_tile<BQ, D>(sQ + s * QTile::kBytes, &maps.q, mb_q_full + 8 * s, q_row0 + r0, h, map_b);
-        const int64_t at = h * p.rows_q_cap + w.qrow0 + r0;
-#pragma unroll
-        for (int i = lane; i < BQ; i += 32) {
-          const bool ok = i < valid;
-          bwd_cp_async_4(sbase + C::kOffLse + (s * BQ + i) * 4, ok ? p.lse2 + at + i : p.lse2, ok);
-          if (!kDense) bwd_cp_async_4(sbase + C::kOffBound + (s * BQ + i) * 4, ok ? p.bound2 + at + i : p.bound2, ok);
+        // Q, and lse and the bound of its rows (rows past the sequence read the next rows' finite
+        // values: their scores are masked, so P is 0 and no bound is reached).
+        if (lane == 0) {
+          const int h = x.h(), r0 = x.qi() * BQ, at = static_cast<int>(h * p.rows_q_cap + w.qrow0 + r0);
+          const uint32_t full = mb_q_full + 8 * s;
+          mbar_arrive_expect_tx(full, QTile::kBytes + (kDense ? 1 : 2) * C::kVec * 4);
+          tma_load_tile_boxes<BQ, D>(sQ + s * QTile::kBytes, &maps.q, full, q_row0 + r0, h, map_b);
+          tma_load_1d(sbase + C::kOffLse + s * C::kVecStride * 4, &maps.lse, full, at & ~3);
+          if (!kDense) tma_load_1d(sbase + C::kOffBound + s * C::kVecStride * 4, &maps.bound, full, at & ~3);
         }
-        cp_async_mbar_arrive_noinc(mb_q_full + 8 * s);
         if (++s == NQS) {
           s = 0;
           ++use;
         }
       }
     } else if (warp == 1) {
-      // Tile t's decision, (t << 1) | retained, once the consumers have published it.
+      // Tile t's decision, (t << 1) | retained, once the consumers have published it.  (Slot t % 8 is
+      // not reused before this warp has read it: the consumers give back every tile's dO slot, so they
+      // run at most a few tiles ahead of this warp.)
       auto decision = [&](int t) {
-        int v;
-        do {
-          v = s_dec[t & 7];
-        } while ((v >> 1) != t);
-        return v;
+        mbar_wait<true>(mb_dec + 8 * (t & 7), parity(t >> 3));
+        return s_dec[t & 7];
       };
       BwdWork::Tile x = w.first(desc);
       for (int t = 0; t < n_iter; ++t, x = w.step(x, desc)) {
@@ -164,34 +172,35 @@ __global__ void __launch_bounds__(384, 1)
         // Speculative when tile t - 2 was retained: its decision is out by the time its dO slot (this
         // one) comes back, so the load is not held up by tile t - 1's.
         if (!kDense && t > 1 && (decision(t - 2) & 1) == 0) load = (decision(t) & 1) != 0;
-        const int h = x.h(), r0 = x.qi() * BQ, valid = min(BQ, qlen - r0);
         if (lane == 0) {
-          if (load)
-            tma_load_tile<BQ, D>(sDO + s * QTile::kBytes, &maps.dout, mb_do_full + 8 * s, q_row0 + r0, h, map_b);
-          else
-            mbar_arrive(mb_do_full + 8 * s);
-        }
-        if (load) {
-          const int64_t at = h * p.rows_q_cap + w.qrow0 + r0;
-#pragma unroll
-          for (int i = lane; i < BQ; i += 32) {
-            const bool ok = i < valid;
-            bwd_cp_async_4(sbase + C::kOffDsum + (s * BQ + i) * 4, ok ? p.dsum + at + i : p.dsum, ok);
+          const uint32_t full = mb_do_full + 8 * s;
+          if (load) {
+            const int h = x.h(), r0 = x.qi() * BQ, at = static_cast<int>(h * p.rows_q_cap + w.qrow0 + r0);
+            mbar_arrive_expect_tx(full, QTile::kBytes + C::kVec * 4);
+            tma_load_tile_boxes<BQ, D>(sDO + s * QTile::kBytes, &maps.dout, full, q_row0 + r0, h, map_b);
+            tma_load_1d(sbase + C::kOffDsum + s * C::kVecStride * 4, &maps.dsum, full, at & ~3);
+          } else {
+            mbar_arrive(full);
           }
         }
-        cp_async_mbar_arrive_noinc(mb_do_full + 8 * s);
       }
     } else if (warp == 2) {
       // Deterministic mode: the tile's adds wait until the counter says that every key tile before
-      // this one has added (or skipped) it, and complete before the counter moves on; at d = 64 the two
-      // warpgroups' halves, which add to the same elements, go one after the other.
-      named_barrier_arrive(C::kBarDqEmpty, C::kDqParties);  // the buffer starts empty
-      for (;;) {
-        named_barrier_sync(C::kBarDqFull, C::kDqParties);
-        const int row = s_dq_row[0];
-        if (row == -1) break;
+      // this one has added (or skipped) it, and complete before the counter moves on (the buffer goes
+      // back to the consumers as soon as it has been read); at d = 64 the two warpgroups' halves,
+      // which add to the same elements, go one after the other.
+      for (int k = 0;; ++k) {
+        mbar_wait<true>(mb_dq_full, parity(k));
+        // Read by the lane that gives the buffer back (so the read is ordered before that arrival).
+        int row = 0, sem_at = 0;
         if (lane == 0) {
-          int* sem = det ? p.dq_sem + s_dq_row[1] : nullptr;
+          row = s_dq_row[0];
+          sem_at = s_dq_row[1];
+        }
+        row = __shfl_sync(0xffffffffu, row, 0);
+        if (row == -1) break;
+        int* sem = det ? p.dq_sem + sem_at : nullptr;
+        if (lane == 0) {
           if (det) {
             while (ld_acquire_gpu(sem) != w.j) {
             }
@@ -207,18 +216,16 @@ __global__ void __launch_bounds__(384, 1)
               }
             }
             bulk_commit_group();
-            if (det)
-              bulk_wait_group0();
-            else
-              bulk_wait_group_read0();
-          }
-          if (det) {
-            fence_proxy_async_all();
-            st_release_gpu(sem, w.j + 1);
+            bulk_wait_group_read0();
           }
         }
         __syncwarp();
-        named_barrier_arrive(C::kBarDqEmpty, C::kDqParties);
+        if (lane == 0) mbar_arrive(mb_dq_empty);
+        if (det && lane == 0) {
+          if (row >= 0) bulk_wait_group0();
+          fence_proxy_async_all();
+          st_release_gpu(sem, w.j + 1);
+        }
       }
       if (lane == 0) bulk_wait_group0();
     }
@@ -246,13 +253,20 @@ __global__ void __launch_bounds__(384, 1)
   const bool recording = p.tile_mask != nullptr || p.bwd_slots != nullptr;
 
   mbar_wait<true>(mb_kv, 0);
-  // The dQ writer's handshake: wait for its buffer, post the tile (row; its counter), hand it over.
+  // The dQ writer's handshake: wait_dq_buffer() before the k-th post writes the buffer (the writer
+  // is done with post k - 1), post_dq(): the tile (row; its counter) and this warp's arrival.
+  int n_posts = 0;
+  auto wait_dq_buffer = [&]() {
+    if (n_posts > 0) mbar_wait<true>(mb_dq_empty, parity(n_posts - 1));
+  };
   auto post_dq = [&](int row, int h, int qi) {
     if (ctid == 0) {
       s_dq_row[0] = row;
       s_dq_row[1] = static_cast<int>((static_cast<int64_t>(w.b) * p.heads_q + h) * p.n_q_tiles + qi);
     }
-    named_barrier_arrive(C::kBarDqFull, C::kDqParties);
+    __syncwarp();
+    if (lane == 0) mbar_arrive(mb_dq_full);
+    ++n_posts;
   };
   // acc (this warpgroup's 64 keys x 64 rows) = X_g Y^T over d, X = K or V, Y = Q or dO; committed.
   auto keys_x_rows = [&](float(&acc)[32], uint32_t sX, uint32_t sY) {
@@ -284,8 +298,7 @@ __global__ void __launch_bounds__(384, 1)
     }
   };
   // Whether some entry of this warp blocks the skip (the offline test against each row's raw bound).
-  auto warp_blocks = [&](const float(&s)[32], int qs) {
-    const float* bound_t = bound_s + qs * BQ;
+  auto warp_blocks = [&](const float(&s)[32], const float* bound_t) {
     bool block = false;
 #pragma unroll
     for (int n = 0; n < 8; ++n)
@@ -296,7 +309,10 @@ __global__ void __launch_bounds__(384, 1)
   };
   // After the decision on tile t: the producer's copy, the optional outputs.
   auto decided = [&](int t, int h, int qi, bool retain) {
-    if (!kDense && ctid == 0) s_dec[t & 7] = (t << 1) | (retain ? 1 : 0);
+    if (!kDense && ctid == 0) {
+      s_dec[t & 7] = (t << 1) | (retain ? 1 : 0);
+      mbar_arrive(mb_dec + 8 * (t & 7));
+    }
     if (recording) bwd_record_tile<BQ, BK>(p, w, h, qi, retain, ctid);
   };
   // A skipped tile: its Q slot goes back (S^T is complete), and in deterministic mode its dQ counter
@@ -304,7 +320,7 @@ __global__ void __launch_bounds__(384, 1)
   auto skipped = [&](int qs, int h, int qi) {
     if (lane == 0) mbar_arrive(mb_q_empty + 8 * qs);
     if (det) {
-      named_barrier_sync(C::kBarDqEmpty, C::kDqParties);
+      wait_dq_buffer();
       post_dq(-2, h, qi);
     }
   };
@@ -339,9 +355,12 @@ __global__ void __launch_bounds__(384, 1)
     constexpr bool dp_early = decltype(early)::value;
     float s[32], dp[32];
     mbar_wait<true>(mb_q_full + 8 * qs, parity(quse));
+    // This tile's rows in the scalar slots (kVec above).
+    const int vec0 = static_cast<int>((x.h() * p.rows_q_cap + w.qrow0 + x.qi() * BQ) & 3);
+    const float* bound_t = bound_s + qs * C::kVecStride + vec0;
     // The bounds of this thread's first two query rows, for the retained-tile shortcut below.
     float2 early_bound = make_float2(0.f, 0.f);
-    if (!kDense && dp_early) early_bound = *reinterpret_cast<const float2*>(bound_s + qs * BQ + 2 * tig);
+    if (!kDense && dp_early) early_bound = make_float2(bound_t[2 * tig], bound_t[2 * tig + 1]);
     keys_x_rows(s, sK, sQ + qs * QTile::kBytes);
     if constexpr (dp_early) {
       mbar_wait<true>(mb_do_full + 8 * (t & 1), parity(t >> 1));
@@ -356,7 +375,7 @@ __global__ void __launch_bounds__(384, 1)
         // those blocks the skip (same decisions, fewer instructions where tiles are kept).
         auto blocks = [&](int c, float bound) { return !rule::row_allows_skip_raw(fmaxf(s[c], s[2 + c]), bound); };
         bool warp_retain = __any_sync(0xffffffffu, blocks(0, early_bound.x) || blocks(1, early_bound.y));
-        if (!warp_retain) warp_retain = warp_blocks(s, qs);
+        if (!warp_retain) warp_retain = warp_blocks(s, bound_t);
         // The mbarrier vote: warps that retain do not wait (on inputs that keep most tiles, none does).
         cta_vote_arrive(warp_retain, vote_w, mb_vote, n_mvotes, lane);
         retain = __any_sync(0xffffffffu, warp_retain || cta_vote_result(vote_w, mb_vote, n_mvotes));
@@ -377,7 +396,7 @@ __global__ void __launch_bounds__(384, 1)
       wgmma_fence_operands(s);
       mask_scores(s, x.qi() * BQ);
       // After a skipped tile most warps would wait for the vote anyway: one hardware barrier.
-      const bool retain = __any_sync(0xffffffffu, barrier_vote_or(C::kBarVote, C::kConsumers, warp_blocks(s, qs)));
+      const bool retain = __any_sync(0xffffffffu, barrier_vote_or(C::kBarVote, C::kConsumers, warp_blocks(s, bound_t)));
       decided(t, x.h(), x.qi(), retain);
       if (!retain) {
         pend_do = t;
@@ -396,7 +415,7 @@ __global__ void __launch_bounds__(384, 1)
     const int ds = t & 1, h = x.h(), q0 = x.qi() * BQ;
     const uint32_t sQs = sQ + qs * QTile::kBytes, sDOs = sDO + ds * QTile::kBytes;
     // P = exp2(S - lse) while dP^T is computed.
-    const float* lse_t = lse_s + qs * BQ;
+    const float* lse_t = lse_s + qs * C::kVecStride + vec0;
 #pragma unroll
     for (int n = 0; n < 8; ++n)
 #pragma unroll
@@ -407,7 +426,7 @@ __global__ void __launch_bounds__(384, 1)
       }
     wgmma_wait<0>();
     wgmma_fence_operands(dp);
-    const float* dsum_t = dsum_s + ds * BQ;
+    const float* dsum_t = dsum_s + ds * C::kVecStride + vec0;
 #pragma unroll
     for (int n = 0; n < 8; ++n)
 #pragma unroll
@@ -470,7 +489,7 @@ __global__ void __launch_bounds__(384, 1)
     // dQ -> the writer's buffer: 4 boxes of 32 columns x 64 rows, 128-byte swizzle (chunk c of row r
     // at c ^ (r % 8)); warpgroup g writes boxes 2g, 2g + 1.  Accumulator element 4n + 2hh + c: row
     // 16 wl + gid + 8 hh, column 8n + 2 tig + c of the warpgroup's 64.
-    named_barrier_sync(C::kBarDqEmpty, C::kDqParties);
+    wait_dq_buffer();
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
       const int r = wl * 16 + gid + hh * 8;
@@ -493,7 +512,7 @@ __global__ void __launch_bounds__(384, 1)
       step(std::false_type{});
   }
   // The writer stops once it has added the last tile.
-  named_barrier_sync(C::kBarDqEmpty, C::kDqParties);
+  wait_dq_buffer();
   post_dq(-1, 0, 0);
 
   // Epilogue: dK (scaled), dV.  Accumulator element 4n + 2hh + c: key krow + 8hh, dim 8n + 2tig + c.

@@ -15,9 +15,10 @@ enum class BwdKernelKind {
   sm90,     // two-warpgroup wgmma with cp.async loads (bwd/kernel_sm90.cuh): sm_90a, d = 64 and 128
   sm90_ws,  // warp-specialized wgmma + TMA (bwd/kernel_sm90_ws.cuh): sm_90a, d = 64 and 128
 };
-// What the TMA reads (Q, dO, K, V) and adds into (the fp32 dQ accumulator), for sm90_ws.
+// What the TMA reads (Q, dO, K, V; the per-row lse, skip bound and D) and adds into (the fp32 dQ
+// accumulator), for sm90_ws.
 struct BwdTmaMaps {
-  CUtensorMap q, dout, k, v, dq;
+  CUtensorMap q, dout, k, v, dq, lse, bound, dsum;
 };
 struct BwdLaunch {
   BwdKernelKind kernel = BwdKernelKind::sm80;

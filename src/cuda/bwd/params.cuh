@@ -57,6 +57,8 @@ struct BwdParams {
   float* dq_acc;
   float* dk_acc;
   float* dv_acc;
+  int64_t kv_slice;     // > 0: dk_acc/dv_acc hold one slice per head split this many floats apart,
+                        // stored (deterministic mode); 0: partials added with atomics
   int heads_per_cta;    // query heads of one KV group handled by one CTA
   int head_splits;      // group / heads_per_cta
   int q_stages;         // 2 or 3 shared-memory stages of Q (3 where the shared memory allows)

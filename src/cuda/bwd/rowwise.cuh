@@ -40,6 +40,8 @@ struct RowParams {
   float log2_tau, inv_scale_log2;  // preprocess, tau > 0
   int64_t rows_cap;
   float mul;
+  int slices;             // convert: sum of this many accumulators (1, or the deterministic dK/dV
+  int64_t slice_stride;   // slices, in split order) slice_stride floats apart
 };
 
 __device__ __forceinline__ int64_t rp_total(const RowParams& p) {
@@ -117,8 +119,14 @@ __global__ void bwd_convert_kernel(const RowParams p) {
   T* dst = static_cast<T*>(p.dst) + rp_offset(p, p.dst_s, g, h);
 #pragma unroll
   for (int c = lane * 8; c < D; c += 256) {
-    const float4 x0 = *reinterpret_cast<const float4*>(src + c);
-    const float4 x1 = *reinterpret_cast<const float4*>(src + c + 4);
+    float4 x0 = *reinterpret_cast<const float4*>(src + c);
+    float4 x1 = *reinterpret_cast<const float4*>(src + c + 4);
+    for (int s = 1; s < p.slices; ++s) {
+      const float4 y0 = *reinterpret_cast<const float4*>(src + s * p.slice_stride + c);
+      const float4 y1 = *reinterpret_cast<const float4*>(src + s * p.slice_stride + c + 4);
+      x0 = make_float4(x0.x + y0.x, x0.y + y0.y, x0.z + y0.z, x0.w + y0.w);
+      x1 = make_float4(x1.x + y1.x, x1.y + y1.y, x1.z + y1.z, x1.w + y1.w);
+    }
     uint4 out;
     out.x = pack2<T>(x0.x * p.mul, x0.y * p.mul);
     out.y = pack2<T>(x0.z * p.mul, x0.w * p.mul);

@@ -39,14 +39,28 @@ __device__ __forceinline__ void tma_load_4d(uint32_t dst, const CUtensorMap* map
       "l"(reinterpret_cast<uint64_t>(map)), "r"(mbar), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
       : "memory");
 }
-// Rows row0 .. row0 + ROWS - 1 of head hk, sequence b into a GmmaTile<ROWS, COLS> at dst, armed on
-// mbar (one thread calls it).
+// Box at element c0 of a rank-1 tensor map into shared memory; completes its bytes on mbar.
+__device__ __forceinline__ void tma_load_1d(uint32_t dst, const CUtensorMap* map, uint32_t mbar, int c0) {
+  asm volatile(
+      "cp.async.bulk.tensor.1d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3}], [%2];\n" ::"r"(
+          dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(mbar), "r"(c0)
+      : "memory");
+}
+// Rows row0 .. row0 + ROWS - 1 of head hk, sequence b into a GmmaTile<ROWS, COLS> at dst, completing
+// on mbar, whose expected bytes the caller has armed.
+template <int ROWS, int COLS>
+__device__ __forceinline__ void tma_load_tile_boxes(uint32_t dst, const CUtensorMap* map, uint32_t mbar, int row0,
+                                                    int hk, int b) {
+#pragma unroll
+  for (int c = 0; c < COLS / 64; ++c) tma_load_4d(dst + c * ROWS * 128, map, mbar, 64 * c, row0, hk, b);
+}
+// The same, arming mbar with the tile's bytes (one thread calls it).
 template <int ROWS, int COLS>
 __device__ __forceinline__ void tma_load_tile(uint32_t dst, const CUtensorMap* map, uint32_t mbar, int row0, int hk,
                                               int b) {
   mbar_arrive_expect_tx(mbar, ROWS * COLS * 2);
-#pragma unroll
-  for (int c = 0; c < COLS / 64; ++c) tma_load_4d(dst + c * ROWS * 128, map, mbar, 64 * c, row0, hk, b);
+  tma_load_tile_boxes<ROWS, COLS>(dst, map, mbar, row0, hk, b);
 }
 
 // Element-wise fp32 add of a shared-memory box into global memory at (c0 = column, c1 = row) of a
@@ -105,6 +119,21 @@ inline bool make_kv_tensor_map(CUtensorMap* map, const void* base, bool bf16, in
   return encode(map, bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 4,
                 const_cast<void*>(base), dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
                 CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+// Tensor map of an fp32 vector of n elements for boxes of `box` elements (any start element: the
+// backward's per-row scalars of a query tile, whose first row need not be 16-byte aligned).
+inline bool make_f32_vec_tensor_map(CUtensorMap* map, float* base, int64_t n, int box) {
+  const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
+  if (encode == nullptr || (reinterpret_cast<uintptr_t>(base) & 15) != 0 || n <= 0 || n >= (int64_t(1) << 31))
+    return false;
+  const cuuint64_t dims[1] = {(cuuint64_t)n};
+  const cuuint64_t strides[1] = {4};  // unused at rank 1
+  const cuuint32_t boxd[1] = {(cuuint32_t)box};
+  const cuuint32_t elem_strides[1] = {1};
+  return encode(map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 1, base, dims, strides, boxd, elem_strides,
+                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_L2_PROMOTION_NONE,
                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
