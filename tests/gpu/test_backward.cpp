@@ -8,6 +8,8 @@
 // parameter): the dispatch's own choice (on sm_90 the warp-specialized TMA kernel), the two-warpgroup
 // cp.async wgmma kernel and the mma.sync kernel (the same on devices without wgmma).  Deterministic
 // calls also run three times and must give bit-identical dQ, dK, dV.
+// BackwardFuzz.RandomShapes runs the same checks on 400 random shapes under the dispatch's own
+// kernels (seeded; MALA_FUZZ_SEED, MALA_FUZZ_CASES, MALA_FUZZ_CASE: see gpu_util.h).
 #include <string>
 #include <vector>
 
@@ -38,6 +40,7 @@ struct Case {
   bool totals = true;         // varlen: give total_q and total_k (the TMA kernel needs them)
   bool deterministic = false;
   uint64_t seed = 1;
+  bool quiet = false;  // no per-case line (the fuzz test prints a summary)
 };
 
 struct Layout {
@@ -88,7 +91,7 @@ std::vector<float> pick(const std::vector<V>& src, const std::vector<int64_t>& o
   return out;
 }
 
-void run_case(const Case& c) {
+void run_case(const Case& c, FuzzStats* stats = nullptr) {
   SCOPED_TRACE(::testing::Message() << "dtype=" << mala::dtype_name(c.dtype) << " B=" << c.batch << " nq=" << c.nq
                                     << " nk=" << c.nk << " hq=" << c.hq << " hkv=" << c.hkv << " d=" << c.d
                                     << " causal=" << c.causal << " tau=" << c.tau << " regime=" << c.regime
@@ -327,9 +330,10 @@ void run_case(const Case& c) {
       slot_mismatch += slots_g[x] != slots_c[x];
     }
     if (exact_decisions) EXPECT_EQ(slot_mismatch, 0);
-    std::printf("  [bwd] %s d=%lld nq=%lld nk=%lld tau=%g %s: legal tiles %lld, retained %lld (%.1f%%), flips %lld\n",
-                mala::dtype_name(c.dtype), (long long)c.d, (long long)nq, (long long)nk, c.tau, c.regime.c_str(),
-                (long long)legal, (long long)retained, legal ? 100.0 * retained / legal : 0.0, (long long)flips);
+    if (!c.quiet)
+      std::printf("  [bwd] %s d=%lld nq=%lld nk=%lld tau=%g %s: legal tiles %lld, retained %lld (%.1f%%), flips %lld\n",
+                  mala::dtype_name(c.dtype), (long long)c.d, (long long)nq, (long long)nk, c.tau, c.regime.c_str(),
+                  (long long)legal, (long long)retained, legal ? 100.0 * retained / legal : 0.0, (long long)flips);
   }
 
   // Gradients.
@@ -339,6 +343,7 @@ void run_case(const Case& c) {
     const std::vector<float>* ref;
     const std::vector<int64_t>* off;
   } grads[] = {{"dq", &gdq, &dq_c, &offq}, {"dk", &gdk, &dk_c, &offk}, {"dv", &gdv, &dv_c, &offk}};
+  double max_err = 0;
   for (const G& gr : grads) {
     const auto bits = gr.dev->download();
     std::vector<uint16_t> lb(gr.off->size());
@@ -349,6 +354,13 @@ void run_case(const Case& c) {
     const std::vector<float> ref = pick(*gr.ref, *gr.off);
     const double err = rel_l2(got, ref);
     EXPECT_LT(err, 1e-2) << gr.name << " rel L2 " << err << (exact_decisions ? "" : " (with flips)");
+    max_err = std::max(max_err, err);
+  }
+  if (stats) {
+    ++stats->cases;
+    stats->tiles += legal;
+    stats->flips += flips;
+    stats->max_err = std::max(stats->max_err, max_err);
   }
 }
 
@@ -530,3 +542,121 @@ TEST_P(BackwardGpu, SyntheticWorkload) {
 }
 
 }  // namespace
+
+// ---- fuzz (issue #35): random shapes against the CPU, the dispatch's own kernels ---------------
+// Batch 1-3 or varlen (1-4 sequences, empty ones included), lengths 1..700 (equal or not),
+// bottom-right causal or not, head dims 64/128/256, bf16/fp16, MHA/GQA/MQA up to 8 query heads,
+// tau in {0, 0.25, 1, 2}, random, sharp or synthetic inputs, strided, forced head splits, no
+// outputs, a user workspace, varlen without totals and (sm_90) deterministic mode now and then.
+namespace {
+
+// The sequences of a case as (len_q, len_k) pairs.
+std::vector<std::pair<int64_t, int64_t>> sequences(const Case& c) {
+  std::vector<std::pair<int64_t, int64_t>> s;
+  if (c.varlen_q.empty()) s.assign(1, {c.nq, c.nk});
+  for (size_t b = 0; b < c.varlen_q.size(); ++b) s.push_back({c.varlen_q[b], c.varlen_k[b]});
+  return s;
+}
+
+// Whether some query tile's decision on key tile 0 rests on a row with one visible key alone (the
+// tile's other rows see no key): at tau = 1 that row is an exact tie (p = 1 = tau / L), which
+// rounding decides either way, with the row's whole gradient (UnequalLengths tests tau = 0.5 there).
+// In a causal sequence with len_q >= len_k the one such row is row len_q - len_k, preceded by rows
+// that see nothing and followed by rows that see more keys (and keep the tile).
+bool one_key_row_decides(const Case& c, int64_t block_q) {
+  for (const auto& s : sequences(c)) {
+    const int64_t lq = s.first, lk = s.second;
+    if (lq == 0 || lk == 0) continue;
+    if (lk == 1) return true;
+    if (c.causal && lq >= lk && (lq - lk) % block_q == block_q - 1) return true;
+  }
+  return false;
+}
+
+// (query rows) x (query heads) that see at least `keys` keys.
+int64_t rows_seeing(const Case& c, int64_t keys) {
+  int64_t n = 0;
+  for (const auto& s : sequences(c))
+    for (int64_t r = 0; r < s.first; ++r)
+      n += mala::rule::visible_keys(static_cast<int>(r), static_cast<int>(s.first), static_cast<int>(s.second),
+                                    c.causal) >= keys;
+  return n * (c.varlen_q.empty() ? c.batch : 1) * c.hq;
+}
+
+Case draw_backward_case(Fuzz& fz, int /*index*/) {
+  Case c;
+  c.quiet = true;
+  c.seed = fz.next() >> 8;
+  c.dtype = fz.chance(0.5) ? DType::bf16 : DType::f16;
+  c.d = fz.pick({64, 128, 256});
+  c.causal = fz.chance(0.6);
+  std::tie(c.hq, c.hkv) = fz.heads();
+  c.strided = fz.chance(0.25);
+  const bool varlen = fz.chance(0.2);
+  if (varlen) {
+    const int n = fz.uniform(1, 4);
+    int max_q = 0, max_k = 0;
+    for (int b = 0; b < n; ++b) {
+      const int kind = fz.uniform(0, 19);
+      int lq = fz.length(700), lk = fz.chance(0.4) ? lq : fz.length(700);
+      if (kind < 2) lq = lk = 0;  // an empty sequence
+      else if (kind == 2) lq = 0;  // keys without queries (zero dK, dV)
+      else if (kind == 3) lk = 0;  // queries without keys (zero dQ)
+      c.varlen_q.push_back(lq), c.varlen_k.push_back(lk);
+      max_q = std::max(max_q, lq), max_k = std::max(max_k, lk);
+    }
+    if (max_q == 0) c.varlen_q[0] = fz.length(700);  // seqlen_q and seqlen_k must be >= 1
+    if (max_k == 0) c.varlen_k[0] = fz.length(700);
+    c.totals = fz.chance(0.8);
+  } else {
+    c.batch = fz.pick({1, 1, 2, 3});
+    c.nq = fz.length(700);
+    c.nk = fz.chance(0.4) ? c.nq : fz.length(700);
+  }
+  const int regime = fz.uniform(0, 99);
+  const float sigma = fz.pick({1.5f, 2.5f});
+  const double sharpness = fz.pick({1.0, 2.0, 4.0});
+  if (regime < 12 && !varlen) {
+    // make_workload: batch 1, nq == nk, not strided; at least a tile of rows (its small-N rows
+    // attend to a sink: the gradients of a handful of saturated rows are all rounding).
+    c.regime = "synthetic";
+    c.sharpness = sharpness;
+    c.batch = 1;
+    c.nq = c.nk = std::max<int64_t>(c.nq, 64);
+    c.strided = false;
+  } else if (regime < 50) {
+    c.regime = "sharp";
+    c.sigma = sigma;
+    // Sharp rows that see a few keys saturate (p = 1): their gradient is rounding noise.  Keep
+    // enough rows that see many keys for the relative errors to mean something.
+    if (rows_seeing(c, 32) < 64) c.regime = "random";
+  }
+  c.tau = fz.pick({0.f, 0.25f, 1.f, 2.f});
+  const float tau_alt = fz.pick({0.25f, 1.f});
+  // tau = 2 ties a row that sees two keys when its p saturates to 1 = tau / L (sharp and synthetic
+  // inputs): random inputs only.
+  if (c.tau == 2.f && c.regime != "random") c.tau = tau_alt;
+  mala::BackwardArgs probe;
+  probe.device = mala::Device::cuda;
+  probe.head_dim = c.d;
+  if (c.tau == 1.f && one_key_row_decides(c, mala::backward_tiles(probe).block_q)) c.tau = 0.5f;
+  const int group = static_cast<int>(c.hq / c.hkv);
+  const int split = fz.uniform(1, group);
+  if (fz.chance(0.2) && group % split == 0) c.head_splits = split;
+  c.outputs = fz.chance(0.9);
+  c.user_workspace = fz.chance(0.1);
+  // Deterministic mode: sm_90's warp-specialized kernel (d = 64, 128; varlen with totals).
+  if (fz.chance(0.1) && mala_test::device_is_sm90() && c.d <= 128 && (!varlen || c.totals)) {
+    c.deterministic = true;
+    c.head_splits = 0;
+  }
+  return c;
+}
+
+}  // namespace
+
+TEST(BackwardFuzz, RandomShapes) {
+  if (!mala::cuda_available()) GTEST_SKIP() << "no CUDA device";
+  mala::cuda_backend::set_kernel_override({});
+  run_fuzz("BackwardFuzz", 400, 2, draw_backward_case, [](const Case& c, FuzzStats* st) { run_case(c, st); });
+}

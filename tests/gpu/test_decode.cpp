@@ -8,10 +8,13 @@
 //   rule the omitted mass stays within tau / (1 + tau) over thousands of rows.
 // Every test runs once per split-kernel instance (the kernel override of src/cuda/backend.h, a test
 // parameter): the dispatch's own choice and the instance sized for sm_80's shared memory.
+// DecodeFuzz.RandomShapes runs check_case on 300 random shapes under the dispatch's own kernel
+// (seeded; MALA_FUZZ_SEED, MALA_FUZZ_CASES, MALA_FUZZ_CASE: see gpu_util.h).
 #include <algorithm>
 #include <cstdio>
 #include <numeric>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "cuda/backend.h"
@@ -38,6 +41,7 @@ struct Case {
   float q_std = 1.f;     // query entries ~ N(0, q_std^2): larger is sharper attention on random keys
   float ramp = 0;        // > 0: scores fall by `ramp` nats per 128 keys from the newest key (+ N(0, 1))
   uint64_t seed = 1;
+  bool quiet = false;    // no per-case line (the fuzz test prints a summary)
 };
 
 struct Inputs {
@@ -303,6 +307,7 @@ double finite_rel_l2(const std::vector<float>& x, const std::vector<float>& ref,
 struct Report {
   double o_err = 0, lse_err = 0, retained_gpu = 0;
   size_t flips = 0, legal = 0;
+  bool checked = false;  // the comparison ran to the end
 };
 
 Report check_case(const Case& c, const Inputs& in, const char* name) {
@@ -343,9 +348,11 @@ Report check_case(const Case& c, const Inputs& in, const char* name) {
   }
   EXPECT_EQ(g.kc_after, r.kc_after) << name << ": K cache after append differs";
   EXPECT_EQ(g.vc_after, r.vc_after) << name << ": V cache after append differs";
-  std::printf("[decode] %-28s %-9s tiles %dx%d splits %3d  O err %.2e  lse err %.2e  retained %.3f  flips %zu/%zu\n",
-              name, mala::split_rule_name(c.split_rule), g.tiles.block_q, g.tiles.block_k, g.splits, rep.o_err,
-              rep.lse_err, rep.retained_gpu, rep.flips, rep.legal);
+  if (!c.quiet)
+    std::printf("[decode] %-28s %-9s tiles %dx%d splits %3d  O err %.2e  lse err %.2e  retained %.3f  flips %zu/%zu\n",
+                name, mala::split_rule_name(c.split_rule), g.tiles.block_q, g.tiles.block_k, g.splits, rep.o_err,
+                rep.lse_err, rep.retained_gpu, rep.flips, rep.legal);
+  rep.checked = true;
   return rep;
 }
 Report check_case(const Case& c, const char* name) { return check_case(c, make_inputs(c), name); }
@@ -808,3 +815,77 @@ TEST_P(GpuDecode, SmallForSanitizer) {
 }
 
 }  // namespace
+
+// ---- fuzz (issue #35): random shapes against the CPU, the dispatch's own kernel ----------------
+// Batch 1-3, cache lengths 0..3000 (empty now and then), 1-8 tokens with or without 1-8 appended
+// keys, contiguous or paged (page sizes below, at and above the key tile, not powers of two too),
+// packed GQA or not, causal or not, head dims 64/128/256, bf16/fp16, MHA/GQA/MQA up to 8 query
+// heads, tau in {0, 0.25, 1, 2}, automatic and explicit num_splits up to 132, both split rules,
+// random, wide-query, needle (sharpness) and score-ramp inputs.
+namespace {
+
+struct DecodeFuzzCase {
+  Case c;
+  std::string name;
+};
+
+DecodeFuzzCase draw_decode_case(Fuzz& fz, int index) {
+  Case c;
+  c.quiet = true;
+  c.seed = fz.next() >> 8;
+  c.dtype = fz.chance(0.5) ? DType::bf16 : DType::f16;
+  c.head_dim = fz.pick({64, 128, 256});
+  std::tie(c.heads_q, c.heads_kv) = fz.heads();
+  c.batch = fz.pick({1, 1, 2, 3});
+  c.seqlen_q = fz.uniform(1, 8);
+  c.seqlen_new = fz.chance(0.5) ? 0 : fz.uniform(1, 8);
+  c.seqlens.clear();
+  int32_t longest = 0;
+  for (int64_t b = 0; b < c.batch; ++b) {
+    const int32_t len = fz.chance(0.05) ? 0 : fz.chance(0.3) ? fz.uniform(1, 200) : fz.uniform(1, 3000);
+    c.seqlens.push_back(len);
+    longest = std::max(longest, len);
+  }
+  c.capacity = std::max<int64_t>(1, longest + c.seqlen_new + fz.uniform(0, 300));
+  c.page_size = fz.chance(0.5) ? fz.pick({16, 48, 64, 100, 128, 256}) : 0;
+  if (c.page_size) c.capacity = (c.capacity + c.page_size - 1) / c.page_size * c.page_size;
+  c.pack = fz.chance(0.7);
+  c.causal = fz.chance(0.8);
+  c.tau = fz.pick({0.f, 0.25f, 1.f, 2.f});
+  c.num_splits = fz.pick({0, 0, 1, 2, 3, 5, 16, 64, 132});
+  c.split_rule = fz.chance(0.5) ? mala::SplitRule::seeded : mala::SplitRule::per_split;
+  const int input = fz.uniform(0, 9);
+  const double sharpness = fz.pick({2.0, 4.0});
+  const float ramp = fz.pick({1.f, 4.f});
+  const char* what = "random";
+  if (input < 2) c.sharpness = sharpness, what = "needles";
+  else if (input < 4) c.ramp = ramp, what = "ramp";
+  else if (input == 4) c.q_std = 3.f, what = "wide q";
+  std::string lens;
+  for (size_t b = 0; b < c.seqlens.size(); ++b) lens += (b ? "," : "") + std::to_string(c.seqlens[b]);
+  char tau[16];
+  std::snprintf(tau, sizeof tau, "%g", c.tau);
+  const std::string name = "fuzz #" + std::to_string(index) + ": " + mala::dtype_name(c.dtype) + " d" +
+                           std::to_string(c.head_dim) + " hq" + std::to_string(c.heads_q) + "/" +
+                           std::to_string(c.heads_kv) + (c.pack ? " packed" : "") + " Nq=" +
+                           std::to_string(c.seqlen_q) + " new=" + std::to_string(c.seqlen_new) + " lens={" + lens +
+                           "} cap=" + std::to_string(c.capacity) + " page=" + std::to_string(c.page_size) +
+                           (c.causal ? " causal" : " noncausal") + " tau=" + tau + " splits=" +
+                           std::to_string(c.num_splits) + " " + mala::split_rule_name(c.split_rule) + " " + what;
+  return {c, name};
+}
+
+}  // namespace
+
+TEST(DecodeFuzz, RandomShapes) {
+  REQUIRE_GPU();
+  mala::cuda_backend::set_kernel_override({});
+  run_fuzz("DecodeFuzz", 300, 3, draw_decode_case, [](const DecodeFuzzCase& f, FuzzStats* st) {
+    const Report r = check_case(f.c, f.name.c_str());
+    if (!r.checked) return;
+    ++st->cases;
+    st->tiles += static_cast<int64_t>(r.legal);
+    st->flips += static_cast<int64_t>(r.flips);
+    st->max_err = std::max(st->max_err, r.o_err);
+  });
+}

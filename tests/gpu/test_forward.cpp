@@ -7,11 +7,14 @@
 // src/cuda/backend.h, a test parameter): the dispatch's own choice, the mma.sync kernel, and the
 // two-warpgroup wgmma kernel with cp.async loads (on devices without wgmma, the last two run what
 // the dispatch chooses there).
+// ForwardFuzz.RandomShapes runs the same checks on 400 random shapes under the dispatch's own kernels
+// (seeded; MALA_FUZZ_SEED, MALA_FUZZ_CASES, MALA_FUZZ_CASE: see gpu_util.h).
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "common/rule.h"
@@ -37,6 +40,7 @@ struct Case {
   std::vector<int> varlen_q, varlen_k;  // non-empty: varlen with these lengths
   bool total_k = true;                   // varlen: pass the packed rows (the Hopper forward's TMA loads)
   uint64_t seed = 1;
+  bool quiet = false;                    // no per-case line (the fuzz test prints a summary)
 };
 
 // Host tensor [batch, rows, heads, d] (or packed [total, heads, d]) with arbitrary element strides.
@@ -74,7 +78,7 @@ struct Outputs {
   std::vector<uint8_t> mask;
 };
 
-void run_case(const Case& c) {
+void run_case(const Case& c, FuzzStats* stats = nullptr) {
   SCOPED_TRACE(c.name);
   const bool varlen = !c.varlen_q.empty();
   const int batch = varlen ? static_cast<int>(c.varlen_q.size()) : c.batch;
@@ -260,9 +264,16 @@ void run_case(const Case& c) {
   EXPECT_EQ(lse_bad, 0) << "lse NaN/unwritten or -inf mismatch";
   EXPECT_EQ(slot_bad, 0) << "fwd_slots inconsistent with tile_mask";
   if (mism == 0) EXPECT_LT(max_dlse, 5e-3) << "lse differs";
-  std::printf("[%s] tiles %dx%d  O relL2 %.2e  max|dlse| %.2e  legal tiles %lld  retained %.1f%%  flips %lld\n",
-              c.name.c_str(), tiles.block_q, tiles.block_k, err, max_dlse, (long long)legal,
-              legal ? 100.0 * retained / legal : 0.0, (long long)mism);
+  if (stats) {
+    ++stats->cases;
+    stats->tiles += legal;
+    stats->flips += mism;
+    stats->max_err = std::max(stats->max_err, err);
+  }
+  if (!c.quiet)
+    std::printf("[%s] tiles %dx%d  O relL2 %.2e  max|dlse| %.2e  legal tiles %lld  retained %.1f%%  flips %lld\n",
+                c.name.c_str(), tiles.block_q, tiles.block_k, err, max_dlse, (long long)legal,
+                legal ? 100.0 * retained / legal : 0.0, (long long)mism);
 }
 
 Case mk(std::string name, DType t, int d, bool causal, int nq, int nk, int hq, int hkv, float tau, Input in) {
@@ -384,4 +395,68 @@ TEST_P(CudaForwardKernels, SanitizerSmall) {
   run_case(mk("bf16 d128 causal N=150", DType::bf16, 128, true, 150, 150, 2, 1, 1.f, Input::local));
   run_case(mk("fp16 d64 noncausal Nq=70 Nk=130", DType::f16, 64, false, 70, 130, 2, 2, 1.f, Input::random));
   run_case(mk("bf16 d256 causal Nq=100 Nk=40", DType::bf16, 256, true, 100, 40, 2, 1, 1.f, Input::local));
+}
+
+// ---- fuzz (issue #35): random shapes against the CPU, the dispatch's own kernels ---------------
+// Batch 1-3 or varlen (1-4 sequences, empty ones included), lengths 1..700 (equal or not),
+// bottom-right causal or not, head dims 64/128/256, bf16/fp16, MHA/GQA/MQA up to 8 query heads,
+// tau in {0, 0.25, 1, 2}, random, local or synthetic (nq == nk, dense) inputs, strided or not.
+namespace {
+
+Case draw_forward_case(Fuzz& fz, int index) {
+  Case c;
+  c.quiet = true;
+  c.seed = fz.next();
+  c.dtype = fz.chance(0.5) ? DType::bf16 : DType::f16;
+  c.d = fz.pick({64, 128, 256});
+  c.causal = fz.chance(0.6);
+  std::tie(c.hq, c.hkv) = fz.heads();
+  c.tau = fz.pick({0.f, 0.25f, 1.f, 2.f});
+  c.strided = fz.chance(0.25);
+  std::string shape;
+  if (fz.chance(0.2)) {
+    const int n = fz.uniform(1, 4);
+    int max_q = 0, max_k = 0;
+    for (int b = 0; b < n; ++b) {
+      const int kind = fz.uniform(0, 19);
+      int lq = fz.length(700), lk = fz.chance(0.4) ? lq : fz.length(700);
+      if (kind < 2) lq = lk = 0;  // an empty sequence
+      else if (kind == 2) lq = 0;  // keys without queries
+      else if (kind == 3) lk = 0;  // queries without keys
+      c.varlen_q.push_back(lq), c.varlen_k.push_back(lk);
+      max_q = std::max(max_q, lq), max_k = std::max(max_k, lk);
+    }
+    if (max_q == 0) c.varlen_q[0] = fz.length(700);  // seqlen_q and seqlen_k must be >= 1
+    if (max_k == 0) c.varlen_k[0] = fz.length(700);
+    c.total_k = fz.chance(0.75);
+    c.input = fz.chance(0.4) ? Input::local : Input::random;
+    shape = "varlen q{";
+    for (size_t b = 0; b < c.varlen_q.size(); ++b) shape += (b ? "," : "") + std::to_string(c.varlen_q[b]);
+    shape += "} k{";
+    for (size_t b = 0; b < c.varlen_k.size(); ++b) shape += (b ? "," : "") + std::to_string(c.varlen_k[b]);
+    shape += c.total_k ? "}" : "} no total_k";
+  } else {
+    c.batch = fz.pick({1, 1, 2, 3});
+    c.nq = fz.length(700);
+    c.nk = fz.chance(0.4) ? c.nq : fz.length(700);
+    const bool workload = c.nq == c.nk && fz.chance(0.15);  // the synthetic workload needs nq == nk
+    c.input = workload ? Input::workload : fz.chance(0.4) ? Input::local : Input::random;
+    shape = "B=" + std::to_string(c.batch) + " nq=" + std::to_string(c.nq) + " nk=" + std::to_string(c.nk);
+  }
+  char tau[16];
+  std::snprintf(tau, sizeof tau, "%g", c.tau);
+  c.name = "fuzz #" + std::to_string(index) + ": " + (c.dtype == DType::bf16 ? "bf16" : "fp16") + " d" +
+           std::to_string(c.d) + (c.causal ? " causal " : " noncausal ") + shape + " hq" + std::to_string(c.hq) +
+           "/" + std::to_string(c.hkv) + " tau=" + tau +
+           (c.input == Input::local ? " local" : c.input == Input::workload ? " synthetic" : " random") +
+           (c.strided ? " strided" : "");
+  return c;
+}
+
+}  // namespace
+
+TEST(ForwardFuzz, RandomShapes) {
+  if (!mala::cuda_available()) GTEST_SKIP() << "no CUDA device";
+  mala::cuda_backend::set_kernel_override({});
+  run_fuzz("ForwardFuzz", 400, 1, draw_forward_case, [](const Case& c, FuzzStats* st) { run_case(c, st); });
 }
