@@ -80,7 +80,18 @@ __global__ void bwd_preprocess_kernel(const RowParams p) {
   const int64_t g = w / p.heads;
   const int h = static_cast<int>(w % p.heads);
   const int64_t total = rp_total(p);
-  if (g >= total) return;
+  if (g >= p.rows_cap) return;
+  if (g >= total) {
+    // Varlen: the rows between the packed total and rows_cap belong to no sequence, but the
+    // warp-specialized kernel's per-row TMA boxes read past a last tile into them: neutral values
+    // (P = 0 for any score, no bound reached, D = 0) instead of whatever the workspace held.
+    if (lane == 0) {
+      p.dsum[h * p.rows_cap + g] = 0.f;
+      p.lse2[h * p.rows_cap + g] = 0.f;
+      if (p.bound2) p.bound2[h * p.rows_cap + g] = INFINITY;
+    }
+    return;
+  }
   const T* o = static_cast<const T*>(p.o) + rp_offset(p, p.o_s, g, h);
   const T* dout = static_cast<const T*>(p.dout) + rp_offset(p, p.do_s, g, h);
   float acc = 0.f;
