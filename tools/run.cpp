@@ -25,8 +25,9 @@ const char* kRunHelp =
     "k and v [Nk, Hkv, d] or [B, Nk, Hkv, d]; float32 or float16; Hq a multiple of Hkv.\n"
     "Causal attention is bottom-right aligned when N != Nk.\n"
     "Writes to DIR (created): o.npy (shape of q), lse.npy and fwd_slots.npy ([Hq, N] or\n"
-    "[B, Hq, N]); with --do also dq.npy, dk.npy, dv.npy and bwd_slots.npy.  Arrays are\n"
-    "float32, slots int32.  Prints the realized work.\n"
+    "[B, Hq, N]), fwd_tile_mask.npy ([(B,) Hq, query tiles, key tiles]: 0 illegal, 1 skipped,\n"
+    "2 retained); with --do also dq.npy, dk.npy, dv.npy and bwd_slots.npy.  Arrays are\n"
+    "float32, slots and masks int32.  Prints the realized work.\n"
     "\n"
     "  --q, --k, --v, --do FILE   inputs (--do optional: runs the backward)\n"
     "  --out DIR                  output directory (created; existing files are replaced)\n"
@@ -219,7 +220,7 @@ int run_main(int argc, char** argv) {
 
   // --out before any work: a typo must not cost a computation.
   {
-    std::vector<std::string> names = {"o.npy", "lse.npy", "fwd_slots.npy"};
+    std::vector<std::string> names = {"o.npy", "lse.npy", "fwd_slots.npy", "fwd_tile_mask.npy"};
     if (inputs.size() > 3)
       for (const char* n : {"dq.npy", "dk.npy", "dv.npy", "bwd_slots.npy"}) names.push_back(n);
     Status s = check_out_dir(out_dir, names);
@@ -378,6 +379,14 @@ int run_main(int argc, char** argv) {
       !(s = writer.put("lse.npy", npy::Type::f32, row_shape, fwd.lse.data())) ||
       !(s = writer.put("fwd_slots.npy", npy::Type::i32, row_shape, fwd.slots.data())))
     return fail(s.message);
+  {
+    // The forward's decisions per (query tile, key tile): 0 illegal, 1 skipped, 2 retained (TileState).
+    const std::vector<int32_t> mask(fwd.tile_mask.begin(), fwd.tile_mask.end());
+    std::vector<int64_t> mask_shape = {p.heads_q, (p.seqlen_q + fwd.tiles.block_q - 1) / fwd.tiles.block_q,
+                                       (p.seqlen_k + fwd.tiles.block_k - 1) / fwd.tiles.block_k};
+    if (batched) mask_shape.insert(mask_shape.begin(), p.batch);
+    if (!(s = writer.put("fwd_tile_mask.npy", npy::Type::i32, mask_shape, mask.data()))) return fail(s.message);
+  }
   if (dout) {
     if (!(s = writer.put("dq.npy", npy::Type::f32, q.array.shape, bwd.dq.data())) ||
         !(s = writer.put("dk.npy", npy::Type::f32, k.array.shape, bwd.dk.data())) ||
