@@ -113,27 +113,29 @@ class Instance:
         diag = last_row // self.bk if self.causal else torch.full((self.nqt,), self.nkt - 1)
         return diag[:, None] - torch.arange(self.nkt)[None, :]
 
-    def evaluate(self, keep):
-        """keep [H, nqt, nkt] bool -> per decision (H x nqt) omitted mass and relative error."""
-        omitted = torch.zeros(self.hq, self.nqt, dtype=torch.float64)
-        err_num = torch.zeros(self.hq, self.nqt, dtype=torch.float64)
-        err_den = torch.zeros(self.hq, self.nqt, dtype=torch.float64)
+    def evaluate(self, keeps):
+        """keeps {name: [H, nqt, nkt] bool} -> {name: (omitted mass, relative error)} per decision
+        (H x nqt); the reference probabilities are computed once for all of them."""
+        z = lambda: torch.zeros(self.hq, self.nqt, dtype=torch.float64)  # noqa: E731
+        acc = {name: (z(), z(), z()) for name in keeps}
         rows_in = torch.zeros(self.nqt, dtype=torch.float64)
         rows_in.index_add_(0, torch.arange(self.n) // self.bq, torch.ones(self.n, dtype=torch.float64))
         for h in range(self.hq):
             vh = self.v[:, h // (self.hq // self.hkv)]
             for r0, p in self._probs(h):
-                rows = torch.arange(r0, r0 + p.shape[0])
-                blk = rows // self.bq
-                kmask = keep[h][blk].repeat_interleave(self.bk, dim=1)[:, : self.n]  # [rows, N]
-                pk = p * kmask
-                kept = pk.sum(-1)
+                blk = torch.arange(r0, r0 + p.shape[0]) // self.bq
                 o_ref = p @ vh
-                o = (pk @ vh) / kept.clamp_min(1e-30)[:, None]
-                omitted[h].index_add_(0, blk, (1.0 - kept).double())
-                err_num[h].index_add_(0, blk, ((o - o_ref) ** 2).sum(-1).double())
-                err_den[h].index_add_(0, blk, (o_ref ** 2).sum(-1).double())
-        return omitted / rows_in, torch.sqrt(err_num / err_den.clamp_min(1e-300))
+                ref2 = (o_ref ** 2).sum(-1).double()
+                for name, keep in keeps.items():
+                    omitted, err_num, err_den = acc[name]
+                    kmask = keep[h][blk].repeat_interleave(self.bk, dim=1)[:, : self.n]  # [rows, N]
+                    pk = p * kmask
+                    kept = pk.sum(-1)
+                    o = (pk @ vh) / kept.clamp_min(1e-30)[:, None]
+                    omitted[h].index_add_(0, blk, (1.0 - kept).double())
+                    err_num[h].index_add_(0, blk, ((o - o_ref) ** 2).sum(-1).double())
+                    err_den[h].index_add_(0, blk, ref2)
+        return {name: (om / rows_in, torch.sqrt(en / ed.clamp_min(1e-300))) for name, (om, en, ed) in acc.items()}
 
 
 def fill_regions(instances, region_ids, budget):
@@ -191,21 +193,35 @@ def study(instances, mala_keeps):
     return out
 
 
-def summarize(instances, keeps):
-    om, er, slots, rows = [], [], 0.0, 0.0
-    for inst, keep in zip(instances, keeps):
-        o, e = inst.evaluate(keep)
-        om.append(o.flatten())
-        er.append(e.flatten())
+def summarize_all(instances, keeps):
+    """{policy: {slots, tiles, omitted_mean, omitted_p95, err_mean, err_p95, decisions}}, pooled over
+    every (input, layer, head, query block) decision."""
+    om = {p: [] for p in keeps}
+    er = {p: [] for p in keeps}
+    slots = {p: 0.0 for p in keeps}
+    rows = 0.0
+    for i, inst in enumerate(instances):
+        res = inst.evaluate({p: keeps[p][i] for p in keeps})
         rows_in = torch.zeros(inst.nqt, dtype=torch.float64)
         rows_in.index_add_(0, torch.arange(inst.n) // inst.bq, torch.ones(inst.n, dtype=torch.float64))
-        slots += float((keep.sum(-1).double() * rows_in[None]).sum()) * inst.bk
+        for p, (o, e) in res.items():
+            om[p].append(o.flatten())
+            er[p].append(e.flatten())
+            slots[p] += float((keeps[p][i].sum(-1).double() * rows_in[None]).sum()) * inst.bk
         rows += inst.n * inst.hq
-    om, er = torch.cat(om), torch.cat(er)
-    return {"slots": slots / rows, "tiles": int(sum(int(k.sum()) for k in keeps)),
-            "omitted_mean": float(om.mean()), "omitted_p95": float(torch.quantile(om.float(), 0.95)),
-            "err_mean": float(er.mean()), "err_p95": float(torch.quantile(er.float(), 0.95)),
-            "decisions": int(om.numel())}
+    out = {}
+    for p in keeps:
+        o, e = torch.cat(om[p]), torch.cat(er[p])
+        out[p] = {"slots": slots[p] / rows, "tiles": int(sum(int(k.sum()) for k in keeps[p])),
+                  "omitted_mean": float(o.mean()), "omitted_p95": float(torch.quantile(o.float(), 0.95)),
+                  "err_mean": float(e.mean()), "err_p95": float(torch.quantile(e.float(), 0.95)),
+                  "decisions": int(o.numel())}
+    return out
+
+
+def summarize(instances, keeps):
+    """summarize_all for one policy's keep masks."""
+    return summarize_all(instances, {"policy": keeps})["policy"]
 
 
 def load_layers(states, layers, n):
@@ -247,7 +263,7 @@ def main():
             print(f"input {s_i} layer {li}: N={inst.n} H={inst.hq} tiles {bq}x{bk}, MALA keeps "
                   f"{int((mask == 2).sum())} of {int((mask > 0).sum())} legal tiles", flush=True)
     keeps = study(instances, mala_keeps)
-    res = {p: summarize(instances, keeps[p]) for p in POLICIES}
+    res = summarize_all(instances, {p: keeps[p] for p in POLICIES})
     key = a.key or str(instances[0].n)
     doc = {}
     if os.path.exists(a.out):
