@@ -129,18 +129,9 @@ __device__ __forceinline__ void mbar_wait(uint32_t addr, uint32_t parity) {
   }
 }
 
-// Named barrier `id` (1..15) over `count` threads (a multiple of 32): sync waits for the count,
-// arrive counts this warp without waiting (a producer signalling consumers, or the reverse).
+// Named barrier `id` (1..15) over `count` threads (a multiple of 32).
 __device__ __forceinline__ void named_barrier_sync(int id, int count) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
-}
-__device__ __forceinline__ void named_barrier_arrive(int id, int count) {
-  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
-}
-// An arrival on mbarrier `addr` once every cp.async this thread issued before it has completed; the
-// barrier's expected count includes it (noinc).
-__device__ __forceinline__ void cp_async_mbar_arrive_noinc(uint32_t addr) {
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(addr) : "memory");
 }
 
 // GPU-scope acquire load and release store of a counter (cross-CTA ordering of the backward's
