@@ -274,6 +274,23 @@ Status check_no_overlap(const std::vector<Region>& inputs, const std::vector<Reg
 
 int64_t ceil_div(int64_t a, int64_t b) { return b > 0 ? (a + b - 1) / b : 0; }
 
+// A varlen call's optional packed row count (ForwardArgs::total_k, BackwardArgs::total_q/total_k):
+// 0 = not given; else at least the longest sequence and (on the CPU, where the offsets are readable)
+// cu[batch].  Given, it is the row space the strides are checked over.
+Status check_total(Device device, int64_t batch, int64_t total, int64_t seqlen, const int32_t* cu, const char* name,
+                   const char* cu_name, const char* seqlen_name, int64_t* rows) {
+  if (total == 0) return Status::success();
+  if (!cu) return fail(name, std::string("is for varlen inputs (") + cu_name + ") only");
+  if (total < 0 || total > kMaxSeqlen) return fail(name, "must be in [0, 2^31) (got " + str(total) + ")");
+  if (total < seqlen)
+    return fail(name, std::string("is below ") + seqlen_name + ", the longest sequence (" + str(total) + " < " +
+                          str(seqlen) + ")");
+  if (device == Device::cpu && total < cu[batch])
+    return fail(name, std::string("is below ") + cu_name + "[batch] (" + str(total) + " < " + str(cu[batch]) + ")");
+  *rows = total;
+  return Status::success();
+}
+
 // Rows of the whole q (or k) row space: batch * seqlen, or for varlen the packed total (CPU:
 // cu_seqlens[batch]; CUDA, where the offsets live on the device: seqlen, the longest sequence,
 // a lower bound).
@@ -392,17 +409,8 @@ Status check_arguments(const ForwardArgs& a) {
   }
   RowSpace rs;
   MALA_TRY(check_varlen_and_rows(s, &rs));
-  if (a.total_k != 0) {
-    if (!a.cu_seqlens_k) return fail("total_k", "is for varlen inputs (cu_seqlens_k) only");
-    if (a.total_k < 0 || a.total_k > kMaxSeqlen)
-      return fail("total_k", "must be in [0, 2^31) (got " + str(a.total_k) + ")");
-    if (a.total_k < a.seqlen_k)
-      return fail("total_k", "is below seqlen_k, the longest sequence (" + str(a.total_k) + " < " + str(a.seqlen_k) + ")");
-    if (a.device == Device::cpu && a.total_k < a.cu_seqlens_k[a.batch])
-      return fail("total_k", "is below cu_seqlens_k[batch] (" + str(a.total_k) + " < " +
-                                 str(a.cu_seqlens_k[a.batch]) + ")");
-    rs.rows_k = a.total_k;
-  }
+  MALA_TRY(check_total(a.device, a.batch, a.total_k, a.seqlen_k, a.cu_seqlens_k, "total_k", "cu_seqlens_k",
+                       "seqlen_k", &rs.rows_k));
   MALA_TRY(check_strides("q_strides", a.q_strides, rs.batch_count, rs.rows_q, a.heads_q, a.head_dim));
   MALA_TRY(check_strides("k_strides", a.k_strides, rs.batch_count, rs.rows_k, a.heads_kv, a.head_dim));
   MALA_TRY(check_strides("v_strides", a.v_strides, rs.batch_count, rs.rows_k, a.heads_kv, a.head_dim));
@@ -440,25 +448,10 @@ Status check_arguments(const BackwardArgs& a) {
   }
   RowSpace rs;
   MALA_TRY(check_varlen_and_rows(s, &rs));
-  const struct {
-    int64_t total, seqlen;
-    const int32_t* cu;
-    const char *name, *cu_name, *seqlen_name;
-    int64_t* rows;
-  } totals[] = {{a.total_q, a.seqlen_q, a.cu_seqlens_q, "total_q", "cu_seqlens_q", "seqlen_q", &rs.rows_q},
-                {a.total_k, a.seqlen_k, a.cu_seqlens_k, "total_k", "cu_seqlens_k", "seqlen_k", &rs.rows_k}};
-  for (const auto& x : totals) {
-    if (x.total == 0) continue;
-    if (!x.cu) return fail(x.name, std::string("is for varlen inputs (") + x.cu_name + ") only");
-    if (x.total < 0 || x.total > kMaxSeqlen) return fail(x.name, "must be in [0, 2^31) (got " + str(x.total) + ")");
-    if (x.total < x.seqlen)
-      return fail(x.name, std::string("is below ") + x.seqlen_name + ", the longest sequence (" + str(x.total) +
-                              " < " + str(x.seqlen) + ")");
-    if (a.device == Device::cpu && x.total < x.cu[a.batch])
-      return fail(x.name, std::string("is below ") + x.cu_name + "[batch] (" + str(x.total) + " < " +
-                              str(x.cu[a.batch]) + ")");
-    *x.rows = x.total;
-  }
+  MALA_TRY(check_total(a.device, a.batch, a.total_q, a.seqlen_q, a.cu_seqlens_q, "total_q", "cu_seqlens_q",
+                       "seqlen_q", &rs.rows_q));
+  MALA_TRY(check_total(a.device, a.batch, a.total_k, a.seqlen_k, a.cu_seqlens_k, "total_k", "cu_seqlens_k",
+                       "seqlen_k", &rs.rows_k));
   const struct {
     const char* name;
     const Strides* st;

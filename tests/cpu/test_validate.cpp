@@ -149,6 +149,8 @@ TEST(Validate, BackwardRejectsBadArgumentsAndWritesNothing) {
       {"dq strides overlap", "dq_strides", [](mala::BackwardArgs& a) { a.dq_strides = {0, 4, 0}; }},
       {"dout strides negative", "dout_strides", [](mala::BackwardArgs& a) { a.dout_strides.batch = -1; }},
       {"block_k negative", "block_k", [](mala::BackwardArgs& a) { a.block_k = -2; }},
+      {"total_q without varlen", "total_q", [](mala::BackwardArgs& a) { a.total_q = 16; }},
+      {"total_k without varlen", "total_k", [](mala::BackwardArgs& a) { a.total_k = 16; }},
   };
   for (const auto& c : cases) {
     std::vector<float> dq(p.q.size(), kSentinel), dk(p.k.size(), kSentinel), dv(p.v.size(), kSentinel);
