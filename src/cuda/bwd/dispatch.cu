@@ -49,23 +49,14 @@ Tiles tiles_for_dim(int64_t d) {
   }
 }
 
-// The device's L2 in bytes (50 MB on an H100 when unknown).
-int64_t device_l2_bytes() {
+// An attribute of the current device, or `fallback` (an H100's value) when the query fails.
+int64_t device_attribute(cudaDeviceAttr attr, int64_t fallback) {
   int dev = 0, n = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&n, cudaDevAttrL2CacheSize, dev) != cudaSuccess) {
+  if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&n, attr, dev) != cudaSuccess) {
     cudaGetLastError();
-    return 50LL << 20;
+    return fallback;
   }
-  return n > 0 ? n : 50LL << 20;
-}
-
-int device_sm_count() {
-  int dev = 0, n = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) {
-    cudaGetLastError();
-    return 132;
-  }
-  return n > 0 ? n : 132;
+  return n > 0 ? n : fallback;
 }
 
 // 3 Q stages where the device's opt-in shared memory holds them (sm_90: yes; sm_80 at d = 128: no):
@@ -109,7 +100,7 @@ Plan make_plan(const BackwardArgs& a) {
     splits = forced;
   } else {
     const int64_t base = static_cast<int64_t>(pl.n_k_tiles) * a.batch * a.heads_kv;
-    const int64_t want = 4LL * device_sm_count();
+    const int64_t want = 4 * device_attribute(cudaDevAttrMultiProcessorCount, 132);
     auto more = [&] {
       int next = splits + 1;
       while (group % next != 0) ++next;
@@ -120,7 +111,7 @@ Plan make_plan(const BackwardArgs& a) {
     // the next head sooner), and once one head's dQ accumulator outgrows the L2 the CTAs running
     // together no longer share its lines; at most two heads per CTA keeps them together (H100, 128K,
     // d = 128: 172 ms instead of 197 ms).
-    if (a.seqlen_q * a.head_dim * 4 > device_l2_bytes() / 2)
+    if (a.seqlen_q * a.head_dim * 4 > device_attribute(cudaDevAttrL2CacheSize, 50LL << 20) / 2)
       while (group / splits > 2) more();
   }
   pl.head_splits = splits;
