@@ -36,7 +36,7 @@ struct Options {
   uint64_t seed = 0;
   std::vector<int64_t> decode_batch = {1, 8};            // decode only
   // Kernel override (src/cuda/backend.h): --fwd-kernel, --bwd-kernel, --decode-kernel,
-  // --bwd-q-stages, --bwd-head-splits; set for the whole run by main.
+  // --bwd-q-stages, --bwd-head-splits, --bwd-q-order; set for the whole run by main.
   mala::cuda_backend::KernelOverride kernels;
   bool check = false;                                    // also compare with the CPU (small N only)
   bool deterministic = false;                            // backward: BackwardArgs::deterministic
@@ -146,9 +146,10 @@ inline int64_t parse_len(const std::string& s) {  // "4096", "4K", "128k"
 //   --op fwd|bwd|decode|all   --n 1K,4K,...   --tau 0,1   --regime random,synthetic
 //   --sharpness 1,4,16   --batch B   --hq H   --hkv H   --d D   --dtype bf16|fp16   --noncausal
 //   --iters N   --warmup N   --no-flush   --seed S   --decode-batch 1,8   --check
-//   --interleave   --real PREFIX,...   --varlen (forward, batch 1)
-//   --fwd-kernel auto|mma_sync|wgmma_cp_async   --bwd-kernel auto|mma_sync   --decode-kernel auto|small_smem
-//   --bwd-q-stages 2|3   --bwd-head-splits S   (the kernel override, for comparing kernels on one device)
+//   --interleave   --real PREFIX,...   --varlen (forward, batch 1)   --deterministic (backward)
+//   --fwd-kernel auto|mma_sync|wgmma_cp_async   --bwd-kernel auto|mma_sync|wgmma_cp_async
+//   --decode-kernel auto|small_smem   --bwd-q-stages 2|3   --bwd-head-splits S   --bwd-q-order 0|1|2
+//   (the kernel override, for comparing kernels on one device)
 inline Options parse_options(int argc, char** argv) {
   Options o;
   for (int i = 1; i < argc; ++i) {
