@@ -291,6 +291,21 @@ Status check_total(Device device, int64_t batch, int64_t total, int64_t seqlen, 
   return Status::success();
 }
 
+// ForwardArgs/BackwardArgs::rows_before: the call as one split of a longer causal sequence.  The
+// threshold length rows_before + r + 1 may not be below the keys row r sees in the call.
+Status check_rows_before(int64_t rows_before, bool causal, int64_t seqlen_q, int64_t seqlen_k, bool varlen) {
+  if (rows_before == -1) return Status::success();
+  if (rows_before < 0 || rows_before > kMaxSeqlen)
+    return fail("rows_before", "must be -1 (off) or in [0, 2^31) (got " + str(rows_before) + ")");
+  if (varlen) return fail("rows_before", "is not supported with varlen inputs (cu_seqlens_q)");
+  const int64_t need = causal ? seqlen_k - seqlen_q : seqlen_k - 1;
+  if (rows_before < need)
+    return fail("rows_before", std::string("must be >= ") + (causal ? "seqlen_k - seqlen_q" : "seqlen_k - 1") +
+                                   " = " + str(need) + " so that no row sees more keys than its length (got " +
+                                   str(rows_before) + ")");
+  return Status::success();
+}
+
 // Rows of the whole q (or k) row space: batch * seqlen, or for varlen the packed total (CPU:
 // cu_seqlens[batch]; CUDA, where the offsets live on the device: seqlen, the longest sequence,
 // a lower bound).
@@ -313,7 +328,8 @@ Status check_overlap(const ForwardArgs& a) {
       strided(a.k, "k", es, a.k_strides, nb, rk, a.heads_kv, a.head_dim),
       strided(a.v, "v", es, a.v_strides, nb, rk, a.heads_kv, a.head_dim),
       flat(a.cu_seqlens_q, "cu_seqlens_q", varlen ? 4 * (a.batch + 1) : 0),
-      flat(a.cu_seqlens_k, "cu_seqlens_k", a.cu_seqlens_k ? 4 * (a.batch + 1) : 0)};
+      flat(a.cu_seqlens_k, "cu_seqlens_k", a.cu_seqlens_k ? 4 * (a.batch + 1) : 0),
+      flat(a.seed_lse, "seed_lse", 4 * rows)};
   const std::vector<Region> out = {
       strided(a.o, "o", es, a.o_strides, nb, rq, a.heads_q, a.head_dim),
       flat(a.lse, "lse", 4 * rows),
@@ -401,7 +417,8 @@ Status check_arguments(const ForwardArgs& a) {
   if (a.device == Device::cuda) {
     const std::pair<const void*, const char*> ptrs[] = {
         {a.q, "q"}, {a.k, "k"}, {a.v, "v"}, {a.o, "o"}, {a.lse, "lse"}, {a.fwd_slots, "fwd_slots"},
-        {a.tile_mask, "tile_mask"}, {a.cu_seqlens_q, "cu_seqlens_q"}, {a.cu_seqlens_k, "cu_seqlens_k"}};
+        {a.tile_mask, "tile_mask"}, {a.cu_seqlens_q, "cu_seqlens_q"}, {a.cu_seqlens_k, "cu_seqlens_k"},
+        {a.seed_lse, "seed_lse"}};
     for (const auto& p : ptrs) MALA_TRY(check_cuda_pointer(a.device, p.first, p.second));
     MALA_TRY(check_blocks(s, cuda_backend::forward_tiles(a)));
   } else {
@@ -415,6 +432,10 @@ Status check_arguments(const ForwardArgs& a) {
   MALA_TRY(check_strides("k_strides", a.k_strides, rs.batch_count, rs.rows_k, a.heads_kv, a.head_dim));
   MALA_TRY(check_strides("v_strides", a.v_strides, rs.batch_count, rs.rows_k, a.heads_kv, a.head_dim));
   MALA_TRY(check_strides("o_strides", a.o_strides, rs.batch_count, rs.rows_q, a.heads_q, a.head_dim));
+  MALA_TRY(check_rows_before(a.rows_before, a.causal, a.seqlen_q, a.seqlen_k, a.cu_seqlens_q != nullptr));
+  if (a.seed_lse && a.cu_seqlens_q) return fail("seed_lse", "is not supported with varlen inputs (cu_seqlens_q)");
+  if (!a.seed_lse && (a.owns_tile0 || a.owns_newest))
+    return fail(a.owns_tile0 ? "owns_tile0" : "owns_newest", "only applies with seed_lse (a seeded split)");
   return Status::success();
 }
 
@@ -463,6 +484,7 @@ Status check_arguments(const BackwardArgs& a) {
   for (const auto& t : tensors)
     MALA_TRY(check_strides(t.name, *t.st, rs.batch_count, t.is_q ? rs.rows_q : rs.rows_k,
                            t.is_q ? a.heads_q : a.heads_kv, a.head_dim));
+  MALA_TRY(check_rows_before(a.rows_before, a.causal, a.seqlen_q, a.seqlen_k, a.cu_seqlens_q != nullptr));
   return Status::success();
 }
 

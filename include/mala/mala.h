@@ -90,6 +90,23 @@ struct ForwardArgs {
   float softmax_scale = 0.f;   // 0 = 1/sqrt(head_dim)
   float tau = 1.0f;            // 0 = exact dense attention
   int block_q = 0, block_k = 0;  // 0 = the implementation's tiles (see forward_tiles)
+
+  // The call as one split of a longer causal sequence (context parallelism: a rank's query chunk
+  // against one KV shard; MALA_SPEC "Seeded split-KV").  Masking still follows `causal`; these change
+  // the tile test only.  Not with varlen.  Defaults: off.
+  //   rows_before >= 0: row r's threshold uses L_q = rows_before + r + 1, its length in the whole
+  //     sequence (the global position of row 0), instead of the keys it sees in this call; it must be
+  //     at least that count (causal: rows_before >= seqlen_k - seqlen_q; else rows_before >= seqlen_k - 1).
+  //   seed_lse: [batch, heads_q, seqlen_q] fp32, natural log of the exact mass of the row's anchor
+  //     tiles that this call does not hold (-inf: none); added to the test's denominator only.  o, lse
+  //     and fwd_slots then cover the call's own retained keys: a row that retains nothing gets o = 0,
+  //     lse = -inf.
+  //   owns_tile0 / owns_newest (with seed_lse): this call's key tile 0 is the sequence's key tile 0 /
+  //     each row's newest legal key tile here is its newest in the sequence (the call holds the
+  //     diagonal): those anchor tiles are retained untested.
+  int64_t rows_before = -1;
+  const float* seed_lse = nullptr;
+  bool owns_tile0 = false, owns_newest = false;
   void* stream = nullptr;      // cudaStream_t for Device::cuda
 };
 
@@ -124,6 +141,9 @@ struct BackwardArgs {
   float softmax_scale = 0.f;
   float tau = 1.0f;
   int block_q = 0, block_k = 0;
+  // The call as one split of a longer causal sequence (as ForwardArgs::rows_before; lse is then the
+  // whole row's final lse): the offline test uses L_q = rows_before + r + 1.  -1 = off.
+  int64_t rows_before = -1;
   // dQ, dK and dV bit-identical from run to run: dQ is added in a fixed order of key tiles, dK and dV
   // are never split over CTAs.  CUDA: the Hopper backward (sm_90, head dims 64 and 128, tensors the
   // TMA can describe) only; the CPU backward is deterministic anyway.

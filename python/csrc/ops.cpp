@@ -12,6 +12,12 @@
 //   fwd(q, k, v, tau, causal, softmax_scale, return_stats) -> (out, lse, fwd_slots, tile_mask)
 //   bwd(dout, q, k, v, out, lse, tau, causal, softmax_scale, return_stats)
 //       -> (dq, dk, dv, bwd_slots, tile_mask)
+//   fwd_split(q, k, v, seed_lse?, rows_before, owns_tile0, owns_newest, tau, causal, softmax_scale,
+//             block_q, block_k, return_stats) -> (out, lse, fwd_slots, tile_mask)
+//   bwd_split(dout, q, k, v, out, lse, rows_before, tau, causal, softmax_scale, block_q, block_k,
+//             return_stats, deterministic) -> (dq, dk, dv, bwd_slots, tile_mask)
+//       the call as one split of a longer causal sequence (context parallelism; mala.h,
+//       ForwardArgs::rows_before and after); block_q/block_k 0 = the implementation's tiles
 //   fwd_varlen / bwd_varlen: the same with cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
 //   kvcache(q, k_cache!, v_cache!, cache_seqlens, k?, v?, block_table?, tau, causal, softmax_scale,
 //           num_splits, return_stats, split_rule='seeded') -> (out, lse, fwd_slots)
@@ -179,10 +185,18 @@ struct Varlen {
   int64_t max_q = 0, max_k = 0;
 };
 
+// One split of a longer causal sequence (fwd_split / bwd_split; ForwardArgs::rows_before and after).
+struct Split {
+  int64_t rows_before = -1;
+  const Tensor* seed_lse = nullptr;  // forward only
+  bool owns_tile0 = false, owns_newest = false;
+  int64_t block_q = 0, block_k = 0;
+};
+
 std::tuple<Tensor, Tensor, Tensor, Tensor> forward_impl(const Tensor& q_in, const Tensor& k_in,
                                                         const Tensor& v_in, const Varlen* varlen,
                                                         double tau, bool causal, double softmax_scale,
-                                                        bool return_stats) {
+                                                        bool return_stats, const Split* split = nullptr) {
   const bool is_varlen = varlen != nullptr;
   const char* layout = is_varlen ? "[total, heads, head_dim]" : "[batch, seqlen, heads, head_dim]";
   const int64_t rank = is_varlen ? 3 : 4;
@@ -246,6 +260,24 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> forward_impl(const Tensor& q_in, cons
     lse = at::empty({a.batch, hq, a.seqlen_q}, q.options().dtype(at::kFloat));
   }
   a.lse = lse.data_ptr<float>();
+  Tensor seed;
+  if (split) {
+    a.rows_before = split->rows_before;
+    a.owns_tile0 = split->owns_tile0;
+    a.owns_newest = split->owns_newest;
+    a.block_q = static_cast<int>(split->block_q);
+    a.block_k = static_cast<int>(split->block_k);
+    if (split->seed_lse) {
+      const Tensor& sl = *split->seed_lse;
+      TORCH_CHECK_TYPE(sl.scalar_type() == at::kFloat, "seed_lse: dtype must be float32 (got ", sl.scalar_type(), ")");
+      TORCH_CHECK_VALUE(sl.device() == q.device(), "seed_lse: must be on the device of q (", q.device(), "), got ",
+                        sl.device());
+      TORCH_CHECK_VALUE(sl.sizes() == lse.sizes(), "seed_lse: must have shape [batch, heads_q, seqlen_q] = ",
+                        lse.sizes(), " (got ", sl.sizes(), ")");
+      seed = sl.contiguous();
+      a.seed_lse = seed.data_ptr<float>();
+    }
+  }
 
   Tensor slots = empty_or(return_stats, lse.sizes(), q, at::kInt);
   Tensor tile_mask = at::empty({0}, q.options().dtype(at::kByte));
@@ -264,6 +296,23 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> forward_impl(const Tensor& q_in, cons
   }
   check_status(mala::forward(a), is_varlen ? "fwd_varlen" : "fwd");
   return {out, lse, slots, tile_mask};
+}
+
+// One split of a longer causal sequence (context parallelism, python/mala/distributed.py).  No
+// autograd: the caller pairs it with bwd_split.
+std::tuple<Tensor, Tensor, Tensor, Tensor> fwd_split(const Tensor& q, const Tensor& k, const Tensor& v,
+                                                     const std::optional<Tensor>& seed_lse, int64_t rows_before,
+                                                     bool owns_tile0, bool owns_newest, double tau, bool causal,
+                                                     double softmax_scale, int64_t block_q, int64_t block_k,
+                                                     bool return_stats) {
+  Split sp;
+  sp.rows_before = rows_before;
+  sp.seed_lse = seed_lse.has_value() ? &*seed_lse : nullptr;
+  sp.owns_tile0 = owns_tile0;
+  sp.owns_newest = owns_newest;
+  sp.block_q = block_q;
+  sp.block_k = block_k;
+  return forward_impl(q, k, v, nullptr, tau, causal, softmax_scale, return_stats, &sp);
 }
 
 // `deterministic` is the backward's (autograd saves it with the forward's inputs, as flash_attn).
@@ -287,7 +336,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> fwd_varlen(const Tensor& q, const Ten
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> backward_impl(
     const Tensor& dout_in, const Tensor& q_in, const Tensor& k_in, const Tensor& v_in, const Tensor& out_in,
     const Tensor& lse, const Varlen* varlen, double tau, bool causal, double softmax_scale, bool return_stats,
-    bool deterministic) {
+    bool deterministic, const Split* split = nullptr) {
   const bool is_varlen = varlen != nullptr;
   const char* layout = is_varlen ? "[total, heads, head_dim]" : "[batch, seqlen, heads, head_dim]";
   const int64_t rank = is_varlen ? 3 : 4;
@@ -316,6 +365,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> backward_impl(
   Tensor q = input_tensor(q_in, "q"), k = input_tensor(k_in, "k"), v = input_tensor(v_in, "v");
   Tensor out = internal_tensor(out_in), dout = internal_tensor(dout_in);
   a.deterministic = deterministic;
+  if (split) {
+    a.rows_before = split->rows_before;
+    a.block_q = static_cast<int>(split->block_q);
+    a.block_k = static_cast<int>(split->block_k);
+  }
   Tensor lse_c = lse.contiguous();
 
   c10::OptionalDeviceGuard guard(q.device());
@@ -403,6 +457,18 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bwd(const Tensor& dout, const
                                                        double tau, bool causal, double softmax_scale,
                                                        bool return_stats, bool deterministic) {
   return backward_impl(dout, q, k, v, out, lse, nullptr, tau, causal, softmax_scale, return_stats, deterministic);
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bwd_split(const Tensor& dout, const Tensor& q, const Tensor& k,
+                                                             const Tensor& v, const Tensor& out, const Tensor& lse,
+                                                             int64_t rows_before, double tau, bool causal,
+                                                             double softmax_scale, int64_t block_q, int64_t block_k,
+                                                             bool return_stats, bool deterministic) {
+  Split sp;
+  sp.rows_before = rows_before;
+  sp.block_q = block_q;
+  sp.block_k = block_k;
+  return backward_impl(dout, q, k, v, out, lse, nullptr, tau, causal, softmax_scale, return_stats, deterministic, &sp);
 }
 
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bwd_varlen(
@@ -585,6 +651,12 @@ TORCH_LIBRARY(mala, m) {
         " Tensor cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, float tau, bool causal, float softmax_scale,"
         " bool return_stats, bool deterministic=False)"
         " -> (Tensor dq, Tensor dk, Tensor dv, Tensor bwd_slots, Tensor tile_mask)");
+  m.def("fwd_split(Tensor q, Tensor k, Tensor v, Tensor? seed_lse, int rows_before, bool owns_tile0,"
+        " bool owns_newest, float tau, bool causal, float softmax_scale, int block_q, int block_k,"
+        " bool return_stats) -> (Tensor out, Tensor lse, Tensor fwd_slots, Tensor tile_mask)");
+  m.def("bwd_split(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, int rows_before, float tau,"
+        " bool causal, float softmax_scale, int block_q, int block_k, bool return_stats, bool deterministic)"
+        " -> (Tensor dq, Tensor dk, Tensor dv, Tensor bwd_slots, Tensor tile_mask)");
   m.def("kvcache(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor cache_seqlens, Tensor? k, Tensor? v,"
         " Tensor? block_table, float tau, bool causal, float softmax_scale, int num_splits, bool return_stats,"
         " str split_rule='seeded') -> (Tensor out, Tensor lse, Tensor fwd_slots)");
@@ -599,6 +671,8 @@ TORCH_LIBRARY_IMPL(mala, CPU, m) {
   m.impl("bwd", &mala_torch::bwd);
   m.impl("bwd_varlen", &mala_torch::bwd_varlen);
   m.impl("kvcache", &mala_torch::kvcache);
+  m.impl("fwd_split", &mala_torch::fwd_split);
+  m.impl("bwd_split", &mala_torch::bwd_split);
 }
 
 #ifdef MALA_TORCH_CUDA
@@ -608,6 +682,8 @@ TORCH_LIBRARY_IMPL(mala, CUDA, m) {
   m.impl("bwd", &mala_torch::bwd);
   m.impl("bwd_varlen", &mala_torch::bwd_varlen);
   m.impl("kvcache", &mala_torch::kvcache);
+  m.impl("fwd_split", &mala_torch::fwd_split);
+  m.impl("bwd_split", &mala_torch::bwd_split);
 }
 #endif
 

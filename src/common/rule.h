@@ -29,6 +29,14 @@ MALA_HD int visible_keys(int row, int seqlen_q, int seqlen_k, bool causal) {
   return L < 0 ? 0 : (L > seqlen_k ? seqlen_k : L);
 }
 
+// The L_q that row `row` (0-based in the call) is tested with, when it sees L keys in the call: L,
+// or when the call is one split of a longer causal sequence whose row 0 sits at position rows_before
+// (>= 0; context parallelism: ForwardArgs::rows_before) the row's whole length rows_before + row + 1.
+// A row that sees no key keeps 0 (it never constrains a tile).
+MALA_HD int threshold_length(int L, int row, int rows_before) {
+  return rows_before >= 0 && L > 0 ? rows_before + row + 1 : L;
+}
+
 // log(tau / L) in the given log base (log_tau = log_b(tau), log_L = log_b(L)).  tau = 0 gives -inf:
 // nothing is ever skipped.  Only meaningful for L > 0.
 MALA_HD float log_threshold(float log_tau, float log_L) { return log_tau - log_L; }
@@ -95,8 +103,13 @@ MALA_HD int ceil_div(int a, int b) { return (a + b - 1) / b; }
 // legal keys, to the denominator of its test (nothing else: m, l, the accumulator and the combine are
 // the usual ones).  num_splits = 1 is the forward rule: no seed, nothing forced.
 MALA_HD int newest_tile(int L, int block_k) { return (L - 1) / block_k; }  // L > 0
+// The same for a call whose key tile 0 may not be the sequence's (one KV shard of context
+// parallelism: ForwardArgs::owns_tile0); newest_lo > newest_hi when it holds no row's newest tile.
+MALA_HD bool is_held_anchor_tile(int j, bool holds_tile0, int newest_lo, int newest_hi) {
+  return (j == 0 && holds_tile0) || (j >= newest_lo && j <= newest_hi);
+}
 MALA_HD bool is_anchor_tile(int j, int newest_lo, int newest_hi) {
-  return j == 0 || (j >= newest_lo && j <= newest_hi);
+  return is_held_anchor_tile(j, true, newest_lo, newest_hi);
 }
 // log(exp(a) + exp(b)), -inf + -inf = -inf.  The seeded test's log_norm is
 // log_add_exp(log Z_anchor, m + log(l)) = log(Z_anchor + exp(m) l), passed to row_allows_skip.

@@ -88,7 +88,10 @@ Status backward(const BackwardArgs& a) {
             pr[c] = score(q, key(c), d, scale);
             mx = std::max(mx, pr[c]);
           }
-          const float thr = rule::log_threshold(log_tau, std::log(static_cast<float>(L)));
+          // A split of a longer sequence (rows_before >= 0) tests against the row's whole length.
+          const int64_t L_thr = rule::threshold_length(static_cast<int>(L), static_cast<int>(r0 + r),
+                                                       static_cast<int>(a.rows_before));
+          const float thr = rule::log_threshold(log_tau, std::log(static_cast<float>(L_thr)));
           if (skip && !rule::row_allows_skip(mx, lse, thr)) skip = false;
         }
         if (!any_legal) continue;

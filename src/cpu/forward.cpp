@@ -49,26 +49,48 @@ Status forward(const ForwardArgs& a) {
     t.q.resize(rows);
     t.L.resize(rows);
     t.log_thr.resize(rows);
+    std::vector<float> log_anchor;
+    Seed seed;
     for (int64_t r = 0; r < rows; ++r) {
       t.q[r] = &Q[static_cast<size_t>(((sq.row0 + r0 + r) * hq + h) * d)];
       t.L[r] = rule::visible_keys(static_cast<int>(r0 + r), static_cast<int>(sq.len),
                                   static_cast<int>(sk.len), a.causal);
-      t.log_thr[r] = rule::log_threshold(log_tau, std::log(static_cast<float>(t.L[r])));
+      // A split of a longer sequence (rows_before >= 0) tests against the row's whole length.
+      const int64_t L_thr = rule::threshold_length(static_cast<int>(t.L[r]), static_cast<int>(r0 + r),
+                                                   static_cast<int>(a.rows_before));
+      t.log_thr[r] = rule::log_threshold(log_tau, std::log(static_cast<float>(L_thr)));
       t.max_L = std::max(t.max_L, t.L[r]);
+    }
+    if (a.seed_lse) {  // a seeded split (rule.h, "seeded split-KV"): the caller's anchor mass
+      log_anchor.resize(static_cast<size_t>(rows));
+      for (int64_t r = 0; r < rows; ++r) log_anchor[r] = a.seed_lse[g.row_index(b, h, r0 + r)];
+      seed.log_anchor = log_anchor.data();
+      seed.owns_tile0 = a.owns_tile0;
+      seed.newest_lo = static_cast<int>(t.legal_tiles());
+      seed.newest_hi = -1;
+      if (a.owns_newest)
+        for (int64_t r = 0; r < rows; ++r) {
+          if (t.L[r] <= 0) continue;
+          const int nt = rule::newest_tile(static_cast<int>(t.L[r]), static_cast<int>(bk));
+          seed.newest_lo = std::min(seed.newest_lo, nt);
+          seed.newest_hi = std::max(seed.newest_hi, nt);
+        }
     }
     OnlineState st;
     st.reset(rows, d);
     auto key = [&](int64_t k) { return &K[static_cast<size_t>(((sk.row0 + k) * hkv + hk) * d)]; };
     auto value = [&](int64_t k) { return &V[static_cast<size_t>(((sk.row0 + k) * hkv + hk) * d)]; };
     uint8_t* mask = a.tile_mask ? a.tile_mask + ((b * hq + h) * nqt + i) * nkt : nullptr;
-    const int64_t retained = attend_online(t, st, 0, t.legal_tiles(), sk.len, key, value, mask);
+    const int64_t retained =
+        attend_online(t, st, 0, t.legal_tiles(), sk.len, key, value, mask, a.seed_lse ? &seed : nullptr);
 
     for (int64_t r = 0; r < rows; ++r) {
       float* o = &O[static_cast<size_t>(((sq.row0 + r0 + r) * hq + h) * d)];
       const int64_t idx = g.row_index(b, h, r0 + r);
-      if (t.L[r] == 0) {  // no visible key: zeros, lse = -inf, no work
+      // No visible key, or (seeded split) nothing retained: zeros, lse = -inf.
+      if (t.L[r] == 0 || st.l[r] == 0.f) {
         if (a.lse) a.lse[idx] = -INFINITY;
-        if (a.fwd_slots) a.fwd_slots[idx] = 0;
+        if (a.fwd_slots) a.fwd_slots[idx] = t.L[r] == 0 ? 0 : static_cast<int32_t>(retained * bk);
         continue;
       }
       const float l = st.l[r];

@@ -41,7 +41,8 @@ struct OnlineState {
 // (-inf when it owns them all).
 struct Seed {
   const float* log_anchor = nullptr;  // [rows]
-  int newest_lo = 0, newest_hi = -1;  // the rows' newest legal tiles (anchors with tile 0)
+  int newest_lo = 0, newest_hi = -1;  // the rows' newest legal tiles (anchors with tile 0); lo > hi: none
+  bool owns_tile0 = true;             // key tile 0 here is the sequence's (false: a later KV shard)
 };
 
 // Visits key tiles j = j_end-1 down to j_begin (the diagonal/newest first) with the online test.
@@ -60,7 +61,8 @@ int64_t attend_online(const QueryTile& t, OnlineState& st, int64_t j_begin, int6
   for (int64_t j = j_end - 1; j >= j_begin; --j) {
     const int64_t kb = j * bk;
     const int64_t kn = std::min(kb + bk, n_keys) - kb;
-    const bool forced = seed && rule::is_anchor_tile(static_cast<int>(j), seed->newest_lo, seed->newest_hi);
+    const bool forced =
+        seed && rule::is_held_anchor_tile(static_cast<int>(j), seed->owns_tile0, seed->newest_lo, seed->newest_hi);
     bool skip = !forced, any_legal = false;
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t n = std::max<int64_t>(0, std::min(t.L[r] - kb, kn));

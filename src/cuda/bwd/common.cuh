@@ -138,7 +138,7 @@ __device__ __forceinline__ void bwd_load_lse_thr(const BwdParams& p, const BwdWo
     bwd_cp_async_4(lse_dst + tid * 4, ok ? l2 : p.lse2, ok);
     if (THR) {
       const int L = ok ? rule::visible_keys(r0 + tid, w.qlen, w.klen, p.causal) : 0;
-      thr_dst[tid] = row_log2_threshold_or_inf(p.log2_tau, L);
+      thr_dst[tid] = row_log2_threshold_or_inf(p.log2_tau, rule::threshold_length(L, r0 + tid, p.rows_before));
     }
   }
 }

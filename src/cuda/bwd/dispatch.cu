@@ -246,6 +246,7 @@ cudaError_t run_typed(const BackwardArgs& a, const Plan& pl, char* ws, cudaStrea
   p.scale = scale;
   p.scale_log2 = scale_log2;
   p.log2_tau = log2_tau;
+  p.rows_before = static_cast<int>(a.rows_before);
   p.dsum = dsum;
   p.lse2 = lse2;
   p.bound2 = bound2;
@@ -294,6 +295,7 @@ cudaError_t run_typed(const BackwardArgs& a, const Plan& pl, char* ws, cudaStrea
   rq.seqlen_k = static_cast<int>(a.seqlen_k);
   rq.causal = a.causal;
   rq.log2_tau = log2_tau;
+  rq.rows_before = static_cast<int>(a.rows_before);
   rq.inv_scale_log2 = 1.0f / scale_log2;
   rq.lse = a.lse;
   rq.slots = a.bwd_slots;

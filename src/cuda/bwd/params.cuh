@@ -48,6 +48,7 @@ struct BwdParams {
   float scale;          // softmax scale
   float scale_log2;     // scale * log2(e)
   float log2_tau;       // log2(tau)
+  int rows_before;      // BackwardArgs::rows_before (rule::threshold_length; -1 = off)
 
   // Workspace (fp32).  D: [heads_q, rows_q_cap]; dq_acc: [heads_q, rows_q_cap, d];
   // dk_acc/dv_acc: [heads_kv, rows_k_cap, d] or null (direct dK/dV stores).

@@ -38,6 +38,7 @@ struct RowParams {
   int seqlen_k;       // preprocess: keys per sequence (dense layout)
   bool causal;        // preprocess
   float log2_tau, inv_scale_log2;  // preprocess, tau > 0
+  int rows_before;                 // preprocess: BackwardArgs::rows_before (rule::threshold_length)
   int64_t rows_cap;
   float mul;
   int slices;             // convert: sum of this many accumulators (1, or the deterministic dK/dV
@@ -70,7 +71,8 @@ __device__ __forceinline__ float bwd_row_skip_bound(const RowParams& p, int64_t 
     r = static_cast<int>(g % p.seqlen);
   }
   const int L = rule::visible_keys(r, qlen, klen, p.causal);
-  return rule::skip_bound_raw(l2, row_log2_threshold_or_inf(p.log2_tau, L), p.inv_scale_log2);
+  return rule::skip_bound_raw(l2, row_log2_threshold_or_inf(p.log2_tau, rule::threshold_length(L, r, p.rows_before)),
+                              p.inv_scale_log2);
 }
 
 template <typename T, int D>

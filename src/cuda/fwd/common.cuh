@@ -91,16 +91,61 @@ __device__ __forceinline__ void fwd_epilogue(const FwdParams& p, const FwdSeq<T>
     }
 }
 
+// ---- the call as one split of a longer sequence (FwdParams::rows_before, seed_lse, owns_*) -------
+// The log2 threshold of row r (sequence-local), which sees L keys in this call: log2(tau / L_q) with
+// L_q = L, or with rows_before >= 0 the row's whole length rows_before + r + 1.
+__device__ __forceinline__ float fwd_row_threshold(const FwdParams& p, int r, int L) {
+  return row_log2_threshold(p.log2_tau, rule::threshold_length(L, r, p.rows_before));
+}
+// A seeded split's anchor mass for row r in the kernels' log2 units, log2 Z_anchor (-inf when the
+// call is not seeded or r is past the end): the start of the test's denominator, which
+// seeded_log2_norm then grows with the split's own retained mass.
+__device__ __forceinline__ float fwd_row_seed(const FwdParams& p, int b, int h, int r, int Nq) {
+  if (p.seed_lse == nullptr || r >= Nq) return -INFINITY;
+  return p.seed_lse[((int64_t)b * p.heads_q + h) * p.seqlen_q + r] * 1.4426950408889634f;
+}
+// The test's denominator of row r: log2 of the own retained mass (m, l), plus the anchor mass when
+// the call is seeded (a warp-uniform branch; the seed is read again rather than held in registers,
+// which the unseeded kernels cannot spare).
+__device__ __forceinline__ float fwd_log2_norm(const FwdParams& p, int b, int h, int r, int Nq, float m, float l) {
+  return p.seed_lse ? seeded_log2_norm(fwd_row_seed(p, b, h, r, Nq), m, l) : log2_norm(m, l);
+}
+// Whether a seeded split retains key tile j of the decision tile of rows [r0, r0 + rows) untested:
+// an anchor tile it holds (tile 0 when owns_tile0; the rows' newest legal tiles, rule::newest_tile
+// of the first row's L up to last_tile, when owns_newest).
+// Computed once per decision tile: tile 0 when held0, and [lo, hi] (empty when lo > hi); the loop
+// then tests rule::is_held_anchor_tile(j, held0, lo, hi).
+struct FwdAnchors {
+  bool held0;
+  int lo, hi;
+};
+template <int BK>
+__device__ __forceinline__ FwdAnchors fwd_held_anchors(const FwdParams& p, int r0, int last_tile, int Nq, int Nk) {
+  FwdAnchors a{false, 1, 0};  // none
+  if (p.seed_lse == nullptr) return a;
+  a.held0 = p.owns_tile0 && last_tile >= 0;
+  if (p.owns_newest && r0 < Nq) {
+    a.lo = rule::newest_tile(max(rule::visible_keys(r0, Nq, Nk, p.causal), 1), BK);
+    a.hi = last_tile;
+  }
+  return a;
+}
+__device__ __forceinline__ bool fwd_forced_tile(const FwdAnchors& a, int j) {
+  return rule::is_held_anchor_tile(j, a.held0, a.lo, a.hi);
+}
+
 // The wgmma forwards' per-lane test inputs for the warp's 16 rows from row_w: the log2 threshold of
-// each of the lane's two rows, and the running normaliser (nothing retained yet).
-__device__ __forceinline__ void wgmma_fwd_test_inputs(float (&log_thr)[1][2], float (&log_norm)[1][2], int row_w,
-                                                      int lane, int Nq, int Nk, const FwdParams& p) {
+// each of the lane's two rows and the running normaliser (nothing retained yet: -inf, or a seeded
+// split's anchor mass).
+__device__ __forceinline__ void wgmma_fwd_test_inputs(float (&log_thr)[1][2], float (&log_norm)[1][2], int b, int h,
+                                                      int row_w, int lane, int Nq, int Nk, const FwdParams& p) {
   int lim[1][2];
   row_limits<1>(lim, row_w, lane, Nq, Nk, p.causal);
 #pragma unroll
   for (int hh = 0; hh < 2; ++hh) {
-    log_thr[0][hh] = row_log2_threshold(p.log2_tau, lim[0][hh]);
-    log_norm[0][hh] = -INFINITY;
+    const int r = row_w + (lane >> 2) + hh * 8;
+    log_thr[0][hh] = fwd_row_threshold(p, r, lim[0][hh]);
+    log_norm[0][hh] = fwd_row_seed(p, b, h, r, Nq);
   }
 }
 // The tile-mask row of the decision tile (a warp pair's 32 rows from row_pair) when the caller

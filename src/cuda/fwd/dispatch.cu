@@ -3,7 +3,7 @@
 //   sm_90 (sm_90a build), d = 128: the warp-specialized wgmma kernel where the TMA can describe K and
 //     V (fwd/kernel_sm90_ws.cuh), else the two-warpgroup wgmma kernel with cp.async loads
 //     (fwd/kernel_sm90.cuh: varlen inputs without total_k, strides the TMA cannot take);
-//   everything else: the mma.sync kernel (fwd/kernel_sm80.cuh).
+//   everything else, and seeded splits the TMA cannot serve: the mma.sync kernel (fwd/kernel_sm80.cuh).
 // Each kernel's tau = 0 instance runs at tau = 0 (the mma.sync kernel's where FwdConfig has one).
 // All of them make the same decisions (tiles of FwdConfig), so the choice changes no result beyond
 // rounding.  The kernel override (backend.h) forces another kernel for tests and benchmarks.
@@ -50,6 +50,12 @@ cuda::FwdLaunch choose_kernel(const cuda::FwdParams& p, bool dense) {
                                             p.k_sh, p.k_sb, box_rows) &&
                    cuda::make_kv_tensor_map(&l.tmap_v, p.v, kBf16, D, map_rows, p.heads_kv, map_batch, p.v_sr,
                                             p.v_sh, p.v_sb, box_rows);
+  // A seeded split (ForwardArgs::seed_lse) where the TMA cannot serve: the mma.sync kernel (the
+  // two-warpgroup kernel has no registers left for the seed's bookkeeping).
+  if (!tma && p.seed_lse != nullptr && !dense) {
+    l.dense = false;
+    return l;
+  }
   l.kernel = tma ? cuda::FwdKernelKind::sm90_ws : cuda::FwdKernelKind::sm90;
   return l;
 }
@@ -130,6 +136,10 @@ Status forward(const ForwardArgs& a) {
   const float scale = a.softmax_scale > 0.f ? a.softmax_scale : 1.0f / std::sqrt(static_cast<float>(d));
   p.scale_log2 = rule::scale_log2(scale);
   p.log2_tau = rule::log2_tau(a.tau);
+  p.rows_before = static_cast<int>(a.rows_before);
+  p.seed_lse = a.seed_lse;
+  p.owns_tile0 = a.owns_tile0;
+  p.owns_newest = a.owns_newest;
 
   if (a.batch == 0 || a.seqlen_q == 0) return Status::success();
   cudaStream_t stream = static_cast<cudaStream_t>(a.stream);

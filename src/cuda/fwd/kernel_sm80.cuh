@@ -94,6 +94,7 @@ __global__ void __launch_bounds__(FwdKernelTraits<T, D>::kThreads, FwdKernelTrai
   const int min_L_w = row_w + RW <= Nq ? rule::visible_keys(row_w, Nq, Nk, p.causal) : 0;
 
   const bool test_on = !kDense && p.log2_tau > -INFINITY;
+  const FwdAnchors anchors = fwd_held_anchors<BK>(p, row_w, warp_hi, Nq, Nk);  // a seeded split's, else none
   // Test inputs per query row, kept in shared memory (registers are the limit at d = 128):
   // s_thr = log2(tau) - log2(L_q) (fixed), s_norm = m + log2(l) (rewritten by the quad leader after
   // each retained tile, so skipped tiles cost no MUFU).  Each warp touches only its own rows.
@@ -107,8 +108,9 @@ __global__ void __launch_bounds__(FwdKernelTraits<T, D>::kThreads, FwdKernelTrai
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
         const int rr = warp * RW + mt * 16 + (lane >> 2) + hh * 8;
-        s_thr[rr] = row_log2_threshold(p.log2_tau, lim[mt][hh]);
-        s_norm[rr] = -INFINITY;  // nothing retained yet
+        const int r = row_w + mt * 16 + (lane >> 2) + hh * 8;
+        s_thr[rr] = fwd_row_threshold(p, r, lim[mt][hh]);
+        s_norm[rr] = fwd_row_seed(p, b, h, r, Nq);  // nothing retained yet (a seeded split: its anchor mass)
       }
   }
   __syncwarp();
@@ -242,7 +244,8 @@ __global__ void __launch_bounds__(FwdKernelTraits<T, D>::kThreads, FwdKernelTrai
             log_norm[mt][hh] = s_norm[rr];
             log_thr[mt][hh] = s_thr[rr];
           }
-        skip = warp_vote_skip(lane_rows_allow_skip<MT>(tmax, log_norm, log_thr));
+        skip = warp_vote_skip(lane_rows_allow_skip<MT>(tmax, log_norm, log_thr)) &&
+               !fwd_forced_tile(anchors, j);
       }
       retain = !skip;
       if (mask_row && lane == 0) mask_row[j] = skip ? kTileSkipped : kTileRetained;
@@ -274,8 +277,10 @@ __global__ void __launch_bounds__(FwdKernelTraits<T, D>::kThreads, FwdKernelTrai
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-          for (int hh = 0; hh < 2; ++hh)
-            s_norm[warp * RW + mt * 16 + (lane >> 2) + hh * 8] = log2_norm(m[mt][hh], l[mt][hh]);
+          for (int hh = 0; hh < 2; ++hh) {
+            const int r = row_w + mt * 16 + (lane >> 2) + hh * 8;
+            s_norm[r - row_cta] = fwd_log2_norm(p, b, h, r, Nq, m[mt][hh], l[mt][hh]);
+          }
       }
       // ---- O += P V ----
       uint32_t pa[BK / 16][MT][4];  // P packed to 16-bit at once: half the registers of fp32 S

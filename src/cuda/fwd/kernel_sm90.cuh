@@ -93,8 +93,10 @@ __global__ void __launch_bounds__(FwdSm90<D>::kThreads, FwdSm90<D>::kMinBlocks)
   const bool test_on = !kDense && p.log2_tau > -INFINITY;
   uint32_t* s_vote = reinterpret_cast<uint32_t*>(smem + C::kOffVote);
   // Test inputs of this lane's two rows, in registers (every lane of a quad holds the full row sums).
+  // (Never a seeded split: dispatch.cu sends those to the other kernels, which hold the registers the
+  // seed's bookkeeping needs; rows_before is applied here too.)
   float log_thr[1][2], log_norm[1][2];
-  wgmma_fwd_test_inputs(log_thr, log_norm, row_w, lane, Nq, Nk, p);
+  wgmma_fwd_test_inputs(log_thr, log_norm, b, h, row_w, lane, Nq, Nk, p);
   // The pair's first warp records its decisions.
   uint8_t* mask_row = (wl & 1) == 0 ? wgmma_fwd_mask_row(p, b, h, row_pair, pair_hi, lane) : nullptr;
 

@@ -171,11 +171,14 @@ __global__ void __launch_bounds__(384, 1)
   const int wg_hi = rule::ceil_div(max_L(row_wg, 64), BK) - 1;
   const int pair_hi = rule::ceil_div(max_L(row_pair, 32), BK) - 1;
   const int min_L_w = row_w + 16 <= Nq ? rule::visible_keys(row_w, Nq, Nk, p.causal) : 0;
+  const FwdAnchors anchors = fwd_held_anchors<BK>(p, row_pair, pair_hi, Nq, Nk);  // a seeded split's, else none
   // The test compares each lane's part of the raw row max with a bound per row (rule::skip_bound_raw),
   // recomputed after each retained tile: one comparison per row on the path to the vote.  (This
   // instance runs only for tau > 0: launch_fwd_sm90 runs the dense one at tau = 0.)
+  // A seeded split (fwd/common.cuh) starts the bound from its anchor mass and retains the anchor
+  // tiles it holds untested.
   float log_thr[1][2], log_norm[1][2], bound[1][2];
-  wgmma_fwd_test_inputs(log_thr, log_norm, row_w, lane, Nq, Nk, p);
+  wgmma_fwd_test_inputs(log_thr, log_norm, b, h, row_w, lane, Nq, Nk, p);
   const float inv_scale = 1.f / p.scale_log2;
 #pragma unroll
   for (int hh = 0; hh < 2; ++hh) bound[0][hh] = rule::skip_bound_raw(log_norm[0][hh], log_thr[0][hh], inv_scale);
@@ -231,7 +234,9 @@ __global__ void __launch_bounds__(384, 1)
     bool lane_retain = false;
     if (t <= wg_hi) {
       warp_mask_max<NT>(s, mx, t * BK, min_L_w, row_w, lane, Nq, Nk, p.causal);
-      if constexpr (!kDense) lane_retain = lane_rows_block_skip_raw<1>(mx, bound);
+      if constexpr (!kDense)
+        lane_retain = lane_rows_block_skip_raw<1>(mx, bound) ||
+                      fwd_forced_tile(anchors, t);
     }
     if constexpr (kDense) {
       (void)lane_retain;
@@ -284,7 +289,8 @@ __global__ void __launch_bounds__(384, 1)
         softmax_step_or_keep<NT, DT>(s, mx, p.scale_log2, pair_retain, m, l, acc);
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh)
-          bound[0][hh] = rule::skip_bound_raw(log2_norm(m[0][hh], l[0][hh]), log_thr[0][hh], inv_scale);
+          bound[0][hh] = rule::skip_bound_raw(
+              fwd_log2_norm(p, b, h, row_w + (lane >> 2) + 8 * hh, Nq, m[0][hh], l[0][hh]), log_thr[0][hh], inv_scale);
 #pragma unroll
         for (int kk = 0; kk < BK / 16; ++kk) p_to_a<T, 1, NT>(s, 0, kk, pa[kk]);
         retained += pair_retain ? 1 : 0;

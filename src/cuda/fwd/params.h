@@ -42,6 +42,11 @@ struct FwdParams {
   bool causal;
   float scale_log2;  // softmax_scale * log2(e)
   float log2_tau;    // -inf for tau = 0
+  // The call as one split of a longer sequence (ForwardArgs: rows_before, seed_lse, owns_tile0,
+  // owns_newest; fwd/common.cuh applies them).  Off: rows_before = -1, seed_lse = null.
+  int rows_before;
+  const float* seed_lse;  // [batch, heads_q, seqlen_q], natural log
+  bool owns_tile0, owns_newest;
 };
 
 }  // namespace cuda
