@@ -294,7 +294,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> forward_impl(const Tensor& q_in, cons
     lse.fill_(-INFINITY);
     return {out, lse, slots, tile_mask};
   }
-  check_status(mala::forward(a), is_varlen ? "fwd_varlen" : "fwd");
+  check_status(mala::forward(a), is_varlen ? "fwd_varlen" : split ? "fwd_split" : "fwd");
   return {out, lse, slots, tile_mask};
 }
 
@@ -448,7 +448,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> backward_impl(
     a.workspace = ws.data_ptr();
     a.workspace_bytes = static_cast<size_t>(ws.numel());
   }
-  check_status(mala::backward(a), is_varlen ? "bwd_varlen" : "bwd");
+  check_status(mala::backward(a), is_varlen ? "bwd_varlen" : split ? "bwd_split" : "bwd");
   return {dq, dk, dv, slots, tile_mask};
 }
 

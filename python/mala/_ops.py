@@ -56,6 +56,38 @@ def _bwd_varlen_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_se
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), slots, tile_mask
 
 
+@torch.library.register_fake("mala::fwd_split")
+def _fwd_split_fake(q, k, v, seed_lse, rows_before, owns_tile0, owns_newest, tau, causal, softmax_scale, block_q,
+                    block_k, return_stats):
+    batch, seqlen_q, heads_q, _ = q.shape
+    lse = q.new_empty((batch, heads_q, seqlen_q), dtype=torch.float32)
+    if not return_stats:
+        return q.new_empty(q.shape), lse, *_stats_outputs("forward", q, lse.shape, batch, seqlen_q, k.shape[1],
+                                                           heads_q, k.shape[2], causal, False)
+    if block_q == 0 or block_k == 0:
+        block_q, block_k, _ = torch.ops.mala.tile_sizes("forward", q.device, q.dtype, batch, seqlen_q, k.shape[1],
+                                                        heads_q, k.shape[2], q.shape[-1], causal, 0)
+    mask_shape = (batch, heads_q, -(-seqlen_q // block_q), -(-k.shape[1] // block_k))
+    return (q.new_empty(q.shape), lse, q.new_empty(lse.shape, dtype=torch.int32),
+            q.new_empty(mask_shape, dtype=torch.uint8))
+
+
+@torch.library.register_fake("mala::bwd_split")
+def _bwd_split_fake(dout, q, k, v, out, lse, rows_before, tau, causal, softmax_scale, block_q, block_k,
+                    return_stats, deterministic):
+    batch, seqlen_q, heads_q, _ = q.shape
+    slots, tile_mask = _stats_outputs("backward", q, lse.shape, batch, seqlen_q, k.shape[1], heads_q, k.shape[2],
+                                      causal, False)
+    if return_stats:
+        if block_q == 0 or block_k == 0:
+            block_q, block_k, _ = torch.ops.mala.tile_sizes("backward", q.device, q.dtype, batch, seqlen_q,
+                                                            k.shape[1], heads_q, k.shape[2], q.shape[-1], causal, 0)
+        slots = q.new_empty(lse.shape, dtype=torch.int32)
+        tile_mask = q.new_empty((batch, heads_q, -(-seqlen_q // block_q), -(-k.shape[1] // block_k)),
+                                dtype=torch.uint8)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), slots, tile_mask
+
+
 @torch.library.register_fake("mala::kvcache")
 def _kvcache_fake(q, k_cache, v_cache, cache_seqlens, k, v, block_table, tau, causal, softmax_scale, num_splits,
                   return_stats, split_rule="seeded"):

@@ -39,6 +39,7 @@ struct Case {
   bool user_workspace = false;
   bool totals = true;         // varlen: give total_q and total_k (the TMA kernel needs them)
   bool deterministic = false;
+  int64_t rows_before = -1;   // one split of a longer sequence: the threshold's whole row length
   uint64_t seed = 1;
   bool quiet = false;  // no per-case line (the fuzz test prints a summary)
 };
@@ -190,6 +191,7 @@ void run_case(const Case& c, FuzzStats* stats = nullptr) {
   a.k_strides = a.v_strides = a.dk_strides = a.dv_strides = lk.s;
   a.causal = c.causal;
   a.tau = c.tau;
+  a.rows_before = c.rows_before;
 
   mala::BackwardArgs ga = a;
   ga.device = mala::Device::cuda;
@@ -427,6 +429,24 @@ TEST_P(BackwardGpuSmall, SharpSkipping) {
     c.hkv = 1;
     run_case(c);
   }
+}
+
+// One split of a longer causal sequence (context parallelism): the offline test with the rows'
+// whole lengths (rows_before), on the diagonal shard (causal) and an earlier one (every key seen).
+TEST_P(BackwardGpuSmall, SplitOfALongerSequence) {
+  for (int64_t d : {64, 128, 256})
+    for (bool causal : {true, false}) {
+      Case c;
+      c.regime = "sharp";
+      c.d = d;
+      c.causal = causal;
+      c.nq = c.nk = 320;
+      c.hq = 4;
+      c.hkv = 1;
+      c.rows_before = causal ? 3 * 320 : 5 * 320;
+      c.seed = 40 + d + causal;
+      run_case(c);
+    }
 }
 
 TEST_P(BackwardGpuSmall, VarlenStrided) {

@@ -41,6 +41,10 @@ struct Case {
   bool total_k = true;                   // varlen: pass the packed rows (the Hopper forward's TMA loads)
   uint64_t seed = 1;
   bool quiet = false;                    // no per-case line (the fuzz test prints a summary)
+  // One split of a longer sequence (ForwardArgs::rows_before, seed_lse, owns_*): seeded draws each
+  // row's anchor mass around its own dense lse, so that both skips and empty rows occur.
+  int rows_before = -1;
+  bool seeded = false, owns_tile0 = false, owns_newest = false;
 };
 
 // Host tensor [batch, rows, heads, d] (or packed [total, heads, d]) with arbitrary element strides.
@@ -168,6 +172,24 @@ void run_case(const Case& c, FuzzStats* stats = nullptr) {
   if (varlen && c.total_k) a.total_k = rows_k;
   a.causal = c.causal;
   a.tau = c.tau;
+  a.rows_before = c.rows_before;
+  std::vector<float> seed;
+  DeviceBuffer<float> dseed(c.seeded ? lse_n : 0);
+  if (c.seeded) {
+    ASSERT_FALSE(varlen);
+    mala::ForwardArgs ad = a;  // the rows' dense lse over this call's keys, on the rounded inputs
+    std::vector<float> o_d(o.v.size()), lse_d(lse_n);
+    ad.device = mala::Device::cpu, ad.dtype = DType::f32, ad.stream = nullptr;
+    ad.q = q.v.data(), ad.k = k.v.data(), ad.v = v.v.data(), ad.o = o_d.data(), ad.lse = lse_d.data();
+    ad.fwd_slots = nullptr, ad.tile_mask = nullptr, ad.rows_before = -1;
+    ad.q_strides = q.st, ad.k_strides = k.st, ad.v_strides = v.st, ad.o_strides = o.st;
+    ASSERT_TRUE(mala::reference::dense_forward(ad).ok);
+    const std::vector<float> u = randn((size_t)lse_n, c.seed + 77);
+    seed.resize(lse_n);
+    for (int64_t i = 0; i < lse_n; ++i) seed[i] = std::isfinite(lse_d[i]) ? lse_d[i] + 2.f * u[i] + 1.f : -INFINITY;
+    dseed.upload(seed);
+    a.seed_lse = dseed.ptr, a.owns_tile0 = c.owns_tile0, a.owns_newest = c.owns_newest;
+  }
   const mala::Tiles tiles = mala::forward_tiles(a);
   const int64_t nqt = (nq + tiles.block_q - 1) / tiles.block_q, nkt = (nk + tiles.block_k - 1) / tiles.block_k;
   DeviceBuffer<uint8_t> dmask((size_t)batch * c.hq * nqt * nkt);
@@ -187,6 +209,7 @@ void run_case(const Case& c, FuzzStats* stats = nullptr) {
   ac.lse = lse_cpu.data(), ac.fwd_slots = slots_cpu.data(), ac.tile_mask = mask_cpu.data();
   ac.block_q = tiles.block_q, ac.block_k = tiles.block_k;
   ac.stream = nullptr;
+  if (c.seeded) ac.seed_lse = seed.data();
   if (varlen) ac.cu_seqlens_q = cu_q.data(), ac.cu_seqlens_k = cu_k.data();
   st = mala::forward(ac);
   ASSERT_TRUE(st.ok) << st.message;
@@ -373,6 +396,37 @@ TEST_P(CudaForwardKernels, SyntheticWorkload) {
   run_case(c);
 }
 
+// The call as one split of a longer sequence (context parallelism): the whole-length threshold
+// (rows_before), the seed in the test's denominator, the held anchors retained untested, rows that
+// retain nothing (o = 0, lse = -inf).  Seeded calls that the TMA cannot serve run mma.sync (the
+// cp.async variant's parameter then runs that).
+TEST_P(CudaForwardKernels, SplitOfALongerSequence) {
+  if (!mala::cuda_available()) GTEST_SKIP() << "no CUDA device";
+  for (DType t : {DType::bf16, DType::f16})
+    for (int d : {64, 128, 256}) {
+      const std::string dt = std::string(t == DType::bf16 ? "bf16" : "fp16") + " d" + std::to_string(d);
+      Case c = mk(dt + " diagonal shard, seeded, owns newest", t, d, true, 640, 640, 4, 2, 1.f, Input::local);
+      c.rows_before = 3 * 640, c.seeded = true, c.owns_newest = true;
+      run_case(c);
+      c = mk(dt + " earlier shard, seeded, owns tile 0", t, d, false, 640, 640, 4, 1, 1.f, Input::local);
+      c.rows_before = 2 * 640, c.seeded = true, c.owns_tile0 = true, c.seed = 3;
+      run_case(c);
+      c = mk(dt + " middle shard, seeded, random", t, d, false, 320, 640, 8, 1, 1.f, Input::random);
+      c.rows_before = 5 * 640, c.seeded = true, c.seed = 4;
+      run_case(c);
+      c = mk(dt + " diagonal shard, rows_before only", t, d, true, 640, 640, 4, 2, 1.f, Input::local);
+      c.rows_before = 640, c.seed = 5;
+      run_case(c);
+    }
+  Case c = mk("bf16 d128 seeded, strided", DType::bf16, 128, false, 300, 640, 4, 2, 1.f,
+              Input::local);
+  c.rows_before = 1000, c.seeded = true, c.strided = true;
+  run_case(c);
+  c = mk("bf16 d128 seeded tau=0", DType::bf16, 128, true, 640, 640, 4, 2, 0.f, Input::local);
+  c.rows_before = 640, c.seeded = true, c.owns_newest = true;
+  run_case(c);
+}
+
 TEST(CudaForward, RejectsUnsupported) {
   if (!mala::cuda_available()) GTEST_SKIP() << "no CUDA device";
   DeviceBuffer<uint16_t> buf(64 * 128);
@@ -395,6 +449,12 @@ TEST_P(CudaForwardKernels, SanitizerSmall) {
   run_case(mk("bf16 d128 causal N=150", DType::bf16, 128, true, 150, 150, 2, 1, 1.f, Input::local));
   run_case(mk("fp16 d64 noncausal Nq=70 Nk=130", DType::f16, 64, false, 70, 130, 2, 2, 1.f, Input::random));
   run_case(mk("bf16 d256 causal Nq=100 Nk=40", DType::bf16, 256, true, 100, 40, 2, 1, 1.f, Input::local));
+  Case c = mk("bf16 d128 seeded split N=150", DType::bf16, 128, true, 150, 150, 2, 1, 1.f, Input::local);
+  c.rows_before = 300, c.seeded = true, c.owns_newest = true;
+  run_case(c);
+  c = mk("fp16 d64 seeded split Nq=70 Nk=130", DType::f16, 64, false, 70, 130, 2, 2, 1.f, Input::local);
+  c.rows_before = 500, c.seeded = true, c.owns_tile0 = true;
+  run_case(c);
 }
 
 // ---- fuzz (issue #35): random shapes against the CPU, the dispatch's own kernels ---------------

@@ -35,6 +35,7 @@ cuda::FwdLaunch choose_kernel(const cuda::FwdParams& p, bool dense) {
   l.kernel = cuda::FwdKernelKind::sm80;
   l.dense = dense && cuda::FwdConfig<D>::kDenseInstance;
   l.record = p.tile_mask != nullptr;
+  l.seeded = p.seed_lse != nullptr && !dense;
   if (forced == FwdVariant::mma_sync || !cuda::fwd_wgmma_usable<T, D>()) return l;
   l.dense = dense;
   // K and V by TMA when it can describe them.  Varlen: only when the caller gave the packed
@@ -52,10 +53,7 @@ cuda::FwdLaunch choose_kernel(const cuda::FwdParams& p, bool dense) {
                                             p.v_sh, p.v_sb, box_rows);
   // A seeded split (ForwardArgs::seed_lse) where the TMA cannot serve: the mma.sync kernel (the
   // two-warpgroup kernel has no registers left for the seed's bookkeeping).
-  if (!tma && p.seed_lse != nullptr && !dense) {
-    l.dense = false;
-    return l;
-  }
+  if (!tma && l.seeded) return l;
   l.kernel = tma ? cuda::FwdKernelKind::sm90_ws : cuda::FwdKernelKind::sm90;
   return l;
 }

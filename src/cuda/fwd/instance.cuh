@@ -28,10 +28,11 @@ bool fwd_wgmma_usable() {
 template <typename T, int D>
 cudaError_t launch_fwd(const FwdParams& p, const FwdLaunch& l, cudaStream_t stream) {
   if constexpr (fwd_has_wgmma<D>()) {
-    if (l.kernel == FwdKernelKind::sm90_ws) return launch_fwd_sm90_ws<T, D>(p, l.dense, l.record, l.tmap_k, l.tmap_v, stream);
+    if (l.kernel == FwdKernelKind::sm90_ws)
+      return launch_fwd_sm90_ws<T, D>(p, l.dense, l.record, l.seeded, l.tmap_k, l.tmap_v, stream);
     if (l.kernel == FwdKernelKind::sm90) return launch_fwd_sm90<T, D>(p, l.dense, stream);
   }
-  return launch_fwd_sm80<T, D>(p, l.dense, stream);
+  return launch_fwd_sm80<T, D>(p, l.dense, l.seeded, stream);
 }
 
 }  // namespace cuda

@@ -61,8 +61,9 @@ struct FwdKernelTraits {
 };
 
 // kDense: the instance for tau = 0, compiled without the test, the vote and the lazy V (their code
-// costs registers and time even where it does not run).
-template <typename T, int D, bool kDense>
+// costs registers and time even where it does not run).  kSeeded (tau > 0 only): a seeded split
+// (fwd/common.cuh), likewise its own instance.
+template <typename T, int D, bool kDense, bool kSeeded>
 __global__ void __launch_bounds__(FwdKernelTraits<T, D>::kThreads, FwdKernelTraits<T, D>::kMinBlocks)
     mala_fwd_kernel(const FwdParams p) {
   using Tr = FwdKernelTraits<T, D>;
@@ -94,7 +95,7 @@ __global__ void __launch_bounds__(FwdKernelTraits<T, D>::kThreads, FwdKernelTrai
   const int min_L_w = row_w + RW <= Nq ? rule::visible_keys(row_w, Nq, Nk, p.causal) : 0;
 
   const bool test_on = !kDense && p.log2_tau > -INFINITY;
-  const FwdAnchors anchors = fwd_held_anchors<BK>(p, row_w, warp_hi, Nq, Nk);  // a seeded split's, else none
+  const FwdAnchors anchors = fwd_held_anchors<BK>(p, row_w, warp_hi, Nq, Nk);  // kSeeded only
   // Test inputs per query row, kept in shared memory (registers are the limit at d = 128):
   // s_thr = log2(tau) - log2(L_q) (fixed), s_norm = m + log2(l) (rewritten by the quad leader after
   // each retained tile, so skipped tiles cost no MUFU).  Each warp touches only its own rows.
@@ -244,8 +245,8 @@ __global__ void __launch_bounds__(FwdKernelTraits<T, D>::kThreads, FwdKernelTrai
             log_norm[mt][hh] = s_norm[rr];
             log_thr[mt][hh] = s_thr[rr];
           }
-        skip = warp_vote_skip(lane_rows_allow_skip<MT>(tmax, log_norm, log_thr)) &&
-               !fwd_forced_tile(anchors, j);
+        skip = warp_vote_skip(lane_rows_allow_skip<MT>(tmax, log_norm, log_thr));
+        if constexpr (kSeeded) skip = skip && !fwd_forced_tile(anchors, j);
       }
       retain = !skip;
       if (mask_row && lane == 0) mask_row[j] = skip ? kTileSkipped : kTileRetained;
@@ -279,7 +280,8 @@ __global__ void __launch_bounds__(FwdKernelTraits<T, D>::kThreads, FwdKernelTrai
 #pragma unroll
           for (int hh = 0; hh < 2; ++hh) {
             const int r = row_w + mt * 16 + (lane >> 2) + hh * 8;
-            s_norm[r - row_cta] = fwd_log2_norm(p, b, h, r, Nq, m[mt][hh], l[mt][hh]);
+            s_norm[r - row_cta] = kSeeded ? fwd_log2_norm(p, b, h, r, Nq, m[mt][hh], l[mt][hh])
+                                          : log2_norm(m[mt][hh], l[mt][hh]);
           }
       }
       // ---- O += P V ----
@@ -311,13 +313,13 @@ __global__ void __launch_bounds__(FwdKernelTraits<T, D>::kThreads, FwdKernelTrai
   fwd_epilogue<T, MT, DT>(p, sq, b, h, row_w, lane, m, l, acc, retained * BK);
 }
 
-// Launches the instance `dense` names (only where FwdConfig<D> has a dense instance).
+// Launches the instance `dense` (only where FwdConfig<D> has a dense instance) or `seeded` names.
 template <typename T, int D>
-cudaError_t launch_fwd_sm80(const FwdParams& p, bool dense, cudaStream_t stream) {
+cudaError_t launch_fwd_sm80(const FwdParams& p, bool dense, bool seeded, cudaStream_t stream) {
   using Tr = FwdKernelTraits<T, D>;
-  auto kernel = mala_fwd_kernel<T, D, false>;
+  auto kernel = seeded ? mala_fwd_kernel<T, D, false, true> : mala_fwd_kernel<T, D, false, false>;
   if constexpr (FwdConfig<D>::kDenseInstance) {
-    if (dense) kernel = mala_fwd_kernel<T, D, true>;
+    if (dense) kernel = mala_fwd_kernel<T, D, true, false>;
   }
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes);
   if (err != cudaSuccess) return err;

@@ -59,8 +59,9 @@ struct FwdWs {
 };
 
 // kRecord: the instance for calls that record the tile mask; the others carry no code for it (the
-// recording code costs the loop time even where it does not run).
-template <typename T, int D, bool kDense, bool kRecord>
+// recording code costs the loop time even where it does not run).  kSeeded (tau > 0 only): a seeded
+// split (fwd/common.cuh), likewise its own instance.
+template <typename T, int D, bool kDense, bool kRecord, bool kSeeded>
 __global__ void __launch_bounds__(384, 1)
     mala_fwd_kernel_sm90_ws(const FwdParams p, const __grid_constant__ CUtensorMap tmap_k,
                             const __grid_constant__ CUtensorMap tmap_v) {
@@ -171,7 +172,7 @@ __global__ void __launch_bounds__(384, 1)
   const int wg_hi = rule::ceil_div(max_L(row_wg, 64), BK) - 1;
   const int pair_hi = rule::ceil_div(max_L(row_pair, 32), BK) - 1;
   const int min_L_w = row_w + 16 <= Nq ? rule::visible_keys(row_w, Nq, Nk, p.causal) : 0;
-  const FwdAnchors anchors = fwd_held_anchors<BK>(p, row_pair, pair_hi, Nq, Nk);  // a seeded split's, else none
+  const FwdAnchors anchors = fwd_held_anchors<BK>(p, row_pair, pair_hi, Nq, Nk);  // kSeeded only
   // The test compares each lane's part of the raw row max with a bound per row (rule::skip_bound_raw),
   // recomputed after each retained tile: one comparison per row on the path to the vote.  (This
   // instance runs only for tau > 0: launch_fwd_sm90 runs the dense one at tau = 0.)
@@ -234,9 +235,8 @@ __global__ void __launch_bounds__(384, 1)
     bool lane_retain = false;
     if (t <= wg_hi) {
       warp_mask_max<NT>(s, mx, t * BK, min_L_w, row_w, lane, Nq, Nk, p.causal);
-      if constexpr (!kDense)
-        lane_retain = lane_rows_block_skip_raw<1>(mx, bound) ||
-                      fwd_forced_tile(anchors, t);
+      if constexpr (!kDense) lane_retain = lane_rows_block_skip_raw<1>(mx, bound);
+      if constexpr (kSeeded) lane_retain = lane_retain || fwd_forced_tile(anchors, t);
     }
     if constexpr (kDense) {
       (void)lane_retain;
@@ -290,7 +290,9 @@ __global__ void __launch_bounds__(384, 1)
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh)
           bound[0][hh] = rule::skip_bound_raw(
-              fwd_log2_norm(p, b, h, row_w + (lane >> 2) + 8 * hh, Nq, m[0][hh], l[0][hh]), log_thr[0][hh], inv_scale);
+              kSeeded ? fwd_log2_norm(p, b, h, row_w + (lane >> 2) + 8 * hh, Nq, m[0][hh], l[0][hh])
+                      : log2_norm(m[0][hh], l[0][hh]),
+              log_thr[0][hh], inv_scale);
 #pragma unroll
         for (int kk = 0; kk < BK / 16; ++kk) p_to_a<T, 1, NT>(s, 0, kk, pa[kk]);
         retained += pair_retain ? 1 : 0;
@@ -432,13 +434,15 @@ __global__ void __launch_bounds__(384, 1)
 #endif
 }
 
-// Launches the instance (dense, record) names (grid: query tiles of 128 rows, heads, batch).
+// Launches the instance (dense, record, seeded) names (grid: query tiles of 128 rows, heads, batch).
 template <typename T, int D>
-cudaError_t launch_fwd_sm90_ws(const FwdParams& p, bool dense, bool record, const CUtensorMap& tk,
+cudaError_t launch_fwd_sm90_ws(const FwdParams& p, bool dense, bool record, bool seeded, const CUtensorMap& tk,
                                const CUtensorMap& tv, cudaStream_t stream) {
   using C = FwdWs<D>;
-  auto kernel = dense ? (record ? mala_fwd_kernel_sm90_ws<T, D, true, true> : mala_fwd_kernel_sm90_ws<T, D, true, false>)
-                      : (record ? mala_fwd_kernel_sm90_ws<T, D, false, true> : mala_fwd_kernel_sm90_ws<T, D, false, false>);
+  auto kernel = mala_fwd_kernel_sm90_ws<T, D, false, false, false>;
+  if (dense) kernel = record ? mala_fwd_kernel_sm90_ws<T, D, true, true, false> : mala_fwd_kernel_sm90_ws<T, D, true, false, false>;
+  else if (seeded) kernel = record ? mala_fwd_kernel_sm90_ws<T, D, false, true, true> : mala_fwd_kernel_sm90_ws<T, D, false, false, true>;
+  else if (record) kernel = mala_fwd_kernel_sm90_ws<T, D, false, true, false>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmem);
   if (err != cudaSuccess) return err;
   dim3 grid(rule::ceil_div(p.seqlen_q, C::BQ), p.heads_q, p.batch);

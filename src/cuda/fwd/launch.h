@@ -19,6 +19,9 @@ struct FwdLaunch {
   FwdKernelKind kernel = FwdKernelKind::sm80;
   bool dense = false;   // tau = 0: the kernel's dense instance (sm80: where FwdConfig has one)
   bool record = false;  // the call records the tile mask (sm90_ws has an instance without that code)
+  // A seeded split (FwdParams::seed_lse, tau > 0): the sm90_ws and sm80 instances with the seed's
+  // bookkeeping (its code in the loop cost the unseeded instances 6-7% at tau = 1 when shared).
+  bool seeded = false;
   CUtensorMap tmap_k{}, tmap_v{};  // sm90_ws: K and V described to the TMA (core/tma.cuh)
 };
 
