@@ -162,6 +162,54 @@ class SDPA(System):
                         out=lambda: _bnhd(decode()))
 
 
+# ---- FlashAttention-4 (CuTe DSL; PyPI flash-attn-4) -----------------------------------------------
+
+def load_fa4():
+    """flash_attn.cute.flash_attn_func, or Unsupported with the reason.  Installed with pip --target,
+    nvidia-cutlass-dsl's .pth hook (which puts its dsl_packages on sys.path) is not applied: do it here."""
+    try:
+        import nvidia_cutlass_dsl
+        dsl = os.path.join(nvidia_cutlass_dsl.__path__[0], "dsl_packages")
+        if dsl not in sys.path:
+            sys.path.insert(0, dsl)
+        from flash_attn.cute import flash_attn_func
+    except Exception as e:  # noqa: BLE001 - any import failure is a reason to record
+        raise Unsupported(f"flash-attn-4 not importable: {type(e).__name__}: {e}")
+    return flash_attn_func
+
+
+class FA4(System):
+    """FlashAttention-4 (flash_attn.cute, CuTe DSL kernels with an sm_90 forward and backward), GQA
+    native, flash_attn's [B, N, H, d] layout.  Its kernels compile on first use (JIT), so the suite's
+    warm-up calls absorb that."""
+
+    name = "fa4"
+    label = "FlashAttention-4"
+
+    def __init__(self):
+        self._fn = None
+
+    def available(self):
+        try:
+            self._fn = load_fa4()
+        except Unsupported as e:
+            return str(e)
+        return None
+
+    def attn(self, q, k, v):
+        if self._fn is None:
+            self._fn = load_fa4()
+        out = self._fn(q, k, v, causal=True)
+        return out[0] if isinstance(out, tuple) else out
+
+    def outputs(self, q, k, v):
+        with torch.no_grad():
+            if self._fn is None:
+                self._fn = load_fa4()
+            out, lse = self._fn(q, k, v, causal=True, return_lse=True)[:2]
+            return out, lse.float()
+
+
 # ---- FlexAttention ------------------------------------------------------------------------------
 
 _FLEX = {}
@@ -435,7 +483,7 @@ class Mala(System):
 
 
 def all_systems(names, taus=(1.0,)):
-    """Systems by name: sdpa_flash, sdpa_cudnn, flex, fsa (at each tau in taus), fsa0, mala
+    """Systems by name: sdpa_flash, sdpa_cudnn, fa4, flex, fsa (at each tau in taus), fsa0, mala
     (at each tau), mala0."""
     out = []
     for n in names:
@@ -445,6 +493,8 @@ def all_systems(names, taus=(1.0,)):
             out.append(SDPA("cudnn"))
         elif n == "flex":
             out.append(Flex())
+        elif n == "fa4":
+            out.append(FA4())
         elif n == "fsa":
             out += [FlashSparseAttn(t) for t in taus]
         elif n == "fsa0":
