@@ -1,0 +1,128 @@
+"""Decode through the PyTorch binding: eager and CUDA-graph-replayed, for tau = 0, tau = 1 seeded and
+tau = 1 per_split, with the realized work and the byte floor (issue #29, "Benchmark").
+
+    python python/benchmarks/decode_timing.py [--seqlens 1024 8192 32768 131072] [--batches 1 8] [--out d.json]
+
+One new token per sequence (q [B, 1, Hq, d]) against a contiguous cache of N keys per sequence;
+Hq = 8, Hkv = 1, d = 128, bf16.  The cache holds the suite's workloads (bench/suite/workloads.py):
+"random" (nothing can be skipped) and "synthetic" at --sharpness (default 16); every sequence of the
+batch is the same sequence, the query its last row.  Per row: median microseconds over --reps calls
+(CUDA events; eager: one call per timing with the host check off, as the default call runs; graph:
+one replay of a captured call), the split count, the realized slots per query and the retained
+fraction (the returned stats), and the byte floor: the K bytes plus the retained V bytes of the
+cache, at the device-to-device copy bandwidth measured in the same run (bytes read + written per
+second of a 1 GiB copy).  No L2 flush: a 1K-8K cache fits in L2, so the small rows are L2-resident
+(as in decoding, where the cache was just written), the 128K rows are not.
+"""
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+import mala
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench", "suite"))
+from workloads import make_workload  # noqa: E402
+
+
+def median_us(fn, reps):
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def copy_bandwidth():
+    """Device-to-device copy of 1 GiB: (bytes read + bytes written) / s."""
+    n = 1 << 30
+    src = torch.empty(n, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    us = median_us(lambda: dst.copy_(src), 10)
+    del src, dst
+    return 2 * n / (us * 1e-6)
+
+
+def rows_for(n, batch, regime, args, bw):
+    q_all, k, v, _ = make_workload(regime, 1, n, args.heads_q, args.heads_kv, args.dim,
+                                   sharpness=args.sharpness, seed=args.seed, device="cuda", with_dout=False)
+    dt = torch.bfloat16
+    k_cache = k.to(dt).expand(batch, -1, -1, -1).contiguous()
+    v_cache = v.to(dt).expand(batch, -1, -1, -1).contiguous()
+    q = q_all[:, -1:].to(dt).expand(batch, -1, -1, -1).contiguous()
+    del q_all, k, v
+    lens = torch.full((batch,), n, dtype=torch.int32, device="cuda")
+    kv_bytes = k_cache.numel() * k_cache.element_size()  # K alone; V is the same size
+    out = []
+    for tau, rule in ((0.0, "seeded"), (1.0, "seeded"), (1.0, "per_split")):
+        def call():
+            return mala.attention_with_kvcache(q, k_cache, v_cache, lens, tau=tau, split_rule=rule)
+
+        _, _, stats = mala.attention_with_kvcache(q, k_cache, v_cache, lens, tau=tau, split_rule=rule,
+                                                  return_lse=True, return_stats=True)
+        retained = stats.fwd_retained_fraction
+        eager = median_us(call, args.reps)
+        graph = torch.cuda.CUDAGraph()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            call()
+        torch.cuda.current_stream().wait_stream(side)
+        with torch.cuda.graph(graph):
+            call()
+        replay = median_us(graph.replay, args.reps)
+        floor = (kv_bytes + retained * kv_bytes) / bw * 1e6
+        out.append({"n": n, "batch": batch, "regime": regime, "tau": tau,
+                    "split_rule": rule if tau > 0 else None, "num_splits": stats.num_splits,
+                    "slots_per_query": stats.mean_fwd_slots, "retained": retained,
+                    "eager_us": eager, "graph_us": replay, "byte_floor_us": floor,
+                    "graph_over_floor": replay / floor})
+        del graph
+    return out
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--seqlens", type=int, nargs="+", default=[1024, 8192, 32768, 131072])
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--regimes", nargs="+", default=["synthetic", "random"])
+    p.add_argument("--sharpness", type=float, default=16.0)
+    p.add_argument("--heads-q", type=int, default=8)
+    p.add_argument("--heads-kv", type=int, default=1)
+    p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--reps", type=int, default=50)
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    bw = copy_bandwidth()
+    res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_bandwidth_gbs": bw / 1e9,
+           "heads_q": args.heads_q, "heads_kv": args.heads_kv, "dim": args.dim, "sharpness": args.sharpness,
+           "rows": []}
+    print(f"{res['device']}: copy bandwidth {bw / 1e9:.0f} GB/s (read + write)")
+    print(f"{'N':>7} {'B':>2} {'input':>9} {'rule':>14} {'splits':>6} {'slots/q':>9} {'kept':>7} "
+          f"{'eager us':>9} {'graph us':>9} {'floor us':>9} {'graph/floor':>11}")
+    for n in args.seqlens:
+        for batch in args.batches:
+            for regime in args.regimes:
+                for r in rows_for(n, batch, regime, args, bw):
+                    res["rows"].append(r)
+                    rule = "tau=0" if r["tau"] == 0 else f"tau=1 {r['split_rule']}"
+                    print(f"{n:>7} {batch:>2} {regime:>9} {rule:>14} {r['num_splits']:>6} {r['slots_per_query']:>9.1f} "
+                          f"{100 * r['retained']:>6.2f}% {r['eager_us']:>9.1f} {r['graph_us']:>9.1f} "
+                          f"{r['byte_floor_us']:>9.1f} {r['graph_over_floor']:>10.2f}x", flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
