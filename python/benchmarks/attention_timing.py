@@ -13,20 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import mala
-
-
-def median_ms(fn, warmup=3, reps=10):
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
+from cuda_timer import median_ms
 
 
 def main():
@@ -54,8 +41,8 @@ def main():
         for tau in (0.0, 1.0):
             rows[f"mala tau={tau:g}"] = ((lambda tau=tau: mala.attention(q, k, v, tau=tau)), dout)
         for name, (fn, grad) in rows.items():
-            fwd = median_ms(lambda: fn())
-            both = median_ms(lambda: torch.autograd.backward(fn(), grad))
+            fwd = median_ms(lambda: fn(), reps=10, warmup=3)
+            both = median_ms(lambda: torch.autograd.backward(fn(), grad), reps=10, warmup=3)
             print(f"N={n:6d} {name:12s} fwd {fwd:8.3f} ms   fwd+bwd {both:8.3f} ms")
         out, stats = mala.attention(q, k, v, tau=1.0, return_stats=True)
         torch.autograd.backward(out, dout)

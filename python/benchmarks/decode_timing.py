@@ -27,19 +27,11 @@ import mala
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench", "suite"))
 from workloads import make_workload  # noqa: E402
 
+from cuda_timer import median_ms  # noqa: E402
+
 
 def median_us(fn, reps):
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return sorted(times)[len(times) // 2]
+    return median_ms(fn, reps) * 1e3
 
 
 def copy_bandwidth():

@@ -25,19 +25,7 @@ import mala
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench", "suite"))
 from workloads import make_workload  # noqa: E402
 
-
-def median_ms(fn, reps):
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
+from cuda_timer import median_ms  # noqa: E402
 
 
 def make_inputs(n, hq, hkv, d, regime, sharpness, seed=0):
@@ -78,17 +66,7 @@ def train_row(n, tau, regime, args):
     def bwd_only():
         holder["o"].backward(dout)
 
-    times = []
-    for _ in range(args.reps):
-        fwd_only()
-        torch.cuda.synchronize()
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        bwd_only()
-        e.record()
-        torch.cuda.synchronize()
-        times.append(s.elapsed_time(e))
-    bwd = sorted(times)[len(times) // 2]
+    bwd = median_ms(bwd_only, args.reps, warmup=0, before=fwd_only)
     row = {"n": n, "tau": tau, "regime": regime, "fwd_ms": fwd, "bwd_ms": bwd,
            "peak_gib_beyond_inputs": peak / 2**30,
            "inputs_gib": (q.numel() * 2 + k.numel() * 2 + v.numel() * 2 + dout.numel() * 2) / 2**30,

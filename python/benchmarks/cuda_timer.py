@@ -1,0 +1,25 @@
+"""python/benchmarks' timer (bench/suite/timing.py is the suite's own): CUDA events around one call,
+the median over repetitions."""
+
+import torch
+
+
+def median_ms(fn, reps=10, warmup=1, before=None):
+    """Median milliseconds of fn() over `reps` timed calls (CUDA events, synchronized each call),
+    after `warmup` untimed calls; `before()`, if given, runs untimed before each timed call (a
+    forward before its timed backward)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        if before is not None:
+            before()
+            torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
