@@ -27,7 +27,6 @@ import sys
 import time
 
 import torch
-import torch.nn.functional as F
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -43,18 +42,21 @@ MODE = {"tau": None, "slots": []}
 
 
 def eval_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """transformers attention function (query/key/value [B, H, N, d]): dense SDPA when MODE['tau'] is
-    None, else mala.attention at that tau (flash_attn layout views, causal), recording the layer's
-    mean forward slots per query."""
+    """transformers attention function (query/key/value [B, H, N, d]).  Dense when MODE['tau'] is
+    None: SDPA (qwen_measure's, bottom-right causal when Nq < Nk).  Else MALA at that tau: a prefill
+    (Nq = Nk) through mala.attention, recording the layer's mean forward slots per query; a decode
+    step (Nq < Nk: generate() with transformers' cache) through mala.attention_with_kvcache on that
+    cache (the split-KV decode kernel, seeded)."""
     import mala
 
     if MODE["tau"] is None:
-        gqa = query.shape[1] != key.shape[1]
-        out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=gqa)
-        return out.transpose(1, 2).contiguous(), None
+        return qm.capture_attention(module, query, key, value, attention_mask, scaling=scaling)
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
-    out, stats = mala.attention(q, k, v, tau=MODE["tau"], softmax_scale=scaling, return_stats=True)
-    MODE["slots"].append(stats.mean_fwd_slots)
+    if q.shape[1] == k.shape[1]:
+        out, stats = mala.attention(q, k, v, tau=MODE["tau"], softmax_scale=scaling, return_stats=True)
+        MODE["slots"].append(stats.mean_fwd_slots)
+        return out, None
+    out = mala.attention_with_kvcache(q, k, v, k.shape[1], tau=MODE["tau"], softmax_scale=scaling)
     return out, None
 
 
