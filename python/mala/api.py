@@ -90,13 +90,15 @@ class _AttentionWithStats(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, _dlse):
         tau, causal, softmax_scale, deterministic = ctx.rule
-        if len(ctx.saved_tensors) == 5:
-            q, k, v, out, lse = ctx.saved_tensors
+        # saved_tensors is read once: a second read fails under torch.utils.checkpoint (non-reentrant).
+        saved = ctx.saved_tensors
+        if len(saved) == 5:
+            q, k, v, out, lse = saved
             dq, dk, dv, slots, mask = torch.ops.mala.bwd(dout, q, k, v, out, lse, tau, causal, softmax_scale, True,
                                                          deterministic)
             seqlen_q, seqlen_k, batch = q.shape[1], k.shape[1], q.shape[0]
         else:
-            q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
+            q, k, v, out, lse, cu_q, cu_k = saved
             seqlen_q, seqlen_k = ctx.max_seqlens
             batch = cu_q.numel() - 1
             dq, dk, dv, slots, mask = torch.ops.mala.bwd_varlen(dout, q, k, v, out, lse, cu_q, cu_k, seqlen_q,

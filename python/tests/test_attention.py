@@ -141,6 +141,31 @@ def test_stats_slots_match_definition(device):
 
 
 @pytest.mark.parametrize("device", device_params())
+def test_stats_under_activation_checkpointing(device):
+    """return_stats inside torch.utils.checkpoint (non-reentrant, as transformers' gradient
+    checkpointing uses): the backward reads its saved tensors once (a second read raises there),
+    gives the plain call's gradients and fills the backward stats."""
+    from torch.utils.checkpoint import checkpoint
+
+    q, k, v, _ = _inputs(device, (1, 300, 300, 2, 1, 64, True))
+    box = []
+
+    def attend(q, k, v):
+        out, stats = mala.attention(q, k, v, tau=1.0, return_stats=True)
+        box.append(stats)
+        return out
+
+    qa, ka, va = (t.detach().requires_grad_() for t in (q, k, v))
+    checkpoint(attend, qa, ka, va, use_reentrant=False).sum().backward()
+    qb, kb, vb = (t.detach().requires_grad_() for t in (q, k, v))
+    mala.attention(qb, kb, vb, tau=1.0).sum().backward()
+    for a, b in ((qa, qb), (ka, kb), (va, vb)):
+        assert torch.equal(a.grad, b.grad)
+    # (Whether the recomputation calls attend again is torch's choice; the last stats saw the backward.)
+    assert box[-1].bwd_slots is not None and box[-1].mean_bwd_slots > 0
+
+
+@pytest.mark.parametrize("device", device_params())
 def test_strided_inputs_need_no_copy(device):
     """[B, H, N, d] tensors transposed to [B, N, H, d] (the transformers layout) are accepted."""
     q, k, v, _ = _inputs(device, (2, 128, 128, 4, 2, 64, True))

@@ -1,0 +1,217 @@
+#!/usr/bin/env python3
+"""Continued-training parity (issue #31, part 4): the same continued training of Qwen2.5-Coder-1.5B
+with dense attention and with MALA (tau = 1 in forward and backward), from the same weights, data
+order and seed.
+
+Model: tools/real/qwen_measure.py's loader (the Q4_K_M GGUF dequantized), trained in fp32 master
+weights under bf16 autocast, gradient checkpointing per layer, AdamW, linear warm-up then constant
+learning rate.  Attention: tools/real/qwen_eval.py's function (SDPA, or mala.attention at tau; q, k,
+v cast to bf16 for the kernels).  Data: real code (tools/real/corpus.py), one sequence of --seqlen
+tokens per step; the last package is held out for the evaluation loss, the others are visited in
+an order drawn from --seed.  Logged per step: loss, step time; every --eval-every steps: held-out
+loss, and for MALA the realized forward and backward slots per query of that step (mean over layers
+and heads) and the paper's attention FLOPs per token and layer,
+`4 a h d + 4 s_b h d + 2 s_f h d + 4 s_b h d` for MALA against `8 a h d + 6 a h d` dense,
+a = (n + 1) / 2, with s_f, s_b the realized slots.
+
+A device call lasts at most 10 minutes: --deadline-s stops the run and saves model and optimizer to
+WORK/train_<attn>.pt; --resume continues from there (on the same machine, while it is held).
+
+    python3 tools/real/qwen_train.py --gguf /tmp/mala-real/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf \\
+        --out $OUT --attn mala --tau 1 --seqlen 16384 --steps 200 [--resume]
+
+Writes OUT/qwen_train_<attn>.json ("steps": per step loss and time, "evals": held-out loss, slots,
+FLOPs; "final": the last held-out loss).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import random
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import corpus  # noqa: E402
+import gguf_qwen2  # noqa: E402
+import qwen_eval  # noqa: E402
+import qwen_measure as qm  # noqa: E402
+
+STATS = []  # MALA's AttentionStats of the current step (one per layer)
+
+
+def train_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """qwen_eval's attention function for training: the kernels take bf16 (fp32 RoPE output under
+    autocast is cast), and MALA's stats are kept so that the backward slots can be read after it."""
+    import mala
+
+    q, k, v = (t.to(torch.bfloat16) if t.is_cuda and t.dtype == torch.float32 else t for t in (query, key, value))
+    if qwen_eval.MODE["tau"] is None:
+        return qm.capture_attention(module, q, k, v, attention_mask, scaling=scaling)
+    out, stats = mala.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), tau=qwen_eval.MODE["tau"],
+                                softmax_scale=scaling, return_stats=True)
+    STATS.append(stats)
+    return out, None
+
+
+def sequence_loss(model, ids, chunk=2048):
+    """Mean next-token loss (nats) of one sequence; the LM head and its loss in checkpointed chunks
+    (the full logits of 16K tokens would take 10 GB)."""
+    x = torch.tensor(ids, device=qm.DEVICE["name"]).view(1, -1)
+    hidden = model.model(input_ids=x).last_hidden_state[0]
+    n = hidden.shape[0] - 1
+    total = hidden.new_zeros((), dtype=torch.float32)
+
+    def part(h, y):
+        return F.cross_entropy(model.lm_head(h).float(), y, reduction="sum")
+
+    for s in range(0, n, chunk):
+        e = min(s + chunk, n)
+        total = total + checkpoint(part, hidden[s:e], x[0, s + 1:e + 1], use_reentrant=False)
+    return total / n
+
+
+def attention_flops(n, h, d, layers, s_f=None, s_b=None):
+    """The paper's attention FLOPs per token (summed over layers): dense 8ahd + 6ahd; MALA
+    4ahd + 4 s_b hd + 2 s_f hd + 4 s_b hd, with a = (n + 1) / 2."""
+    a = (n + 1) / 2
+    if s_f is None:
+        return layers * (8 * a * h * d + 6 * a * h * d)
+    return layers * (4 * a * h * d + 4 * s_b * h * d + 2 * s_f * h * d + 4 * s_b * h * d)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--gguf", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--work", default="/tmp/mala-real/work")
+    ap.add_argument("--attn", choices=("dense", "mala"), required=True)
+    ap.add_argument("--tau", type=float, default=1.0)
+    ap.add_argument("--seqlen", type=int, default=16384)
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--lr", type=float, default=1e-5)
+    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--eval-every", type=int, default=25)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--deadline-s", type=float, default=540.0, help="save and stop after this many seconds")
+    ap.add_argument("--resume", action="store_true")
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: float32 smoke test")
+    args = ap.parse_args()
+    t_start = time.time()
+    qm.DEVICE["name"] = args.device
+    qm.DEVICE["dtype"] = torch.float32  # fp32 master weights (bf16 autocast on CUDA)
+    os.makedirs(args.out, exist_ok=True)
+    res = qm.Results(os.path.join(args.out, f"qwen_train_{args.attn}.json"))
+    res.data.update(device=torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+                    torch=torch.__version__, args=vars(args))
+    from transformers import AttentionInterface
+
+    torch.manual_seed(args.seed)
+    tok = gguf_qwen2.tokenizer(args.gguf)
+    cfg, model, _ = qm.load_model(args, res, args.device)
+    # The loader may leave parameters on read-only memory (the mmap'd weight cache, or numpy's arrays
+    # on the CPU, where .to() is a no-op): training writes them, so each gets its own copy.
+    with torch.no_grad():
+        for p in model.parameters():
+            p.data = p.data.clone()
+    AttentionInterface.register("mala_train", train_attention)
+    model.config._attn_implementation = "mala_train"
+    model.config.use_cache = False
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    qwen_eval.MODE["tau"] = args.tau if args.attn == "mala" else None
+
+    seqs, manifest = qwen_eval.sequences(tok, args.seqlen, 8)
+    if len(seqs) < 2:
+        raise RuntimeError("train: needs at least two corpus sequences (train and held out)")
+    train, held_out = seqs[:-1], seqs[-1]
+    res.data["text"] = {"train": [m["package"] for m in manifest["sequences"][:-1]],
+                        "held_out": manifest["sequences"][-1]["package"]}
+    order = random.Random(args.seed)
+    schedule = [order.randrange(len(train)) for _ in range(args.steps)]
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    lr_at = lambda step: args.lr * min(1.0, (step + 1) / max(1, args.warmup))  # noqa: E731
+    ckpt = os.path.join(args.work, f"train_{args.attn}.pt")
+    start = 0
+    if args.resume and os.path.exists(ckpt):
+        state = torch.load(ckpt, map_location=args.device)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+        start = state["step"]
+        qm.log(f"resumed at step {start}")
+    steps, evals = res.data.setdefault("steps", []), res.data.setdefault("evals", [])
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if args.device == "cuda" else torch.autocast("cpu",
+                                                                                                      enabled=False)
+    heads, dim = cfg.num_attention_heads, cfg.head_dim
+
+    def evaluate(step):
+        model.eval()
+        with torch.no_grad(), autocast:
+            STATS.clear()
+            loss = float(sequence_loss(model, held_out))
+        model.train()
+        evals.append({"step": step, "held_out_loss": loss})
+        qm.log(f"step {step}: held-out loss {loss:.5f}")
+        res.data["final"] = {"step": step, "held_out_loss": loss}
+        res.save()
+
+    if start == 0 and not evals:
+        evaluate(0)
+    step = start
+    for step in range(start, args.steps):
+        if time.time() - t_start > args.deadline_s:
+            break
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step)
+        if args.device == "cuda":
+            torch.cuda.synchronize()
+        t = time.time()
+        STATS.clear()
+        with autocast:
+            loss = sequence_loss(model, train[schedule[step]])
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if args.device == "cuda":
+            torch.cuda.synchronize()
+        row = {"step": step + 1, "loss": float(loss.detach()), "seconds": time.time() - t, "sequence": schedule[step]}
+        if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
+            if STATS:  # the checkpointed forward ran each layer twice: the recomputation's stats are last
+                s_f = statistics.fmean(s.mean_fwd_slots for s in STATS)
+                s_b = statistics.fmean(s.mean_bwd_slots for s in STATS if s.bwd_slots is not None)
+                row.update(fwd_slots_per_query=s_f, bwd_slots_per_query=s_b,
+                           attention_flops_per_token=attention_flops(args.seqlen, heads, dim, cfg.num_hidden_layers,
+                                                                     s_f, s_b))
+            row["dense_attention_flops_per_token"] = attention_flops(args.seqlen, heads, dim, cfg.num_hidden_layers)
+            steps.append(row)
+            evaluate(step + 1)
+        else:
+            steps.append(row)
+        qm.log(f"step {step + 1}: loss {row['loss']:.5f} ({row['seconds']:.2f} s)")
+    else:
+        step = args.steps
+    done = step if step < args.steps else args.steps
+    if done < args.steps:
+        os.makedirs(args.work, exist_ok=True)
+        torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": done}, ckpt)
+        qm.log(f"deadline: saved step {done} to {ckpt}; rerun with --resume")
+    res.data["completed_steps"] = done
+    if done:
+        times = [r["seconds"] for r in steps[1:]] or [r["seconds"] for r in steps]
+        res.data["median_step_seconds"] = statistics.median(times)
+    res.save()
+    qm.log("done" if done == args.steps else "paused")
+
+
+if __name__ == "__main__":
+    main()
