@@ -142,13 +142,8 @@ Status decode(const DecodeArgs& a) {
     std::vector<std::vector<float>> anchor_mass;  // [anchor][row]
     std::vector<float> log_anchor;
     if (seeded) {
-      int lo = static_cast<int>(legal), hi = -1;
-      for (int64_t r = 0; r < rows; ++r) {
-        if (t.L[r] <= 0) continue;
-        const int nt = rule::newest_tile(static_cast<int>(t.L[r]), static_cast<int>(bk));
-        lo = std::min(lo, nt);
-        hi = std::max(hi, nt);
-      }
+      int lo, hi;
+      t.newest_tiles(&lo, &hi);
       seed.newest_lo = lo;
       seed.newest_hi = hi;
       for (int64_t j = 0; j < legal; ++j)

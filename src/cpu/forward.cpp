@@ -66,15 +66,7 @@ Status forward(const ForwardArgs& a) {
       for (int64_t r = 0; r < rows; ++r) log_anchor[r] = a.seed_lse[g.row_index(b, h, r0 + r)];
       seed.log_anchor = log_anchor.data();
       seed.owns_tile0 = a.owns_tile0;
-      seed.newest_lo = static_cast<int>(t.legal_tiles());
-      seed.newest_hi = -1;
-      if (a.owns_newest)
-        for (int64_t r = 0; r < rows; ++r) {
-          if (t.L[r] <= 0) continue;
-          const int nt = rule::newest_tile(static_cast<int>(t.L[r]), static_cast<int>(bk));
-          seed.newest_lo = std::min(seed.newest_lo, nt);
-          seed.newest_hi = std::max(seed.newest_hi, nt);
-        }
+      if (a.owns_newest) t.newest_tiles(&seed.newest_lo, &seed.newest_hi);  // else none held (lo > hi)
     }
     OnlineState st;
     st.reset(rows, d);

@@ -2,6 +2,7 @@
 // that a decode with one split reproduces the forward bit for bit.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -25,6 +26,18 @@ struct QueryTile {
 
   // Legal key tiles: [0, legal_tiles()) — those holding a key some row sees.
   int64_t legal_tiles() const { return n_tiles(max_L, block_k); }
+  // The rows' newest legal key tiles, rule::newest_tile of each row with L > 0: the range
+  // [*lo, *hi] (the seeded split's newest anchors); lo = legal_tiles(), hi = -1 when no row sees a key.
+  void newest_tiles(int* lo, int* hi) const {
+    *lo = static_cast<int>(legal_tiles());
+    *hi = -1;
+    for (int64_t r = 0; r < rows; ++r) {
+      if (L[r] <= 0) continue;
+      const int nt = rule::newest_tile(static_cast<int>(L[r]), static_cast<int>(block_k));
+      *lo = std::min(*lo, nt);
+      *hi = std::max(*hi, nt);
+    }
+  }
 };
 
 struct OnlineState {
