@@ -104,17 +104,15 @@ __device__ __forceinline__ float fwd_row_seed(const FwdParams& p, int b, int h, 
   if (p.seed_lse == nullptr || r >= Nq) return -INFINITY;
   return p.seed_lse[((int64_t)b * p.heads_q + h) * p.seqlen_q + r] * 1.4426950408889634f;
 }
-// The test's denominator of row r: log2 of the own retained mass (m, l), plus the anchor mass when
-// the call is seeded (a warp-uniform branch; the seed is read again rather than held in registers,
-// which the unseeded kernels cannot spare).
+// The test's denominator of row r in the seeded instances (kSeeded): log2 of the own retained mass
+// (m, l) plus the anchor mass, re-read after each retained tile rather than held in registers.
 __device__ __forceinline__ float fwd_log2_norm(const FwdParams& p, int b, int h, int r, int Nq, float m, float l) {
   return p.seed_lse ? seeded_log2_norm(fwd_row_seed(p, b, h, r, Nq), m, l) : log2_norm(m, l);
 }
-// Whether a seeded split retains key tile j of the decision tile of rows [r0, r0 + rows) untested:
-// an anchor tile it holds (tile 0 when owns_tile0; the rows' newest legal tiles, rule::newest_tile
-// of the first row's L up to last_tile, when owns_newest).
-// Computed once per decision tile: tile 0 when held0, and [lo, hi] (empty when lo > hi); the loop
-// then tests rule::is_held_anchor_tile(j, held0, lo, hi).
+// The anchor tiles a seeded split holds for the decision tile whose first row is r0 and newest legal
+// tile last_tile, retained untested: tile 0 when owns_tile0 (held0), and the rows' newest legal
+// tiles [lo, hi] (rule::newest_tile of the first row's L up to last_tile) when owns_newest; lo > hi:
+// none.  Computed once per decision tile; the loop tests fwd_forced_tile(anchors, j).
 struct FwdAnchors {
   bool held0;
   int lo, hi;
