@@ -10,13 +10,16 @@ import torch
 _EMPTY = (0,)
 
 
-def _stats_outputs(kernel, q, rows_shape, batch, seqlen_q, seqlen_k, heads_q, heads_kv, causal, wanted):
-    """Fake slots and tile-mask tensors (empty unless return_stats)."""
+def _stats_outputs(kernel, q, rows_shape, batch, seqlen_q, seqlen_k, heads_q, heads_kv, causal, wanted,
+                   block_q=0, block_k=0):
+    """Fake slots and tile-mask tensors (empty unless return_stats); block_q/block_k 0 = the
+    implementation's tiles."""
     if not wanted:
         return q.new_empty(_EMPTY, dtype=torch.int32), q.new_empty(_EMPTY, dtype=torch.uint8)
-    block_q, block_k, _ = torch.ops.mala.tile_sizes(
-        kernel, q.device, q.dtype, int(batch), int(seqlen_q), int(seqlen_k), int(heads_q), int(heads_kv),
-        int(q.shape[-1]), causal, 0)
+    if block_q == 0 or block_k == 0:
+        block_q, block_k, _ = torch.ops.mala.tile_sizes(
+            kernel, q.device, q.dtype, int(batch), int(seqlen_q), int(seqlen_k), int(heads_q), int(heads_kv),
+            int(q.shape[-1]), causal, 0)
     mask_shape = (batch, heads_q, -(-seqlen_q // block_q), -(-seqlen_k // block_k))
     return q.new_empty(rows_shape, dtype=torch.int32), q.new_empty(mask_shape, dtype=torch.uint8)
 
@@ -61,15 +64,9 @@ def _fwd_split_fake(q, k, v, seed_lse, rows_before, owns_tile0, owns_newest, tau
                     block_k, return_stats):
     batch, seqlen_q, heads_q, _ = q.shape
     lse = q.new_empty((batch, heads_q, seqlen_q), dtype=torch.float32)
-    if not return_stats:
-        return q.new_empty(q.shape), lse, *_stats_outputs("forward", q, lse.shape, batch, seqlen_q, k.shape[1],
-                                                           heads_q, k.shape[2], causal, False)
-    if block_q == 0 or block_k == 0:
-        block_q, block_k, _ = torch.ops.mala.tile_sizes("forward", q.device, q.dtype, batch, seqlen_q, k.shape[1],
-                                                        heads_q, k.shape[2], q.shape[-1], causal, 0)
-    mask_shape = (batch, heads_q, -(-seqlen_q // block_q), -(-k.shape[1] // block_k))
-    return (q.new_empty(q.shape), lse, q.new_empty(lse.shape, dtype=torch.int32),
-            q.new_empty(mask_shape, dtype=torch.uint8))
+    slots, tile_mask = _stats_outputs("forward", q, lse.shape, batch, seqlen_q, k.shape[1], heads_q, k.shape[2],
+                                      causal, return_stats, block_q, block_k)
+    return q.new_empty(q.shape), lse, slots, tile_mask
 
 
 @torch.library.register_fake("mala::bwd_split")
@@ -77,14 +74,7 @@ def _bwd_split_fake(dout, q, k, v, out, lse, rows_before, tau, causal, softmax_s
                     return_stats, deterministic):
     batch, seqlen_q, heads_q, _ = q.shape
     slots, tile_mask = _stats_outputs("backward", q, lse.shape, batch, seqlen_q, k.shape[1], heads_q, k.shape[2],
-                                      causal, False)
-    if return_stats:
-        if block_q == 0 or block_k == 0:
-            block_q, block_k, _ = torch.ops.mala.tile_sizes("backward", q.device, q.dtype, batch, seqlen_q,
-                                                            k.shape[1], heads_q, k.shape[2], q.shape[-1], causal, 0)
-        slots = q.new_empty(lse.shape, dtype=torch.int32)
-        tile_mask = q.new_empty((batch, heads_q, -(-seqlen_q // block_q), -(-k.shape[1] // block_k)),
-                                dtype=torch.uint8)
+                                      causal, return_stats, block_q, block_k)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), slots, tile_mask
 
 

@@ -557,3 +557,21 @@ def test_cuda_ring_matches_one_call(tau):
         # differs from the call's only by what each retained.
         assert fwd_slots < dense_stats.mean_fwd_slots and stats.mean_fwd_slots < dense_stats.mean_fwd_slots
         assert bwd_slots == pytest.approx(stats.mean_bwd_slots, rel=0.05)
+
+
+def test_split_operators_fake_shapes():
+    """The split operators' fake implementations (torch.compile, FakeTensor) give the real shapes,
+    with the caller's tiles or the implementation's."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    q, k = torch.randn(1, 64, 4, 16), torch.randn(1, 64, 2, 16)
+    real = torch.ops.mala.fwd_split(q, k, k, None, 64, False, False, 1.0, True, 0.0, 16, 32, True)
+    real_b = torch.ops.mala.bwd_split(q, q, k, k, real[0], real[1], 64, 1.0, True, 0.0, 16, 32, True, False)
+    with FakeTensorMode() as mode:
+        fq, fk = mode.from_tensor(q), mode.from_tensor(k)
+        fake = torch.ops.mala.fwd_split(fq, fk, fk, None, 64, False, False, 1.0, True, 0.0, 16, 32, True)
+        fake_b = torch.ops.mala.bwd_split(fq, fq, fk, fk, fake[0], fake[1], 64, 1.0, True, 0.0, 16, 32, True, False)
+        plain = torch.ops.mala.fwd_split(fq, fk, fk, None, 64, False, False, 1.0, True, 0.0, 0, 0, False)
+    assert [t.shape for t in fake] == [t.shape for t in real]
+    assert [t.shape for t in fake_b] == [t.shape for t in real_b]
+    assert plain[2].numel() == 0 and plain[3].numel() == 0
