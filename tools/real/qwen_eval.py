@@ -38,23 +38,26 @@ import qwen_measure as qm  # noqa: E402
 # t quantiles (two-sided 95%) for small samples: df -> t
 T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
 
-MODE = {"tau": None, "slots": []}
+MODE = {"tau": None, "stats": []}  # the configuration, and MALA's AttentionStats of each prefill layer
 
 
 def eval_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """transformers attention function (query/key/value [B, H, N, d]).  Dense when MODE['tau'] is
     None: SDPA (qwen_measure's, bottom-right causal when Nq < Nk).  Else MALA at that tau: a prefill
-    (Nq = Nk) through mala.attention, recording the layer's mean forward slots per query; a decode
-    step (Nq < Nk: generate() with transformers' cache) through mala.attention_with_kvcache on that
-    cache (the split-KV decode kernel, seeded)."""
+    (Nq = Nk) through mala.attention, keeping its AttentionStats in MODE['stats'] (the backward fills
+    their backward slots when training); a decode step (Nq < Nk: generate() with transformers' cache)
+    through mala.attention_with_kvcache on that cache (the split-KV decode kernel, seeded).  On CUDA,
+    fp32 inputs (RoPE's output under autocast, qwen_train) are cast to bf16 for the kernels."""
     import mala
 
+    if query.is_cuda and query.dtype == torch.float32:
+        query, key, value = (t.to(torch.bfloat16) for t in (query, key, value))
     if MODE["tau"] is None:
         return qm.capture_attention(module, query, key, value, attention_mask, scaling=scaling)
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
     if q.shape[1] == k.shape[1]:
         out, stats = mala.attention(q, k, v, tau=MODE["tau"], softmax_scale=scaling, return_stats=True)
-        MODE["slots"].append(stats.mean_fwd_slots)
+        MODE["stats"].append(stats)
         return out, None
     out = mala.attention_with_kvcache(q, k, v, k.shape[1], tau=MODE["tau"], softmax_scale=scaling)
     return out, None
@@ -78,30 +81,43 @@ def sequences(tok, n_tokens, wanted):
     raise RuntimeError(f"corpus: no package reaches {n_tokens} tokens")
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parser(doc):
+    """The arguments every model-in-the-loop script takes (qwen_eval, qwen_niah, qwen_train)."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gguf", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--work", default="/tmp/mala-real/work")
-    ap.add_argument("--lengths", default="8192,16384,32768")
-    ap.add_argument("--sequences", type=int, default=8)
-    ap.add_argument("--taus", default="0,0.5,1,2,4")
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: float32 smoke test")
-    args = ap.parse_args()
+    return ap
+
+
+def setup(args, json_name, attention, dtype=None):
+    """The run's results file (OUT/json_name), the tokenizer, and the model (config, model) with every
+    attention layer through `attention`.  dtype: the weights' (default bf16 on CUDA, fp32 on the CPU)."""
     qm.DEVICE["name"] = args.device
-    qm.DEVICE["dtype"] = torch.bfloat16 if args.device == "cuda" else torch.float32
-    lengths = [int(x) for x in args.lengths.split(",")]
-    taus = [float(x) for x in args.taus.split(",")]
+    qm.DEVICE["dtype"] = dtype or (torch.bfloat16 if args.device == "cuda" else torch.float32)
     os.makedirs(args.out, exist_ok=True)
-    res = qm.Results(os.path.join(args.out, "qwen_eval.json"))
-    res.data.update(device=torch.cuda.get_device_name() if args.device == "cuda" else "cpu", torch=torch.__version__, date=time.strftime("%Y-%m-%d"),
-                    args=vars(args))
+    res = qm.Results(os.path.join(args.out, json_name))
+    res.data.update(device=torch.cuda.get_device_name() if args.device == "cuda" else "cpu", torch=torch.__version__,
+                    date=time.strftime("%Y-%m-%d"), args=vars(args))
     from transformers import AttentionInterface
 
     tok = gguf_qwen2.tokenizer(args.gguf)
-    _, model, _ = qm.load_model(args, res, args.device)
-    AttentionInterface.register("mala_eval", eval_attention)
-    model.config._attn_implementation = "mala_eval"
+    cfg, model, _ = qm.load_model(args, res, args.device)
+    AttentionInterface.register(attention.__name__, attention)
+    model.config._attn_implementation = attention.__name__
+    return res, tok, cfg, model
+
+
+def main():
+    ap = parser(__doc__)
+    ap.add_argument("--lengths", default="8192,16384,32768")
+    ap.add_argument("--sequences", type=int, default=8)
+    ap.add_argument("--taus", default="0,0.5,1,2,4")
+    args = ap.parse_args()
+    lengths = [int(x) for x in args.lengths.split(",")]
+    taus = [float(x) for x in args.taus.split(",")]
+    res, tok, _, model = setup(args, "qwen_eval.json", eval_attention)
     configs = [("dense", None)] + [(f"mala_tau{t:g}", t) for t in taus]
     raw = res.data.setdefault("raw", {})
     summary = res.data.setdefault("perplexity", {})
@@ -113,9 +129,9 @@ def main():
             losses, slots = [], []
             t = time.time()
             for ids in seqs:
-                MODE["tau"], MODE["slots"] = tau, []
+                MODE["tau"], MODE["stats"] = tau, []
                 losses.append(float(qm.token_losses(model, ids).mean()))
-                slots.append(statistics.fmean(MODE["slots"]) if MODE["slots"] else None)
+                slots.append(statistics.fmean(s.mean_fwd_slots for s in MODE["stats"]) if MODE["stats"] else None)
             rows[name] = {"loss": losses, "slots_per_query": slots, "seconds": time.time() - t}
             qm.log(f"  {name:14s} mean loss {statistics.fmean(losses):.5f}  ppl {math.exp(statistics.fmean(losses)):.4f}"
                    + (f"  slots/query {statistics.fmean(slots):.0f} of {(n + 1) / 2:.0f}" if slots[0] else ""))

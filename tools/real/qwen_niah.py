@@ -27,7 +27,6 @@ Writes OUT/qwen_niah.json ("niah": per length {"dense", "mala_tau1", "trials", .
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import random
@@ -41,7 +40,6 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import corpus  # noqa: E402
-import gguf_qwen2  # noqa: E402
 import qwen_eval  # noqa: E402
 import qwen_measure as qm  # noqa: E402
 
@@ -94,33 +92,18 @@ def answer(model, tok, ids, n_new):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--gguf", required=True)
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--work", default="/tmp/mala-real/work")
+    ap = qwen_eval.parser(__doc__)
     ap.add_argument("--lengths", default="4096,8192,16384,32768")
     ap.add_argument("--trials", type=int, default=50)
     ap.add_argument("--variants", default="single,multikey")
     ap.add_argument("--taus", default="1")
     ap.add_argument("--new-tokens", type=int, default=8)
     ap.add_argument("--seed", type=int, default=31)
-    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: float32 smoke test")
     args = ap.parse_args()
-    qm.DEVICE["name"] = args.device
-    qm.DEVICE["dtype"] = torch.bfloat16 if args.device == "cuda" else torch.float32
     lengths = [int(x) for x in args.lengths.split(",")]
     variants = args.variants.split(",")
     configs = [("dense", None)] + [(f"mala_tau{float(t):g}", float(t)) for t in args.taus.split(",")]
-    os.makedirs(args.out, exist_ok=True)
-    res = qm.Results(os.path.join(args.out, "qwen_niah.json"))
-    res.data.update(device=torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
-                    torch=torch.__version__, date=time.strftime("%Y-%m-%d"), args=vars(args))
-    from transformers import AttentionInterface
-
-    tok = gguf_qwen2.tokenizer(args.gguf)
-    _, model, _ = qm.load_model(args, res, args.device)
-    AttentionInterface.register("mala_eval", qwen_eval.eval_attention)
-    model.config._attn_implementation = "mala_eval"
+    res, tok, _, model = qwen_eval.setup(args, "qwen_niah.json", qwen_eval.eval_attention)
     # Haystacks: every package of the corpus that reaches the longest length, used in turn.
     hays = []
     for pkg in corpus.PACKAGES:
@@ -144,7 +127,7 @@ def main():
             for name, tau in configs:
                 correct, outs = [], []
                 for ids, want, _, _ in trials:
-                    qwen_eval.MODE["tau"], qwen_eval.MODE["slots"] = tau, []
+                    qwen_eval.MODE["tau"], qwen_eval.MODE["stats"] = tau, []
                     text = answer(model, tok, ids, args.new_tokens)
                     got = re.findall(r"\d+", text)
                     correct.append(bool(got) and got[0] == want)

@@ -26,8 +26,6 @@ FLOPs; "final": the last held-out loss).
 
 from __future__ import annotations
 
-import argparse
-import math
 import os
 import random
 import statistics
@@ -41,27 +39,8 @@ from torch.utils.checkpoint import checkpoint
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-import corpus  # noqa: E402
-import gguf_qwen2  # noqa: E402
 import qwen_eval  # noqa: E402
 import qwen_measure as qm  # noqa: E402
-
-STATS = []  # MALA's AttentionStats of the current step (one per layer)
-
-
-def train_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """qwen_eval's attention function for training: the kernels take bf16 (fp32 RoPE output under
-    autocast is cast), and MALA's stats are kept so that the backward slots can be read after it."""
-    import mala
-
-    q, k, v = (t.to(torch.bfloat16) if t.is_cuda and t.dtype == torch.float32 else t for t in (query, key, value))
-    if qwen_eval.MODE["tau"] is None:
-        return qm.capture_attention(module, q, k, v, attention_mask, scaling=scaling)
-    out, stats = mala.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), tau=qwen_eval.MODE["tau"],
-                                softmax_scale=scaling, return_stats=True)
-    STATS.append(stats)
-    return out, None
-
 
 def sequence_loss(model, ids, chunk=2048):
     """Mean next-token loss (nats) of one sequence; the LM head and its loss in checkpointed chunks
@@ -90,10 +69,7 @@ def attention_flops(n, h, d, layers, s_f=None, s_b=None):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--gguf", required=True)
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--work", default="/tmp/mala-real/work")
+    ap = qwen_eval.parser(__doc__)
     ap.add_argument("--attn", choices=("dense", "mala"), required=True)
     ap.add_argument("--tau", type=float, default=1.0)
     ap.add_argument("--seqlen", type=int, default=16384)
@@ -104,27 +80,17 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--deadline-s", type=float, default=540.0, help="save and stop after this many seconds")
     ap.add_argument("--resume", action="store_true")
-    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: float32 smoke test")
     args = ap.parse_args()
     t_start = time.time()
-    qm.DEVICE["name"] = args.device
-    qm.DEVICE["dtype"] = torch.float32  # fp32 master weights (bf16 autocast on CUDA)
-    os.makedirs(args.out, exist_ok=True)
-    res = qm.Results(os.path.join(args.out, f"qwen_train_{args.attn}.json"))
-    res.data.update(device=torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
-                    torch=torch.__version__, args=vars(args))
-    from transformers import AttentionInterface
-
     torch.manual_seed(args.seed)
-    tok = gguf_qwen2.tokenizer(args.gguf)
-    cfg, model, _ = qm.load_model(args, res, args.device)
+    # fp32 master weights (bf16 autocast on CUDA)
+    res, tok, cfg, model = qwen_eval.setup(args, f"qwen_train_{args.attn}.json", qwen_eval.eval_attention,
+                                           dtype=torch.float32)
     # The loader may leave parameters on read-only memory (the mmap'd weight cache, or numpy's arrays
     # on the CPU, where .to() is a no-op): training writes them, so each gets its own copy.
     with torch.no_grad():
         for p in model.parameters():
             p.data = p.data.clone()
-    AttentionInterface.register("mala_train", train_attention)
-    model.config._attn_implementation = "mala_train"
     model.config.use_cache = False
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
@@ -156,7 +122,7 @@ def main():
     def evaluate(step):
         model.eval()
         with torch.no_grad(), autocast:
-            STATS.clear()
+            qwen_eval.MODE["stats"] = []
             loss = float(sequence_loss(model, held_out))
         model.train()
         evals.append({"step": step, "held_out_loss": loss})
@@ -175,7 +141,7 @@ def main():
         if args.device == "cuda":
             torch.cuda.synchronize()
         t = time.time()
-        STATS.clear()
+        qwen_eval.MODE["stats"] = []
         with autocast:
             loss = sequence_loss(model, train[schedule[step]])
         loss.backward()
@@ -186,9 +152,10 @@ def main():
             torch.cuda.synchronize()
         row = {"step": step + 1, "loss": float(loss.detach()), "seconds": time.time() - t, "sequence": schedule[step]}
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
-            if STATS:  # the checkpointed forward ran each layer twice: the recomputation's stats are last
-                s_f = statistics.fmean(s.mean_fwd_slots for s in STATS)
-                s_b = statistics.fmean(s.mean_bwd_slots for s in STATS if s.bwd_slots is not None)
+            stats = qwen_eval.MODE["stats"]
+            if stats:  # (a checkpointed layer may run its forward twice: only the one its backward saw has bwd slots)
+                s_f = statistics.fmean(s.mean_fwd_slots for s in stats)
+                s_b = statistics.fmean(s.mean_bwd_slots for s in stats if s.bwd_slots is not None)
                 row.update(fwd_slots_per_query=s_f, bwd_slots_per_query=s_b,
                            attention_flops_per_token=attention_flops(args.seqlen, heads, dim, cfg.num_hidden_layers,
                                                                      s_f, s_b))

@@ -7,35 +7,19 @@ equal up to fp32 rounding), and the realized slots.
 
 import json
 import math
-import os
-import sys
 
 import pytest
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.dirname(HERE))
 
-import tiny_gguf  # noqa: E402
-
-
-def test_perplexity_dense_and_mala(tmp_path, monkeypatch):
+def test_perplexity_dense_and_mala(tmp_path, tiny_model, run_script):
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
     pytest.importorskip("mala")
     import qwen_eval
-    import qwen_measure as qm
 
-    gguf = str(tmp_path / "tiny.gguf")
-    tiny_gguf.write(gguf)
     out = tmp_path / "out"
-    monkeypatch.setattr(sys, "argv", ["qwen_eval.py", "--gguf", gguf, "--out", str(out), "--work", str(tmp_path / "w"),
-                                      "--lengths", "256", "--sequences", "2", "--taus", "0,1", "--device", "cpu"])
-    saved = dict(qm.DEVICE)
-    try:
-        qwen_eval.main()
-    finally:
-        qm.DEVICE.update(saved)
+    run_script(qwen_eval, "--gguf", tiny_model, "--out", out, "--work", tmp_path / "w", "--lengths", "256",
+               "--sequences", "2", "--taus", "0,1")
     with open(out / "qwen_eval.json") as f:
         res = json.load(f)
     e = res["perplexity"]["256"]

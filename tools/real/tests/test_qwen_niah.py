@@ -7,28 +7,18 @@ accuracies are not checked.)
 """
 
 import json
-import os
 import random
-import sys
 
 import pytest
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.dirname(HERE))
 
-import tiny_gguf  # noqa: E402
-
-
-def test_trials_hold_their_needles(tmp_path):
+def test_trials_hold_their_needles(tiny_model):
     pytest.importorskip("tokenizers")
     import corpus
     import gguf_qwen2
     import qwen_niah
 
-    gguf = str(tmp_path / "tiny.gguf")
-    tiny_gguf.write(gguf)
-    tok = gguf_qwen2.tokenizer(gguf)
+    tok = gguf_qwen2.tokenizer(tiny_model)
     seqs, _ = corpus.build(lambda s: tok.encode(s).ids, 2000, 1)
     rng = random.Random(0)
     for variant, needles in (("single", 1), ("multikey", 4)):
@@ -43,11 +33,10 @@ def test_trials_hold_their_needles(tmp_path):
             assert text.endswith(f"# Answer: the secret number of {asked} is")
 
 
-def test_mala_runs_prefill_and_decode(tmp_path, monkeypatch):
+def test_mala_runs_prefill_and_decode(tmp_path, monkeypatch, tiny_model, run_script):
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
     mala = pytest.importorskip("mala")
-    import qwen_measure as qm
     import qwen_niah
 
     calls = {"attention": 0, "kvcache": 0}
@@ -63,17 +52,9 @@ def test_mala_runs_prefill_and_decode(tmp_path, monkeypatch):
 
     monkeypatch.setattr(mala, "attention", attention)
     monkeypatch.setattr(mala, "attention_with_kvcache", kvcache)
-    gguf = str(tmp_path / "tiny.gguf")
-    tiny_gguf.write(gguf)
     out = tmp_path / "out"
-    monkeypatch.setattr(sys, "argv", ["qwen_niah.py", "--gguf", gguf, "--out", str(out), "--work", str(tmp_path / "w"),
-                                      "--lengths", "512", "--trials", "2", "--taus", "1", "--new-tokens", "3",
-                                      "--device", "cpu"])
-    saved = dict(qm.DEVICE)
-    try:
-        qwen_niah.main()
-    finally:
-        qm.DEVICE.update(saved)
+    run_script(qwen_niah, "--gguf", tiny_model, "--out", out, "--work", tmp_path / "w", "--lengths", "512",
+               "--trials", "2", "--taus", "1", "--new-tokens", "3")
     with open(out / "qwen_niah.json") as f:
         res = json.load(f)
     e = res["niah"]["512"]

@@ -8,41 +8,25 @@ stopped.
 
 import json
 import os
-import sys
 
 import pytest
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.dirname(HERE))
 
-import tiny_gguf  # noqa: E402
-
-
-def _run(monkeypatch, gguf, out, work, *extra):
-    import qwen_measure as qm
+def _run(run_script, gguf, out, work, *extra):
     import qwen_train
 
-    monkeypatch.setattr(sys, "argv", ["qwen_train.py", "--gguf", gguf, "--out", str(out), "--work", str(work),
-                                      "--seqlen", "256", "--steps", "3", "--eval-every", "3", "--lr", "1e-3",
-                                      "--warmup", "1", "--device", "cpu", *extra])
-    saved = dict(qm.DEVICE)
-    try:
-        qwen_train.main()
-    finally:
-        qm.DEVICE.update(saved)
+    run_script(qwen_train, "--gguf", gguf, "--out", out, "--work", work, "--seqlen", "256", "--steps", "3",
+               "--eval-every", "3", "--lr", "1e-3", "--warmup", "1", *extra)
 
 
-def test_dense_and_mala_runs(tmp_path, monkeypatch):
+def test_dense_and_mala_runs(tmp_path, tiny_model, run_script):
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
     pytest.importorskip("mala")
-    gguf = str(tmp_path / "tiny.gguf")
-    tiny_gguf.write(gguf)
     work = tmp_path / "w"
-    _run(monkeypatch, gguf, tmp_path / "dense", work, "--attn", "dense")
-    _run(monkeypatch, gguf, tmp_path / "mala0", work, "--attn", "mala", "--tau", "0")
-    _run(monkeypatch, gguf, tmp_path / "mala1", work, "--attn", "mala", "--tau", "1")
+    _run(run_script, tiny_model, tmp_path / "dense", work, "--attn", "dense")
+    _run(run_script, tiny_model, tmp_path / "mala0", work, "--attn", "mala", "--tau", "0")
+    _run(run_script, tiny_model, tmp_path / "mala1", work, "--attn", "mala", "--tau", "1")
     load = lambda d, a: json.load(open(tmp_path / d / f"qwen_train_{a}.json"))  # noqa: E731
     dense, mala0, mala1 = load("dense", "dense"), load("mala0", "mala"), load("mala1", "mala")
     assert [r["step"] for r in dense["steps"]] == [1, 2, 3] and dense["completed_steps"] == 3
@@ -55,16 +39,14 @@ def test_dense_and_mala_runs(tmp_path, monkeypatch):
     assert 0 < last["attention_flops_per_token"] <= 2 * last["dense_attention_flops_per_token"]
 
 
-def test_deadline_then_resume(tmp_path, monkeypatch):
+def test_deadline_then_resume(tmp_path, tiny_model, run_script):
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
     pytest.importorskip("mala")
-    gguf = str(tmp_path / "tiny.gguf")
-    tiny_gguf.write(gguf)
     work = tmp_path / "w"
-    _run(monkeypatch, gguf, tmp_path / "o", work, "--attn", "dense", "--deadline-s", "0")
+    _run(run_script, tiny_model, tmp_path / "o", work, "--attn", "dense", "--deadline-s", "0")
     first = json.load(open(tmp_path / "o" / "qwen_train_dense.json"))
     assert first["completed_steps"] == 0 and os.path.exists(work / "train_dense.pt")
-    _run(monkeypatch, gguf, tmp_path / "o", work, "--attn", "dense", "--resume")
+    _run(run_script, tiny_model, tmp_path / "o", work, "--attn", "dense", "--resume")
     done = json.load(open(tmp_path / "o" / "qwen_train_dense.json"))
     assert done["completed_steps"] == 3 and [r["step"] for r in done["steps"]] == [1, 2, 3]

@@ -1,0 +1,37 @@
+"""Fixtures of the model-in-the-loop script tests (qwen_eval, qwen_niah, qwen_train)."""
+
+import os
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))
+
+import tiny_gguf  # noqa: E402
+
+
+@pytest.fixture
+def tiny_model(tmp_path):
+    """A tiny Qwen2 GGUF (tiny_gguf.write) in tmp_path; its path."""
+    path = str(tmp_path / "tiny.gguf")
+    tiny_gguf.write(path)
+    return path
+
+
+@pytest.fixture
+def run_script(monkeypatch):
+    """run(module, *argv): module.main() with that command line, on the CPU; qwen_measure's device
+    setting is restored afterwards."""
+    def run(module, *argv):
+        import qwen_measure as qm
+
+        monkeypatch.setattr(sys, "argv", [module.__name__ + ".py", *map(str, argv), "--device", "cpu"])
+        saved = dict(qm.DEVICE)
+        try:
+            module.main()
+        finally:
+            qm.DEVICE.update(saved)
+
+    return run
