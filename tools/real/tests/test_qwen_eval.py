@@ -10,6 +10,8 @@ import math
 
 import pytest
 
+from script_fixtures import run_script, tiny_model  # noqa: F401  (fixtures)
+
 
 def test_perplexity_dense_and_mala(tmp_path, tiny_model, run_script):
     pytest.importorskip("torch")

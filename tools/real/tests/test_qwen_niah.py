@@ -11,6 +11,8 @@ import random
 
 import pytest
 
+from script_fixtures import run_script, tiny_model  # noqa: F401  (fixtures)
+
 
 def test_trials_hold_their_needles(tiny_model):
     pytest.importorskip("tokenizers")

@@ -11,6 +11,8 @@ import os
 
 import pytest
 
+from script_fixtures import run_script, tiny_model  # noqa: F401  (fixtures)
+
 
 def _run(run_script, gguf, out, work, *extra):
     import qwen_train

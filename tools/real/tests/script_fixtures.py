@@ -1,4 +1,6 @@
-"""Fixtures of the model-in-the-loop script tests (qwen_eval, qwen_niah, qwen_train)."""
+"""Fixtures of the model-in-the-loop script tests (qwen_eval, qwen_niah, qwen_train), imported by
+them by name: a conftest.py here would shadow python/tests/conftest.py, which those tests import as
+`conftest` when CI runs both folders in one pytest."""
 
 import os
 import sys
