@@ -45,8 +45,9 @@ def eval_attention(module, query, key, value, attention_mask, scaling=None, drop
     """transformers attention function (query/key/value [B, H, N, d]).  Dense when MODE['tau'] is
     None: SDPA (qwen_measure's, bottom-right causal when Nq < Nk).  Else MALA at that tau: a prefill
     (Nq = Nk) through mala.attention, keeping its AttentionStats in MODE['stats'] (the backward fills
-    their backward slots when training); a decode step (Nq < Nk: generate() with transformers' cache)
-    through mala.attention_with_kvcache on that cache (the split-KV decode kernel, seeded).  On CUDA,
+    their backward slots when training; None: no counters, for timing); a decode step (Nq < Nk:
+    generate() with transformers' cache) through mala.attention_with_kvcache on that cache (the
+    split-KV decode kernel, seeded).  On CUDA,
     fp32 inputs (RoPE's output under autocast, qwen_train) are cast to bf16 for the kernels."""
     import mala
 
@@ -56,6 +57,8 @@ def eval_attention(module, query, key, value, attention_mask, scaling=None, drop
         return qm.capture_attention(module, query, key, value, attention_mask, scaling=scaling)
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
     if q.shape[1] == k.shape[1]:
+        if MODE["stats"] is None:  # timed runs: no counters
+            return mala.attention(q, k, v, tau=MODE["tau"], softmax_scale=scaling), None
         out, stats = mala.attention(q, k, v, tau=MODE["tau"], softmax_scale=scaling, return_stats=True)
         MODE["stats"].append(stats)
         return out, None
