@@ -78,3 +78,55 @@ def build(tokenize, n_tokens: int, n_sequences: int, root: str | None = None, pa
     if len(seqs) < n_sequences:
         raise RuntimeError(f"corpus: only {len(seqs)} packages under {root} reach {n_tokens} tokens")
     return seqs, manifest
+
+
+# Not source code, or tests and tools rather than the library: left out of the chunked corpus.
+CHUNK_SKIP_TOP = {"test", "idlelib", "lib2to3", "turtledemo", "ensurepip", "encodings", "pydoc_data",
+                  "site-packages", "dist-packages"}
+
+
+def library_files(root: str, exclude=()) -> list[str]:
+    """Relative paths of every .py file of the standard library, sorted, without the test suites,
+    the data tables and tools of CHUNK_SKIP_TOP, the build configuration, and the top-level packages
+    or modules named in `exclude`."""
+    out = []
+    for d, dirs, files in os.walk(root):
+        rel = os.path.relpath(d, root)
+        top = rel.split(os.sep)[0]
+        if rel != "." and (top in CHUNK_SKIP_TOP or top in exclude or top.startswith("config-")):
+            dirs[:] = []
+            continue
+        dirs[:] = sorted(x for x in dirs if x not in SKIP_DIRS)
+        for f in files:
+            if f.endswith(".py") and not (rel == "." and f[:-3] in exclude) and not f.startswith("_sysconfigdata"):
+                out.append(os.path.normpath(os.path.join(rel, f)))
+    return sorted(out)
+
+
+def chunks(tokenize, n_tokens: int, max_sequences: int, exclude=(), root: str | None = None):
+    """The whole library (library_files, minus `exclude`) as one token stream, cut into consecutive
+    sequences of n_tokens (at most max_sequences; the tail shorter than n_tokens is dropped): many
+    distinct sequences, for training.  Returns (seqs, manifest)."""
+    import platform
+
+    root = root or stdlib_dir()
+    seqs, ids, files = [], [], []
+    manifest = {"source": "CPython standard library, chunked", "python": platform.python_version(), "root": root,
+                "n_tokens": n_tokens, "excluded": sorted(exclude), "files": files}
+    for rel in library_files(root, exclude):
+        with open(os.path.join(root, rel), "rb") as fh:
+            raw = fh.read()
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            continue
+        ids.extend(tokenize(f"# file: {rel}\n{text}\n"))
+        files.append({"path": rel, "sha256": hashlib.sha256(raw).hexdigest()})
+        while len(ids) >= n_tokens and len(seqs) < max_sequences:
+            seqs.append(ids[:n_tokens])
+            ids = ids[n_tokens:]
+        if len(seqs) == max_sequences:
+            break
+    manifest["sequences"] = len(seqs)
+    manifest["token_ids_sha256"] = hashlib.sha256(",".join(",".join(map(str, s)) for s in seqs).encode()).hexdigest()
+    return seqs, manifest

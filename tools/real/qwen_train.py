@@ -7,8 +7,9 @@ Model: tools/real/qwen_measure.py's loader (the Q4_K_M GGUF dequantized), traine
 weights under bf16 autocast, gradient checkpointing per layer, AdamW, linear warm-up then constant
 learning rate.  Attention: tools/real/qwen_eval.py's function (SDPA, or mala.attention at tau; q, k,
 v cast to bf16 for the kernels).  Data: real code (tools/real/corpus.py), one sequence of --seqlen
-tokens per step; the last package is held out for the evaluation loss, the others are visited in
-an order drawn from --seed.  Logged per step: loss, step time; every --eval-every steps: held-out
+tokens per step: the standard library cut into consecutive sequences (corpus.chunks), each visited
+once in an order drawn from --seed (a new order per further pass); the packages of HELD_OUT are
+left out of it and give the held-out loss (one sequence each).  Logged per step: loss, step time; every --eval-every steps: held-out
 loss, and for MALA the realized forward and backward slots per query of that step (mean over layers
 and heads) and the paper's attention FLOPs per token and layer,
 `4 a h d + 4 s_b h d + 2 s_f h d + 4 s_b h d` for MALA against `8 a h d + 6 a h d` dense,
@@ -39,8 +40,12 @@ from torch.utils.checkpoint import checkpoint
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
+import corpus  # noqa: E402
 import qwen_eval  # noqa: E402
 import qwen_measure as qm  # noqa: E402
+
+# Held out for the evaluation loss, and left out of the training text.
+HELD_OUT = ("http", "xml")
 
 def sequence_loss(model, ids, chunk=2048):
     """Mean next-token loss (nats) of one sequence; the LM head and its loss in checkpointed chunks
@@ -96,14 +101,20 @@ def main():
     model.train()
     qwen_eval.MODE["tau"] = args.tau if args.attn == "mala" else None
 
-    seqs, manifest = qwen_eval.sequences(tok, args.seqlen, 8)
-    if len(seqs) < 2:
-        raise RuntimeError("train: needs at least two corpus sequences (train and held out)")
-    train, held_out = seqs[:-1], seqs[-1]
-    res.data["text"] = {"train": [m["package"] for m in manifest["sequences"][:-1]],
-                        "held_out": manifest["sequences"][-1]["package"]}
+    tokenize = lambda s: tok.encode(s).ids  # noqa: E731
+    held_out, held_manifest = corpus.build(tokenize, args.seqlen, len(HELD_OUT), packages=HELD_OUT)
+    train, train_manifest = corpus.chunks(tokenize, args.seqlen, args.steps, exclude=HELD_OUT)
+    if not train:
+        raise RuntimeError(f"train: the library outside {HELD_OUT} holds no sequence of {args.seqlen} tokens")
+    res.data["text"] = {"train": {k: v for k, v in train_manifest.items() if k != "files"},
+                        "train_files": len(train_manifest["files"]),
+                        "held_out": [m["package"] for m in held_manifest["sequences"]]}
+    # Each chunk once, in an order drawn from the seed; a new order for every further pass.
     order = random.Random(args.seed)
-    schedule = [order.randrange(len(train)) for _ in range(args.steps)]
+    schedule = []
+    while len(schedule) < args.steps:
+        schedule += order.sample(range(len(train)), len(train))
+    schedule = schedule[:args.steps]
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     lr_at = lambda step: args.lr * min(1.0, (step + 1) / max(1, args.warmup))  # noqa: E731
     ckpt = os.path.join(args.work, f"train_{args.attn}.pt")
@@ -123,7 +134,7 @@ def main():
         model.eval()
         with torch.no_grad(), autocast:
             qwen_eval.MODE["stats"] = []
-            loss = float(sequence_loss(model, held_out))
+            loss = statistics.fmean(float(sequence_loss(model, h)) for h in held_out)
         model.train()
         evals.append({"step": step, "held_out_loss": loss})
         qm.log(f"step {step}: held-out loss {loss:.5f}")

@@ -52,3 +52,27 @@ def test_deadline_then_resume(tmp_path, tiny_model, run_script):
     _run(run_script, tiny_model, tmp_path / "o", work, "--attn", "dense", "--resume")
     done = json.load(open(tmp_path / "o" / "qwen_train_dense.json"))
     assert done["completed_steps"] == 3 and [r["step"] for r in done["steps"]] == [1, 2, 3]
+
+
+def test_training_text_is_distinct_chunks_without_the_held_out_packages():
+    import corpus
+
+    tokenize = lambda s: [ord(c) for c in s]  # noqa: E731  (one id per character: exact to check)
+    seqs, manifest = corpus.chunks(tokenize, 4096, 20, exclude=("http", "xml"))
+    assert len(seqs) == 20 and all(len(s) == 4096 for s in seqs)
+    paths = [f["path"] for f in manifest["files"]]
+    assert not any(p.split("/")[0] in ("http", "xml", "test") or p in ("http.py", "xml.py") for p in paths)
+    # Consecutive cuts of one stream: the files' texts in order, nothing skipped or repeated.
+    stream = "".join(c for s in seqs for c in map(chr, s))
+    assert stream.startswith(f"# file: {paths[0]}\n")
+    assert stream.count("# file: ") >= len(paths) - 1
+    assert len({tuple(s) for s in seqs}) == 20
+
+
+def test_run_reports_its_text(tmp_path, tiny_model, run_script):
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    pytest.importorskip("mala")
+    _run(run_script, tiny_model, tmp_path / "dense", tmp_path / "w", "--attn", "dense")
+    text = json.load(open(tmp_path / "dense" / "qwen_train_dense.json"))["text"]
+    assert text["held_out"] == ["http", "xml"] and text["train"]["sequences"] == 3
