@@ -64,11 +64,26 @@ def mala_masks(q, k, v, tau, bq, bk, cli, causal=True):
         return torch.from_numpy(np.load(os.path.join(out, "fwd_tile_mask.npy")).astype(np.int64))
 
 
+def mala_masks_cuda(q, k, v, tau, causal=True):
+    """MALA's forward tile mask [H, nqt, nkt] (TileState values) from the CUDA forward kernel itself,
+    at its own tiles, and those tiles (bq, bk).  The decisions equal the CPU implementation's up to
+    MALA_SPEC's rounding flips (the GPU tests check it); the states are fp16, which the kernel reads
+    exactly."""
+    import mala
+
+    qd, kd, vd = (x.to("cuda", torch.float16)[None] for x in (q, k, v))
+    _, st = mala.attention(qd, kd, vd, tau=tau, causal=causal, return_stats=True)
+    return st.fwd_tile_mask[0].to("cpu", torch.int64), (st.fwd_block_q, st.fwd_block_k)
+
+
 class Instance:
     """One (input, layer): per head, the reference tile masses and what policies need."""
 
-    def __init__(self, key, q, k, v, bq, bk, causal=True, chunk=1024):
-        self.key, self.q, self.k, self.v = key, q, k, v
+    def __init__(self, key, q, k, v, bq, bk, causal=True, chunk=1024, device="cpu"):
+        # q, k, v and the per-row work (probabilities, outputs) live on `device`; the per-tile
+        # tensors the policies use (block_mass, masks) stay on the CPU.
+        self.device = torch.device(device)
+        self.key, self.q, self.k, self.v = key, q.to(self.device), k.to(self.device), v.to(self.device)
         self.n, self.hq, self.d = q.shape
         self.hkv = k.shape[1]
         self.bq, self.bk, self.causal, self.chunk = bq, bk, causal, chunk
@@ -78,9 +93,9 @@ class Instance:
         self.block_mass = torch.zeros(self.hq, self.nqt, self.nkt, dtype=torch.float64)
         for h in range(self.hq):
             for r0, p in self._probs(h):
-                tile = self._tile_sums(p)  # [rows, nkt]
+                tile = self._tile_sums(p).double().cpu()  # [rows, nkt]
                 rows = torch.arange(r0, r0 + p.shape[0])
-                self.block_mass[h].index_add_(0, rows // bq, tile.double())
+                self.block_mass[h].index_add_(0, rows // bq, tile)
 
     def _probs(self, h):
         """Reference probabilities of head h in row chunks: (first row, P [rows, N])."""
@@ -89,8 +104,8 @@ class Instance:
             r1 = min(self.n, r0 + self.chunk)
             s = (self.q[r0:r1, h] @ kh.T) * self.scale
             if self.causal:
-                rows = torch.arange(r0, r1)[:, None]
-                s = s.masked_fill(torch.arange(self.n)[None, :] > rows, -math.inf)
+                rows = torch.arange(r0, r1, device=self.device)[:, None]
+                s = s.masked_fill(torch.arange(self.n, device=self.device)[None, :] > rows, -math.inf)
             yield r0, torch.softmax(s, dim=-1)
 
     def _tile_sums(self, p):
@@ -116,26 +131,29 @@ class Instance:
     def evaluate(self, keeps):
         """keeps {name: [H, nqt, nkt] bool} -> {name: (omitted mass, relative error)} per decision
         (H x nqt); the reference probabilities are computed once for all of them."""
-        z = lambda: torch.zeros(self.hq, self.nqt, dtype=torch.float64)  # noqa: E731
+        dev = self.device
+        z = lambda: torch.zeros(self.hq, self.nqt, dtype=torch.float64, device=dev)  # noqa: E731
         acc = {name: (z(), z(), z()) for name in keeps}
         rows_in = torch.zeros(self.nqt, dtype=torch.float64)
         rows_in.index_add_(0, torch.arange(self.n) // self.bq, torch.ones(self.n, dtype=torch.float64))
         for h in range(self.hq):
             vh = self.v[:, h // (self.hq // self.hkv)]
+            keep_h = {name: keep[h].to(dev) for name, keep in keeps.items()}
             for r0, p in self._probs(h):
-                blk = torch.arange(r0, r0 + p.shape[0]) // self.bq
+                blk = torch.arange(r0, r0 + p.shape[0], device=dev) // self.bq
                 o_ref = p @ vh
                 ref2 = (o_ref ** 2).sum(-1).double()
-                for name, keep in keeps.items():
+                for name in keeps:
                     omitted, err_num, err_den = acc[name]
-                    kmask = keep[h][blk].repeat_interleave(self.bk, dim=1)[:, : self.n]  # [rows, N]
+                    kmask = keep_h[name][blk].repeat_interleave(self.bk, dim=1)[:, : self.n]  # [rows, N]
                     pk = p * kmask
                     kept = pk.sum(-1)
                     o = (pk @ vh) / kept.clamp_min(1e-30)[:, None]
                     omitted[h].index_add_(0, blk, (1.0 - kept).double())
                     err_num[h].index_add_(0, blk, ((o - o_ref) ** 2).sum(-1).double())
                     err_den[h].index_add_(0, blk, ref2)
-        return {name: (om / rows_in, torch.sqrt(en / ed.clamp_min(1e-300))) for name, (om, en, ed) in acc.items()}
+        return {name: (om.cpu() / rows_in, torch.sqrt(en.cpu() / ed.cpu().clamp_min(1e-300)))
+                for name, (om, en, ed) in acc.items()}
 
 
 def fill_regions(instances, region_ids, budget):
@@ -249,15 +267,23 @@ def main():
     ap.add_argument("--mala", default="build/tools/mala", help="the mala CLI (its CPU implementation decides)")
     ap.add_argument("--bq", type=int, default=0, help="decision tile rows (default: the CUDA forward's)")
     ap.add_argument("--bk", type=int, default=0, help="decision tile keys (default: the CUDA forward's)")
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                    help="cuda: MALA's decisions from the CUDA forward kernel (its tile mask, at its tiles) and "
+                         "the reference probabilities on the GPU; cpu: the CLI's exact CPU implementation")
     a = ap.parse_args()
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     layers = {int(x) for x in a.layers.split(",") if x}
     instances, mala_keeps = [], []
     for s_i, states in enumerate(a.states):
         for li, q, k, v in load_layers(states, layers, a.n):
-            bq, bk = (a.bq, a.bk) if a.bq and a.bk else kernel_tiles(q.shape[-1])
-            mask = mala_masks(q, k, v, a.tau, bq, bk, a.mala)
-            inst = Instance((s_i, li), q, k, v, bq, bk)
+            if a.device == "cuda":
+                if a.bq or a.bk:
+                    raise SystemExit("matched_work: --device cuda decides at the kernel's own tiles (no --bq/--bk)")
+                mask, (bq, bk) = mala_masks_cuda(q, k, v, a.tau)
+            else:
+                bq, bk = (a.bq, a.bk) if a.bq and a.bk else kernel_tiles(q.shape[-1])
+                mask = mala_masks(q, k, v, a.tau, bq, bk, a.mala)
+            inst = Instance((s_i, li), q, k, v, bq, bk, device=a.device)
             instances.append(inst)
             mala_keeps.append(mask == 2)
             print(f"input {s_i} layer {li}: N={inst.n} H={inst.hq} tiles {bq}x{bk}, MALA keeps "
@@ -269,7 +295,10 @@ def main():
     if os.path.exists(a.out):
         with open(a.out) as f:
             doc = json.load(f)
-    doc[key] = res
+    doc[key] = dict(res, scope={"states": a.states, "layers": sorted({i.key[1] for i in instances}),
+                                "tau": a.tau, "tiles": f"{instances[0].bq}x{instances[0].bk}",
+                                "decisions_by": "the CUDA forward kernel" if a.device == "cuda"
+                                else "the CPU implementation (mala CLI)"})
     with open(a.out, "w") as f:
         json.dump(doc, f, indent=1)
     for p in POLICIES:

@@ -82,3 +82,23 @@ def test_oracle_omits_no_more_than_mala_and_reports_are_complete(case):
     for p in mw.POLICIES:
         assert {"slots", "omitted_mean", "omitted_p95", "err_mean", "err_p95"} <= set(out[p])
         assert out[p]["slots"] == pytest.approx(out["mala"]["slots"])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")
+def test_cuda_decisions_and_evaluation_match_the_cpu_path():
+    """--device cuda: the CUDA kernel's tile mask equals the CPU implementation's at the same tiles
+    (up to MALA_SPEC's rounding flips), and the evaluation on the GPU equals the one on the CPU."""
+    pytest.importorskip("mala")
+    if not os.path.exists(CLI):
+        pytest.skip(f"no mala CLI at {CLI} (set MALA_CLI)")
+    q, k, v = (x.half().float() for x in sharp_layer(7, n=1024, d=128))
+    mask_gpu, (bq, bk) = mw.mala_masks_cuda(q, k, v, 1.0)
+    mask_cpu = mw.mala_masks(q, k, v, 1.0, bq, bk, CLI)
+    assert mask_gpu.shape == mask_cpu.shape and (mask_gpu > 0).equal(mask_cpu > 0)
+    legal = int((mask_cpu > 0).sum())
+    assert int((mask_gpu != mask_cpu).sum()) <= max(2, legal // 200)
+    keep = {"mala": mask_cpu == 2}
+    cpu = mw.Instance((0, 0), q, k, v, bq, bk).evaluate(keep)["mala"]
+    gpu = mw.Instance((0, 0), q, k, v, bq, bk, device="cuda").evaluate(keep)["mala"]
+    for a, b in zip(cpu, gpu):
+        assert torch.allclose(a, b, rtol=1e-3, atol=1e-6)
