@@ -37,17 +37,24 @@ def package_files(root: str, package: str) -> list[str]:
     return sorted(out, key=lambda p: (os.path.dirname(p), os.path.basename(p) != "__init__.py", p))
 
 
-def sequence(root: str, package: str, tokenize, n_tokens: int):
-    """(token ids of exactly n_tokens or None if the package is too short, files used)."""
-    ids, files = [], []
-    for rel in package_files(root, package):
+def source_texts(root: str, paths):
+    """(relative path, raw bytes, the text a sequence holds: '# file: <path>' then the file) of each
+    path that decodes as UTF-8, in order."""
+    for rel in paths:
         with open(os.path.join(root, rel), "rb") as fh:
             raw = fh.read()
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError:
             continue
-        chunk = tokenize(f"# file: {rel}\n{text}\n")
+        yield rel, raw, f"# file: {rel}\n{text}\n"
+
+
+def sequence(root: str, package: str, tokenize, n_tokens: int):
+    """(token ids of exactly n_tokens or None if the package is too short, files used)."""
+    ids, files = [], []
+    for rel, raw, text in source_texts(root, package_files(root, package)):
+        chunk = tokenize(text)
         take = min(len(chunk), n_tokens - len(ids))
         ids.extend(chunk[:take])
         files.append({"path": rel, "sha256": hashlib.sha256(raw).hexdigest(), "bytes": len(raw),
@@ -113,14 +120,8 @@ def chunks(tokenize, n_tokens: int, max_sequences: int, exclude=(), root: str | 
     seqs, ids, files = [], [], []
     manifest = {"source": "CPython standard library, chunked", "python": platform.python_version(), "root": root,
                 "n_tokens": n_tokens, "excluded": sorted(exclude), "files": files}
-    for rel in library_files(root, exclude):
-        with open(os.path.join(root, rel), "rb") as fh:
-            raw = fh.read()
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError:
-            continue
-        ids.extend(tokenize(f"# file: {rel}\n{text}\n"))
+    for rel, raw, text in source_texts(root, library_files(root, exclude)):
+        ids.extend(tokenize(text))
         files.append({"path": rel, "sha256": hashlib.sha256(raw).hexdigest()})
         while len(ids) >= n_tokens and len(seqs) < max_sequences:
             seqs.append(ids[:n_tokens])
