@@ -2,11 +2,13 @@
 tau = 1 per_split, with the realized work and the byte floor (issue #29, "Benchmark").
 
     python python/benchmarks/decode_timing.py [--seqlens 1024 8192 32768 131072] [--batches 1 8] [--out d.json]
+        [--real $S/layer00,$S/layer14] [--num-splits 0 16 33 66]
 
 One new token per sequence (q [B, 1, Hq, d]) against a contiguous cache of N keys per sequence;
 Hq = 8, Hkv = 1, d = 128, bf16.  The cache holds the suite's workloads (bench/suite/workloads.py):
-"random" (nothing can be skipped) and "synthetic" at --sharpness (default 16); every sequence of the
-batch is the same sequence, the query its last row.  Per row: median microseconds over --reps calls
+"random" (nothing can be skipped) and "synthetic" at --sharpness (default 16), and with --real a real
+model's captured K, V and last query row (its own head counts); every sequence of the batch is the
+same sequence, the query its last row.  --num-splits times each row at several split counts.  Per row: median microseconds over --reps calls
 (CUDA events; eager: one call per timing with the host check off, as the default call runs; graph:
 one replay of a captured call), the split count, the realized slots per query and the retained
 fraction (the returned stats), and the byte floor: the K bytes plus the retained V bytes of the
@@ -44,23 +46,44 @@ def copy_bandwidth():
     return 2 * n / (us * 1e-6)
 
 
-def rows_for(n, batch, regime, args, bw):
+def workload(regime, n, args):
+    """(q of the last row [1, 1, Hq, d], k [1, n, Hkv, d], v) for a suite regime, or for 'real:PREFIX'
+    (captured states PREFIX_{q,k,v}.npy [N, H, d], tools/real/qwen_measure.py's save step: the first
+    n rows, the query row n - 1); None when the capture has fewer than n rows."""
+    if regime.startswith("real:"):
+        import numpy as np
+
+        prefix = regime[len("real:"):]
+        arrays = [np.load(f"{prefix}_{x}.npy", mmap_mode="r") for x in "qkv"]
+        if arrays[0].shape[0] < n:
+            return None
+        q, k, v = (torch.from_numpy(np.array(a[:n])).cuda()[None] for a in arrays)
+        return q[:, -1:], k, v
     q_all, k, v, _ = make_workload(regime, 1, n, args.heads_q, args.heads_kv, args.dim,
                                    sharpness=args.sharpness, seed=args.seed, device="cuda", with_dout=False)
+    return q_all[:, -1:], k, v
+
+
+def rows_for(n, batch, regime, args, bw, num_splits=0):
+    w = workload(regime, n, args)
+    if w is None:
+        return []
+    q1, k, v = w
     dt = torch.bfloat16
     k_cache = k.to(dt).expand(batch, -1, -1, -1).contiguous()
     v_cache = v.to(dt).expand(batch, -1, -1, -1).contiguous()
-    q = q_all[:, -1:].to(dt).expand(batch, -1, -1, -1).contiguous()
-    del q_all, k, v
+    q = q1.to(dt).expand(batch, -1, -1, -1).contiguous()
+    del q1, k, v
     lens = torch.full((batch,), n, dtype=torch.int32, device="cuda")
     kv_bytes = k_cache.numel() * k_cache.element_size()  # K alone; V is the same size
     out = []
     for tau, rule in ((0.0, "seeded"), (1.0, "seeded"), (1.0, "per_split")):
         def call():
-            return mala.attention_with_kvcache(q, k_cache, v_cache, lens, tau=tau, split_rule=rule)
+            return mala.attention_with_kvcache(q, k_cache, v_cache, lens, tau=tau, split_rule=rule,
+                                               num_splits=num_splits)
 
         _, _, stats = mala.attention_with_kvcache(q, k_cache, v_cache, lens, tau=tau, split_rule=rule,
-                                                  return_lse=True, return_stats=True)
+                                                  num_splits=num_splits, return_lse=True, return_stats=True)
         retained = stats.fwd_retained_fraction
         eager = median_us(call, args.reps)
         graph = torch.cuda.CUDAGraph()
@@ -92,6 +115,10 @@ def main():
     p.add_argument("--heads-kv", type=int, default=1)
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--real", type=lambda x: x.split(","), default=[],
+                   help="captured states PREFIX[,PREFIX...] (PREFIX_{q,k,v}.npy), timed as regimes 'real:PREFIX'")
+    p.add_argument("--num-splits", type=int, nargs="+", default=[0],
+                   help="split counts to time (0 = the library's choice)")
     p.add_argument("--reps", type=int, default=50)
     p.add_argument("--out", default=None)
     args = p.parse_args()
@@ -104,11 +131,12 @@ def main():
           f"{'eager us':>9} {'graph us':>9} {'floor us':>9} {'graph/floor':>11}")
     for n in args.seqlens:
         for batch in args.batches:
-            for regime in args.regimes:
-                for r in rows_for(n, batch, regime, args, bw):
+            for regime, splits in [(r, s) for r in args.regimes + [f"real:{x}" for x in args.real]
+                                   for s in args.num_splits]:
+                for r in rows_for(n, batch, regime, args, bw, splits):
                     res["rows"].append(r)
                     rule = "tau=0" if r["tau"] == 0 else f"tau=1 {r['split_rule']}"
-                    print(f"{n:>7} {batch:>2} {regime:>9} {rule:>14} {r['num_splits']:>6} {r['slots_per_query']:>9.1f} "
+                    print(f"{n:>7} {batch:>2} {os.path.basename(regime):>9} {rule:>14} {r['num_splits']:>6} {r['slots_per_query']:>9.1f} "
                           f"{100 * r['retained']:>6.2f}% {r['eager_us']:>9.1f} {r['graph_us']:>9.1f} "
                           f"{r['byte_floor_us']:>9.1f} {r['graph_over_floor']:>10.2f}x", flush=True)
     if args.out:

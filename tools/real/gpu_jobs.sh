@@ -16,6 +16,8 @@
 #   train       qwen_train.py: 120 steps dense, then MALA tau = 1
 #   states      qwen_measure.py --steps load,states,save (the matched-work study's input)
 #   matched     matched_work.py --device cuda at 8K and 32K, every layer (after `states`)
+#   decode      python/benchmarks/decode_timing.py: synthetic and random caches at 32K and 128K and the
+#               real 32K cache of layers 0, 14, 27 (after `states`), at 0 (automatic) to 132 splits
 #   pytest      the package's Python tests (CUDA ones included)
 # Results and logs: $STORE/res (STORE = $MALA_REAL_STORE, default /tmp/mala-real).
 set -euo pipefail
@@ -43,6 +45,10 @@ job() {
       --out "$RES/matched_work.json"
     python3 tools/real/matched_work.py --device cuda --states "$STORE/work/states" --key 32768 \
       --out "$RES/matched_work.json" ;;
+  decode)
+    S=$STORE/work/states
+    python3 python/benchmarks/decode_timing.py --seqlens 32768 131072 --batches 1 8 --regimes synthetic random \
+      --real "$S/layer00,$S/layer14,$S/layer27" --num-splits 0 16 33 66 132 --out "$RES/decode_timing.json" ;;
   pytest) python3 -m pytest -q -p no:cacheprovider python/tests tools/real/tests ;;
   *) echo "gpu_jobs: unknown job $1" >&2; return 2 ;;
   esac
@@ -52,7 +58,7 @@ case "${1:-}" in
 start)
   shift
   [ $# -gt 0 ] || { echo "usage: gpu_jobs.sh start JOB [JOB ...]" >&2; exit 2; }
-  for j in "$@"; do case "$j" in e2e|niah|train|states|matched|pytest) ;; *) echo "gpu_jobs: unknown job $j" >&2; exit 2;; esac; done
+  for j in "$@"; do case "$j" in e2e|niah|train|states|matched|decode|pytest) ;; *) echo "gpu_jobs: unknown job $j" >&2; exit 2;; esac; done
   mkdir -p "$RES"
   rm -rf "$STORE/repo" && mkdir -p "$STORE/repo" && cp -r . "$STORE/repo/"
   setsid nohup bash -c "
@@ -82,7 +88,7 @@ wait)
   fi
   ;;
 *)
-  echo "usage: gpu_jobs.sh start JOB [JOB ...] | wait [SECONDS]   (jobs: e2e niah train states matched pytest)" >&2
+  echo "usage: gpu_jobs.sh start JOB [JOB ...] | wait [SECONDS]   (jobs: e2e niah train states matched decode pytest)" >&2
   exit 2
   ;;
 esac
