@@ -9,6 +9,7 @@ Reads from --dir: qwen_eval_ppl.json (qwen_eval.py), qwen_niah.json (qwen_niah.p
 its key out.  Keys: "perplexity" (per length: dense, mala_tau<t>, their relative differences with
 95% intervals, slots per query), "niah" (per length: dense, mala_tau1 and trials, accuracies in
 percent pooled over the variants, plus each variant's accuracy, interval and disagreements),
+"niah_identical_answers" (per configuration: trials whose answer text equals dense's),
 "end_to_end" (prefill ms per length and decode tokens/s per batch, with slots), "training"
 (dense_final_loss, mala_final_loss, steps, step times, slots, FLOPs).
 """
@@ -46,8 +47,7 @@ def niah(d):
             agree.setdefault(name, [0, 0])
             agree[name][0] += same
             agree[name][1] += len(dense)
-    out["identical_answers"] = {k: {"same": v[0], "trials": v[1]} for k, v in agree.items()}
-    return out
+    return out, {k: {"same": v[0], "trials": v[1]} for k, v in agree.items()}
 
 
 def end_to_end(d):
@@ -139,7 +139,7 @@ def main():
     if ppl:
         doc["perplexity"] = perplexity(ppl)
     if nh:
-        doc["niah"] = niah(nh)
+        doc["niah"], doc["niah_identical_answers"] = niah(nh)
     if e2e:
         doc["end_to_end"] = end_to_end(e2e)
     if td or tm:
