@@ -28,11 +28,10 @@ Writes OUT/qwen_e2e.json ("prefill": per length; "decode": per batch).
 
 from __future__ import annotations
 
-import statistics
-import time
-
 import os
+import statistics
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
@@ -257,7 +256,8 @@ def decode_config(model, caches, context, first, attention, steps, graphs):
 
 
 def run_decode(args, res, tok, model, taus):
-    seqs, manifest = corpus.build(lambda s: tok.encode(s).ids, args.context, max(args.batches))
+    seqs, manifest = corpus.build(lambda s: tok.encode(s).ids, args.context, max(args.batches),
+                                  allow_fewer=True)
     configs = [("mala_tau0", ("mala", 0.0, "seeded"))]
     for t in taus:
         if t != 0:

@@ -47,8 +47,8 @@ def eval_attention(module, query, key, value, attention_mask, scaling=None, drop
     (Nq = Nk) through mala.attention, keeping its AttentionStats in MODE['stats'] (the backward fills
     their backward slots when training; None: no counters, for timing); a decode step (Nq < Nk:
     generate() with transformers' cache) through mala.attention_with_kvcache on that cache (the
-    split-KV decode kernel, seeded).  On CUDA,
-    fp32 inputs (RoPE's output under autocast, qwen_train) are cast to bf16 for the kernels."""
+    split-KV decode kernel, seeded).  On CUDA, fp32 inputs (RoPE's output under autocast,
+    qwen_train) are cast to bf16 for the kernels."""
     import mala
 
     if query.is_cuda and query.dtype == torch.float32:
@@ -74,18 +74,8 @@ def mean_ci(xs):
     return m, T95.get(len(xs) - 1, 1.96) * statistics.stdev(xs) / math.sqrt(len(xs))
 
 
-def sequences(tok, n_tokens, wanted):
-    """As many corpus sequences of n_tokens as the standard library has, up to `wanted`."""
-    for n in range(wanted, 0, -1):
-        try:
-            return corpus.build(lambda s: tok.encode(s).ids, n_tokens, n)
-        except RuntimeError:
-            continue
-    raise RuntimeError(f"corpus: no package reaches {n_tokens} tokens")
-
-
 def parser(doc):
-    """The arguments every model-in-the-loop script takes (qwen_eval, qwen_niah, qwen_train)."""
+    """The arguments every model-in-the-loop script takes (qwen_eval, qwen_niah, qwen_e2e, qwen_train)."""
     ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gguf", required=True)
     ap.add_argument("--out", required=True)
@@ -125,7 +115,7 @@ def main():
     raw = res.data.setdefault("raw", {})
     summary = res.data.setdefault("perplexity", {})
     for n in lengths:
-        seqs, manifest = sequences(tok, n, args.sequences)
+        seqs, manifest = corpus.build(lambda s: tok.encode(s).ids, n, args.sequences, allow_fewer=True)
         qm.log(f"{n} tokens: {len(seqs)} sequences ({', '.join(s['package'] for s in manifest['sequences'])})")
         rows = raw.setdefault(str(n), {"packages": [s["package"] for s in manifest["sequences"]]})
         for name, tau in configs:

@@ -1,6 +1,6 @@
-"""Fixtures of the model-in-the-loop script tests (qwen_eval, qwen_niah, qwen_train), imported by
-them by name: a conftest.py here would shadow python/tests/conftest.py, which those tests import as
-`conftest` when CI runs both folders in one pytest."""
+"""Fixtures of the model-in-the-loop script tests (qwen_eval, qwen_niah, qwen_e2e, qwen_train),
+imported by them by name: a conftest.py here would shadow python/tests/conftest.py, which those tests
+import as `conftest` when CI runs both folders in one pytest."""
 
 import os
 import sys
