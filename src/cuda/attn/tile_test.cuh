@@ -219,25 +219,34 @@ __device__ __forceinline__ bool cta_vote_result(uint32_t* words, uint32_t mbar0,
   return *reinterpret_cast<volatile uint32_t*>(&words[slot]) == static_cast<uint32_t>(t + 1);
 }
 
-// cta_row_max_exchange: the tile max of this lane's two rows (gid, gid + 8) over the CTA's 4 warps,
-// each of which scored a quarter of the tile's keys (decode): mx is this warp's quad-reduced row max,
-// red_max [4 warps][16 rows] in shared memory; one barrier.  Every warp then holds the same tile_max
-// and takes the same decision (warp_tile_skip_online).
+// cta_row_max_exchange: the tile max of this lane's two rows (gid, gid + 8) over the CTA's W warps,
+// each of which scored a slice of the tile's keys (decode): mx is this warp's quad-reduced row max,
+// red_max [16 rows][W warps] in shared memory (16-byte aligned; a row's W values are read as
+// float4s); one barrier.  Every warp then holds the same tile_max and takes the same decision.
+template <int W>
+__device__ __forceinline__ float cta_row_reduce(const float* row, bool is_max) {
+  static_assert(W % 4 == 0, "whole float4s per row");
+  float t = is_max ? -INFINITY : 0.f;
+#pragma unroll
+  for (int w = 0; w < W; w += 4) {
+    const float4 v = *reinterpret_cast<const float4*>(row + w);
+    t = is_max ? fmaxf(fmaxf(t, v.x), fmaxf(v.y, fmaxf(v.z, v.w))) : t + ((v.x + v.y) + (v.z + v.w));
+  }
+  return t;
+}
+template <int W>
+__device__ __forceinline__ float cta_row_sum(const float* row) { return cta_row_reduce<W>(row, false); }
+
+template <int W>
 __device__ __forceinline__ void cta_row_max_exchange(const float (&mx)[2], float* red_max, int warp, int gid, int tig,
                                                      float (&tile_max)[1][2]) {
-  constexpr int kRows = 16;
   if (tig == 0) {
-    red_max[warp * kRows + gid] = mx[0];
-    red_max[warp * kRows + gid + 8] = mx[1];
+    red_max[gid * W + warp] = mx[0];
+    red_max[(gid + 8) * W + warp] = mx[1];
   }
   __syncthreads();
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    float t = red_max[gid + 8 * h];
-#pragma unroll
-    for (int w = 1; w < 4; ++w) t = fmaxf(t, red_max[w * kRows + gid + 8 * h]);
-    tile_max[0][h] = t;
-  }
+  for (int h = 0; h < 2; ++h) tile_max[0][h] = cta_row_reduce<W>(red_max + (gid + 8 * h) * W, true);
 }
 
 }  // namespace cuda

@@ -14,14 +14,15 @@ namespace mala {
 namespace cuda {
 
 // lse-weighted merge of the split partials (the combine kernel).  One work item = (output row,
-// 32-dim chunk), done by one CTA of kDecodeThreads threads: thread t owns float4 (t % 8) of the
+// 32-dim chunk), done by one CTA of kMergeThreads threads: thread t owns float4 (t % 8) of the
 // chunk and the splits t / 8, t / 8 + 16, ...; it loads all of them at once (one L2 round trip for
 // up to 16 * kMergePre splits), merges them online into its own (m, l, acc), and the 16 subsets are
 // merged through shared memory after one barrier (rather than a block-wide max and sum of the split
 // lse before the weighted sum, which costs two more round trips).  It is the whole of its CTA's work
 // (one item per CTA), so it ends without a barrier.
+constexpr int kMergeThreads = 128;
 constexpr int kMergeDims = 32;
-constexpr int kMergeSubs = kDecodeThreads / (kMergeDims / 4);  // 16 split subsets
+constexpr int kMergeSubs = kMergeThreads / (kMergeDims / 4);  // 16 split subsets
 constexpr int kMergePre = 16;  // splits per thread loaded up front (more are merged one at a time)
 __host__ __device__ constexpr int merge_smem_bytes() { return kMergeSubs * (kMergeDims + 2) * 4; }
 template <int D>
@@ -116,7 +117,7 @@ __device__ void merge_item(const DecodeParams& p, int64_t item, float* sm) {
 
 // The combine kernel: one CTA per merge item, launched as a programmatic dependent of the split kernel.
 template <typename T, int D>
-__global__ void __launch_bounds__(kDecodeThreads) decode_combine_kernel(const DecodeParams p) {
+__global__ void __launch_bounds__(kMergeThreads) decode_combine_kernel(const DecodeParams p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");  // (the next call's split kernel)
   asm volatile("griddepcontrol.wait;" ::: "memory");  // the split kernel's partials are complete

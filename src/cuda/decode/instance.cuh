@@ -15,11 +15,11 @@ namespace cuda {
 
 // A decode kernel launched as a programmatic dependent of the stream's previous work when `pdl`
 // (sm_90+): it may be scheduled before that work completes and waits for it (griddepcontrol.wait).
-inline cudaError_t launch_decode_kernel(void (*kernel)(DecodeParams), dim3 grid, size_t smem, bool pdl,
+inline cudaError_t launch_decode_kernel(void (*kernel)(DecodeParams), dim3 grid, int threads, size_t smem, bool pdl,
                                         const DecodeParams& p, cudaStream_t stream) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
-  cfg.blockDim = dim3(kDecodeThreads);
+  cfg.blockDim = dim3(threads);
   cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
   cudaLaunchAttribute attr[1];
@@ -36,8 +36,8 @@ cudaError_t launch_split_kernel(const DecodeParams& p, bool pdl, cudaStream_t st
   static cudaError_t err =
       cudaFuncSetAttribute(decode_split_kernel<T, D, kDense, kLargeSmem>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return err;
-  return launch_decode_kernel(decode_split_kernel<T, D, kDense, kLargeSmem>, dim3(p.NQT * p.S, p.HS, p.B), smem, pdl, p,
-                              stream);
+  return launch_decode_kernel(decode_split_kernel<T, D, kDense, kLargeSmem>, dim3(p.NQT * p.S, p.HS, p.B),
+                              DecodeConfig<D, kLargeSmem>::THREADS, smem, pdl, p, stream);
 }
 
 template <typename T, int D>
@@ -53,7 +53,7 @@ cudaError_t launch_decode(const DecodeParams& p, const DecodeLaunch& l, cudaStre
   if (err != cudaSuccess) return err;
   if (p.S > 1) {
     err = launch_decode_kernel(decode_combine_kernel<T, D>, dim3(static_cast<unsigned>(merge_items<D>(p))),
-                               merge_smem_bytes(), pdl, p, stream);
+                               kMergeThreads, merge_smem_bytes(), pdl, p, stream);
     if (err != cudaSuccess) return err;
   }
   return cudaGetLastError();

@@ -1,6 +1,7 @@
 // The split-KV decode's split kernel (the combine and the append are in combine.cuh and append.cuh).
 //
-// Split kernel: one CTA of 4 warps per (query tile of 16 packed rows, split, query-tile owner, batch).
+// Split kernel: one CTA of W warps (decode_warps: 8 at d = 128, else 4) per (query tile of 16 packed
+// rows, split, query-tile owner, batch).
 // It walks the split's legal key tiles newest first (rule::split_tiles of ceil(Nk/BK) tiles) with its
 // own m, l and tests every tile with rule::row_allows_skip against the FULL L_q (log2 domain).
 // Seeded split rule (p.seeded, MALA_SPEC "Seeded split-KV"): the walk is preceded by the anchor
@@ -10,18 +11,20 @@
 // log_add_exp(ma + log2(la), m + log2(l)) (seeded_log2_norm), refreshed whenever l changes; owned
 // anchor tiles are retained without a test.  Scoring them first keeps the pipeline uniform (one
 // K ring, every iteration commits the same groups) and hides their loads behind the prologue.
-//   QK^T : warp w computes the scores of keys [w*BK/4, (w+1)*BK/4) for all 16 rows (mma m16n8k16);
+//   QK^T : warp w computes the scores of keys [w*BK/W, (w+1)*BK/W) for all 16 rows (mma m16n8k16);
 //          row maxima are exchanged through shared memory (one barrier) so every warp holds the
 //          whole tile's row max and takes the same decision (warp_tile_skip_online).
 //   PV   : P (bf16/fp16, 16 x BK) goes through shared memory; warp w accumulates output dims
-//          [w*D/4, (w+1)*D/4), so m and the accumulator never need a cross-warp reduction (l adds
+//          [w*D/W, (w+1)*D/W), so m and the accumulator never need a cross-warp reduction (l adds
 //          the warps' row sums of P through shared memory).
-// Memory (decode is memory-bound): K tiles stream through a ring of cp.async stages issued ahead;
-// V is loaded ONLY for retained tiles, after the test (sparse variant), and consumed DEFER tiles
+// Memory (decode is memory-bound, and a split is often only a few tiles long): the sparse variant
+// keeps one ring of tile slots.  K streams AHEAD tiles ahead of the test; V is loaded ONLY for
+// retained tiles, after the test, into the slot the tile's K has just left, and consumed DEFER tiles
 // later: the tile's P and m wait in shared-memory rings while the next tiles' K is scored, so the V
 // latency is hidden (the online state m, l is updated at test time; acc catches up at the PV, scaled
-// from the m of the previous PV to the m of the tile).  With tau = 0 nothing can be skipped, so the
-// dense variant streams (K, V) pairs ahead together.
+// from the m of the previous PV to the m of the tile).  Sharing the slot is what lets K run deep
+// when tiles are skipped (separate V slots would sit empty) and keeps V in flight when they are not.
+// With tau = 0 nothing can be skipped, so the dense variant streams (K, V) pairs ahead together.
 // Why not the forward's shared pieces (attn/online_softmax.cuh, core/smem_tile.cuh): those assume each warp
 // owns its own 16-row block and full key tiles; decode has one 16-row block per CTA and splits the
 // key dimension (QK) and the head dimension (PV) across warps instead.  The test itself is
@@ -63,84 +66,104 @@ __device__ __forceinline__ int swz(int row, int chunk) {
 }
 
 // One key tile (rows j*BK ..) of K or V into a swizzled shared buffer at sdst; rows past Nk are
-// zero-filled.  Thread tid copies the 16-byte chunk tid % (D/8) of rows tid / (D/8) + i*RPI: all
-// but the tile offset is fixed per thread, so a contiguous tile costs one add and one LDGSTS per
-// chunk.  Not inlined: the kernel issues tiles from several places and one copy keeps the code
-// (and the instruction cache footprint) small.
-template <typename T, int D, int BK>
-__device__ __noinline__ void decode_load_tile(uint32_t sdst, const T* base, int64_t sb, int64_t sr, int64_t sh, int j,
-                                              int b, int kvh, int Nk, const int32_t* block_table, int64_t bt_stride,
-                                              int page_size, int page_shift, int page_in_tile) {
+// zero-filled.  Thread tid (of THREADS) copies the 16-byte chunk tid % (D/8) of rows tid / (D/8) +
+// i*RPI.  The kernel is issue-bound when it skips tiles, so the common case (contiguous, or a tile
+// inside one page) costs one 64-bit address per tile and one add and one LDGSTS per chunk, with no
+// per-row predicate unless the tile reaches past Nk; pages smaller than a tile take the general
+// path (decode_load_tile_paged, not inlined: it is rare and long).
+template <typename T, int D, int BK, int THREADS>
+__device__ __noinline__ void decode_load_tile_paged(uint32_t sdst, const T* base, int64_t sb, int64_t sr, int64_t sh,
+                                                    int j, int b, int kvh, int Nk, const int32_t* block_table,
+                                                    int64_t bt_stride, int page_size, int page_shift) {
   constexpr int DCH = D / 8;
-  constexpr int RPI = kDecodeThreads / DCH;  // rows per load iteration
+  constexpr int RPI = THREADS / DCH;  // rows per load iteration
   constexpr int LOAD_ITERS = BK / RPI;
   const int tid = threadIdx.x, r0 = tid / DCH, ch0 = tid % DCH;
   const int key0 = j * BK + r0;
   const T* hbase = base + kvh * sh + ch0 * 8;
-  if (block_table == nullptr || page_in_tile) {
-    // Contiguous, or the whole tile inside one page (page_size a multiple of BK).
-    const T* src0;
-    if (block_table == nullptr) {
-      src0 = hbase + static_cast<int64_t>(b) * sb + static_cast<int64_t>(key0) * sr;
-    } else {
-      const int page = block_table[b * bt_stride + (j * BK) / page_size];
-      src0 = hbase + static_cast<int64_t>(page) * sb + static_cast<int64_t>((j * BK) % page_size + r0) * sr;
-    }
-    const int64_t step = RPI * sr;
-#pragma unroll
-    for (int i = 0; i < LOAD_ITERS; ++i) {
-      const int row = i * RPI + r0;
-      const bool valid = key0 + i * RPI < Nk;
-      cp_async_16(sdst + swz<DCH>(row, ch0) * 2, valid ? src0 + i * step : base, valid);
-    }
-  } else {
-    // Pages smaller than a tile (or not aligned to it): one block_table lookup per row.
 #pragma unroll 4
-    for (int i = 0; i < LOAD_ITERS; ++i) {
-      const int row = i * RPI + r0, key = key0 + i * RPI;
-      const bool valid = key < Nk;
-      const T* src = base;
-      if (valid) {
-        const int pi = page_shift >= 0 ? key >> page_shift : key / page_size;
-        const int pr = page_shift >= 0 ? key & (page_size - 1) : key - pi * page_size;
-        const int page = block_table[b * bt_stride + pi];
-        src = hbase + static_cast<int64_t>(page) * sb + static_cast<int64_t>(pr) * sr;
-      }
-      cp_async_16(sdst + swz<DCH>(row, ch0) * 2, src, valid);
+  for (int i = 0; i < LOAD_ITERS; ++i) {
+    const int row = i * RPI + r0, key = key0 + i * RPI;
+    const bool valid = key < Nk;
+    const T* src = base;
+    if (valid) {
+      const int pi = page_shift >= 0 ? key >> page_shift : key / page_size;
+      const int pr = page_shift >= 0 ? key & (page_size - 1) : key - pi * page_size;
+      const int page = block_table[b * bt_stride + pi];
+      src = hbase + static_cast<int64_t>(page) * sb + static_cast<int64_t>(pr) * sr;
+    }
+    cp_async_16(sdst + swz<DCH>(row, ch0) * 2, src, valid);
+  }
+}
+
+template <typename T, int D, int BK, int THREADS>
+__device__ __forceinline__ void decode_load_tile(uint32_t sdst, const T* base, int64_t sb, int64_t sr, int64_t sh, int j,
+                                                 int b, int kvh, int Nk, const int32_t* block_table, int64_t bt_stride,
+                                                 int page_size, int page_shift, int page_in_tile) {
+  constexpr int DCH = D / 8;
+  constexpr int RPI = THREADS / DCH;  // rows per load iteration
+  constexpr int LOAD_ITERS = BK / RPI;
+  if (block_table != nullptr && !page_in_tile) {
+    decode_load_tile_paged<T, D, BK, THREADS>(sdst, base, sb, sr, sh, j, b, kvh, Nk, block_table, bt_stride,
+                                              page_size, page_shift);
+    return;
+  }
+  const int tid = threadIdx.x, r0 = tid / DCH, ch0 = tid % DCH;
+  const int key0 = j * BK + r0;
+  // Contiguous, or the whole tile inside one page (page_size a multiple of BK).
+  const int64_t tile_base = block_table == nullptr
+                                ? static_cast<int64_t>(b) * sb + static_cast<int64_t>(key0) * sr
+                                : static_cast<int64_t>(block_table[b * bt_stride + (j * BK) / page_size]) * sb +
+                                      static_cast<int64_t>((j * BK) % page_size + r0) * sr;
+  const T* src = base + kvh * sh + ch0 * 8 + tile_base;
+  const int64_t step = RPI * sr;
+  if (key0 + (LOAD_ITERS - 1) * RPI < Nk) {
+#pragma unroll
+    for (int i = 0; i < LOAD_ITERS; ++i, src += step) cp_async_16(sdst + swz<DCH>(i * RPI + r0, ch0) * 2, src);
+  } else {
+#pragma unroll
+    for (int i = 0; i < LOAD_ITERS; ++i, src += step) {
+      const bool valid = key0 + i * RPI < Nk;
+      cp_async_16(sdst + swz<DCH>(i * RPI + r0, ch0) * 2, valid ? src : base, valid);
     }
   }
 }
 
 template <typename T, int D, bool kDense, bool kLargeSmem>
-__global__ void __launch_bounds__(kDecodeThreads, 1) decode_split_kernel(const DecodeParams p) {
+__global__ void __launch_bounds__(32 * decode_warps(D), 1) decode_split_kernel(const DecodeParams p) {
   using Cfg = DecodeConfig<D, kLargeSmem>;
   constexpr int BK = Cfg::BK;
+  constexpr int W = Cfg::WARPS, THREADS = Cfg::THREADS;
   constexpr int NBUF = kDense ? Cfg::NBUF_DENSE : Cfg::NBUF_SPARSE;
-  constexpr int NV = kDense ? 1 : Cfg::NV;           // P slots (and, sparse, V slots)
-  constexpr int DEFER = Cfg::DEFER;                   // sparse: PV of a retained tile DEFER tiles later
-  constexpr int NST = kDense ? NBUF / 2 : NBUF - NV;  // K stages
+  constexpr int NP = kDense ? 1 : Cfg::NP;       // P (and, sparse, m) slots
+  constexpr int DEFER = Cfg::DEFER;               // sparse: PV of a retained tile DEFER tiles later
+  constexpr int NST = kDense ? NBUF / 2 : NBUF;   // K stages (sparse: slots, V in its K's slot)
+  constexpr int AHEAD = kDense ? NST - 1 : Cfg::AHEAD_SPARSE;  // tiles whose K is issued ahead
   constexpr int TILE = BK * D;                        // elements per tile buffer
   constexpr int DCH = D / 8;                          // 16-byte chunks per K/V/Q row
   constexpr int BKCH = BK / 8;                        // 16-byte chunks per P row
-  constexpr int KW = BK / 4;                          // keys per warp (QK)
+  constexpr int KW = BK / W;                          // keys per warp (QK)
   constexpr int NF = KW / 8;                          // n8 fragments per warp (QK)
-  constexpr int DW = D / 4;                           // output dims per warp (PV)
+  constexpr int DW = D / W;                           // output dims per warp (PV)
   constexpr int NDF = DW / 8;                         // n8 fragments per warp (PV)
   constexpr int KS_QK = D / 16;
   constexpr int KS_PV = BK / 16;
-  static_assert(NF % 2 == 0 && NDF % 2 == 0 && (BK * DCH) % kDecodeThreads == 0, "tile shape");
-  static_assert(NST >= 2, "at least two K stages");
-  static_assert(kDense || DEFER + 1 <= NV, "a ring slot is drained before it is refilled");
+  static_assert(NF % 2 == 0 && NDF % 2 == 0 && (BK * DCH) % THREADS == 0, "tile shape");
+  static_assert(NST >= 2 && AHEAD >= 1, "at least two K stages");
+  // Sparse: the K of tile i + NST is issued in iteration i + NST - AHEAD, after the barrier that
+  // follows the PV of tile i (iteration i + DEFER), so the slot is free; P slots likewise.
+  static_assert(kDense || (AHEAD <= NST - DEFER && AHEAD >= DEFER && DEFER + 1 <= NP && AHEAD <= 8), "ring sizes");
   // The 16 rows of a query tile see at most 16 consecutive L_q: their newest tiles are at most two.
   static_assert(BK >= kDecodeBlockQ, "a query tile's newest legal tiles span at most two key tiles");
 
   extern __shared__ __align__(128) unsigned char smem_raw[];
   T* bufs = reinterpret_cast<T*>(smem_raw);
   T* sQ = bufs + NBUF * TILE;
-  T* sP = sQ + kDecodeBlockQ * D;                                            // [NV][16][BK]
-  float* red_max = reinterpret_cast<float*>(sP + NV * kDecodeBlockQ * BK);  // [4 warps][16 rows]
-  float* red_sum = red_max + 4 * kDecodeBlockQ;                             // [1 or 2][4 warps][16 rows]
-  float* m_slot = red_sum + (kDense ? 1 : 2) * 4 * kDecodeBlockQ;           // sparse: [NV][16 rows]
+  T* sP = sQ + kDecodeBlockQ * D;                                            // [NP][16][BK]
+  // Cross-warp exchanges, [16 rows][W warps] so that a row's W values are read as float4s.
+  float* red_max = reinterpret_cast<float*>(sP + NP * kDecodeBlockQ * BK);  // [16 rows][W warps]
+  float* red_sum = red_max + W * kDecodeBlockQ;                             // [1 or 2][16 rows][W warps]
+  float* m_slot = red_sum + (kDense ? 1 : 2) * W * kDecodeBlockQ;           // sparse: [NP][16 rows]
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   // Programmatic dependent launch: the combine kernel may be scheduled now; it waits on
@@ -156,7 +179,7 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) decode_split_kernel(const D
   const int kvh = p.pack ? hs : hs / p.G;
   const T* gq = static_cast<const T*>(p.q);
   // Q tile -> shared (zero rows past R), issued before the cache length is read: it does not depend on it.
-  for (int c = tid; c < kDecodeBlockQ * DCH; c += kDecodeThreads) {
+  for (int c = tid; c < kDecodeBlockQ * DCH; c += THREADS) {
     const int lr = c / DCH, ch = c % DCH, r = qt * kDecodeBlockQ + lr;
     const bool valid = r < p.R;
     const T* src = gq;
@@ -216,41 +239,35 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) decode_split_kernel(const D
     return (sc1 && it == sc0) ? newest_lo : newest_hi;
   };
   auto forced = [&](int j) { return seeded && rule::is_anchor_tile(j, newest_lo, newest_hi); };
-  // The iteration whose V travels with its K (-1: none): the split's first own tile when it is
-  // certain to be retained: under per_split, or seeded without a seed (na = 0), nothing is retained
-  // before it, so its test cannot pass; seeded, a forced anchor.  Otherwise the seed may skip it.
-  const int v_early = (!seeded || na == 0 || (n_own > 0 && forced(te_l - 1))) ? na : -1;
-
   uint8_t* mask = p.tile_mask ? p.tile_mask + (static_cast<int64_t>(b * p.HS + hs) * p.NQT + qt) * p.n_cap : nullptr;
   if (mask) {
-    for (int j = max(te_l, tb) + tid; j < te; j += kDecodeThreads) mask[j] = kTileIllegal;
-    for (int j = n_tiles + split + p.S * tid; j < p.n_cap; j += p.S * kDecodeThreads) mask[j] = kTileIllegal;
+    for (int j = max(te_l, tb) + tid; j < te; j += THREADS) mask[j] = kTileIllegal;
+    for (int j = n_tiles + split + p.S * tid; j < p.n_cap; j += p.S * THREADS) mask[j] = kTileIllegal;
   }
 
   const T* gk = static_cast<const T*>(p.k_cache);
   const T* gv = static_cast<const T*>(p.v_cache);
   auto load_tile = [&](T* dst, const T* base, int64_t sb, int64_t sr, int64_t sh, int j) {
-    decode_load_tile<T, D, BK>(smem_addr(dst), base, sb, sr, sh, j, b, kvh, Nk, p.block_table, p.bt_stride,
+    decode_load_tile<T, D, BK, THREADS>(smem_addr(dst), base, sb, sr, sh, j, b, kvh, Nk, p.block_table, p.bt_stride,
                                p.page_size, p.page_shift, p.page_in_tile);
   };
-  // Buffers: dense: K stages then V stages; sparse: K stages then the NV V slots.
+  // Buffers: dense: K stages then V stages; sparse: slots, a retained tile's V in its K's slot.
   auto kbuf = [&](int it) { return bufs + (it % NST) * TILE; };
-  auto vbuf = [&](int it) { return bufs + (NST + it % (kDense ? NST : NV)) * TILE; };
-  auto pbuf = [&](int it) { return sP + (kDense ? 0 : it % NV) * kDecodeBlockQ * BK; };
-  // K (and V when dense or it == v_early) of iteration it, as one commit group (an empty group past
-  // the end keeps the group count of every iteration the same).  No V was loaded before v_early
-  // (anchor iterations have none), so its V slot is free whenever its K is issued.
+  auto vbuf = [&](int it) { return kDense ? bufs + (NST + it % NST) * TILE : kbuf(it); };
+  auto pbuf = [&](int it) { return sP + (kDense ? 0 : it % NP) * kDecodeBlockQ * BK; };
+  // K (and V when dense) of iteration it, as one commit group (an empty group past the end keeps the
+  // group count of every iteration the same).
   auto issue = [&](int it) {
     if (it < n_it) {
       const int j = tile_of(it);
       load_tile(kbuf(it), gk, p.k_sb, p.k_sr, p.k_sh, j);
-      if (kDense || it == v_early) load_tile(vbuf(it), gv, p.v_sb, p.v_sr, p.v_sh, j);
+      if (kDense) load_tile(vbuf(it), gv, p.v_sb, p.v_sr, p.v_sh, j);
     }
     cp_async_commit();
   };
 
 #pragma unroll 1
-  for (int it = 0; it < NST - 1; ++it) issue(it);
+  for (int it = 0; it < AHEAD; ++it) issue(it);
 
   float m[1][2] = {{-INFINITY, -INFINITY}}, l[1][2] = {{0.f, 0.f}};
   float acc[NDF][4];
@@ -258,6 +275,16 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) decode_split_kernel(const D
   for (int i = 0; i < NDF; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
   int retained = 0;
   const int arow = (lane & 7) + ((lane >> 3) & 1) * 8;  // ldmatrix row of an A (Q or P) fragment
+  // Q fragments: in registers where they fit (d <= 128: 32 registers), else re-read from shared
+  // memory for every tile (d = 256).  The Q group precedes the AHEAD prologue groups.
+  constexpr bool kQRegs = D <= 128;
+  uint32_t qreg[kQRegs ? KS_QK : 1][4];
+  if constexpr (kQRegs) {
+    cp_async_wait<AHEAD>();
+    __syncthreads();
+#pragma unroll
+    for (int ks = 0; ks < KS_QK; ++ks) ldmatrix_x4(qreg[ks], smem_addr(sQ + swz<DCH>(arow, ks * 2 + (lane >> 4))));
+  }
 
   // O[:, warp dims] += P V for the P in `Ps` and the V in `Vs`.
   auto pv = [&](const T* Ps, const T* Vs) {
@@ -289,7 +316,7 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) decode_split_kernel(const D
   // deferred tile's P is relative to the m after its own update (m_slot).
   float m_basis[2] = {-INFINITY, -INFINITY};
   auto drain = [&](int it_d) {  // PV of the retained tile of iteration it_d (its V complete and visible)
-    const float* ms = m_slot + (it_d % NV) * kDecodeBlockQ;
+    const float* ms = m_slot + (it_d % NP) * kDecodeBlockQ;
     float f[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -311,13 +338,11 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) decode_split_kernel(const D
   bool pend_l = false;
   float alpha_l[2] = {1.f, 1.f};
   auto apply_l = [&](int it_r) {
-    const float* rs = red_sum + (it_r & 1) * 4 * kDecodeBlockQ;
+    const float* rs = red_sum + (it_r & 1) * W * kDecodeBlockQ;
     const bool anchor = it_r < na;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      float sum = 0.f;
-#pragma unroll
-      for (int w = 0; w < 4; ++w) sum += rs[w * kDecodeBlockQ + gid + 8 * h];
+      const float sum = cta_row_sum<W>(rs + (gid + 8 * h) * W);
       if (anchor) la[h] = la[h] * alpha_l[h] + sum;
       else l[0][h] = l[0][h] * alpha_l[h] + sum;
       if (seeded) log_norm[0][h] = seeded_log2_norm(log2_norm(ma[h], la[h]), m[0][h], l[0][h]);
@@ -331,21 +356,18 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) decode_split_kernel(const D
     if (kDense) {
       cp_async_wait<NST - 2>();
     } else {
-      // Groups committed so far: Q, the NST - 1 prologue groups (K(0), K(1), ..., V(v_early) with its
-      // K), then two per iteration (V of the tile if retained, else empty; K of the tile NST - 1
-      // ahead).  K(it) must be complete, and V of the tile to drain (iteration it - DEFER) if any.
-      auto k_newer = [&](int i) {  // groups committed after K(i), as of this wait
-        return i <= NST - 2 ? (NST - 2 - i) + 2 * it : 2 * (NST - 2) + 2 * (it - i);
-      };
-      int after = k_newer(it);
-      if (pend_pv & (1u << (DEFER - 1))) {
-        const int i = it - DEFER;  // its V: with K(i) (i = v_early) or in iteration i's first group
-        after = min(after, i == v_early ? k_newer(i) : 2 * (it - i) - 1);
-      }
-      cp_async_wait_dyn(after);
+      // Groups committed so far: Q, the AHEAD prologue groups K(0) .. K(AHEAD - 1), then two per
+      // iteration (V of the tile if retained, else empty; K of the tile AHEAD ahead).  K(it) must be
+      // complete (AHEAD - 1 + it newer groups in the prologue, 2 (AHEAD - 1) after it), and V of the
+      // tile to drain (iteration it - DEFER, its first group: 2 DEFER - 1 newer, fewer than K(it)'s
+      // since AHEAD >= DEFER) if any.  Constant counts outside the prologue: the wait is on the
+      // critical path of every tile.
+      if (pend_pv & (1u << (DEFER - 1))) cp_async_wait<2 * DEFER - 1>();
+      else if (it >= AHEAD - 1) cp_async_wait<2 * (AHEAD - 1)>();
+      else cp_async_wait_dyn(AHEAD - 1 + it);
     }
     __syncthreads();  // K(it) (and V of the tile to drain) visible; previous buffers, P slots, red_* free
-    if (kDense) issue(it + NST - 1);
+    if (kDense) issue(it + AHEAD);
     if (!kDense) {
       if (pend_l) apply_l(it - 1);
       pend_l = false;
@@ -360,8 +382,9 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) decode_split_kernel(const D
     for (int i = 0; i < NF; ++i) sc[i][0] = sc[i][1] = sc[i][2] = sc[i][3] = 0.f;
 #pragma unroll
     for (int ks = 0; ks < KS_QK; ++ks) {
-      uint32_t qf[4];  // Q fragments are re-read from shared memory (keeps registers low for D = 256)
-      ldmatrix_x4(qf, smem_addr(sQ + swz<DCH>(arow, ks * 2 + (lane >> 4))));
+      uint32_t qs[4];
+      if constexpr (!kQRegs) ldmatrix_x4(qs, smem_addr(sQ + swz<DCH>(arow, ks * 2 + (lane >> 4))));
+      const uint32_t* qf = kQRegs ? qreg[ks] : qs;
 #pragma unroll
       for (int n2 = 0; n2 < NF / 2; ++n2) {
         const int krow = warp * KW + n2 * 16 + (lane & 7) + (lane >> 4) * 8;
@@ -385,7 +408,7 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) decode_split_kernel(const D
     mx[0] = warp_max_quad(mx[0]);
     mx[1] = warp_max_quad(mx[1]);
     float tmax[1][2];
-    cta_row_max_exchange(mx, red_max, warp, gid, tig, tmax);
+    cta_row_max_exchange<W>(mx, red_max, warp, gid, tig, tmax);
     // The tile test (identical inputs in every warp, so every warp takes the same decision).  An
     // anchor iteration is not tested (its mass goes to the seed); seeded, owned anchors are kept.
     bool skip = false;
@@ -393,10 +416,11 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) decode_split_kernel(const D
       skip = seeded ? warp_tile_skip_norm<1>(tmax, log_norm, log_thr) : warp_tile_skip_online<1>(tmax, m, l, log_thr);
     if (mask && tid == 0 && !anchor) mask[j] = skip ? kTileSkipped : kTileRetained;
     if (!kDense) {
-      // V only after the test (V(v_early) came with its K); one group per iteration even when skipped.
-      if (!skip && !anchor && it != v_early) load_tile(vbuf(it), gv, p.v_sb, p.v_sr, p.v_sh, j);
+      // V only after the test, into the slot K(it) has left (every warp is past its QK: the barrier
+      // of the row-max exchange); one group per iteration even when skipped.
+      if (!skip && !anchor) load_tile(vbuf(it), gv, p.v_sb, p.v_sr, p.v_sh, j);
       cp_async_commit();
-      issue(it + NST - 1);
+      issue(it + AHEAD);
     }
     if (skip) continue;
     if (anchor) {
@@ -412,10 +436,10 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) decode_split_kernel(const D
         for (int nf = 0; nf < NF; ++nf) psa[h] += exp2f(sc[nf][2 * h] - mu) + exp2f(sc[nf][2 * h + 1] - mu);
         psa[h] = warp_sum_quad(psa[h]);
       }
-      float* rs = red_sum + (it & 1) * 4 * kDecodeBlockQ;
+      float* rs = red_sum + (it & 1) * W * kDecodeBlockQ;
       if (tig == 0) {
-        rs[warp * kDecodeBlockQ + gid] = psa[0];
-        rs[warp * kDecodeBlockQ + gid + 8] = psa[1];
+        rs[gid * W + warp] = psa[0];
+        rs[(gid + 8) * W + warp] = psa[1];
       }
       pend_l = true;
       continue;
@@ -444,16 +468,16 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) decode_split_kernel(const D
     }
     psum[0] = warp_sum_quad(psum[0]);
     psum[1] = warp_sum_quad(psum[1]);
-    float* rs = red_sum + (kDense ? 0 : (it & 1) * 4 * kDecodeBlockQ);
+    float* rs = red_sum + (kDense ? 0 : (it & 1) * W * kDecodeBlockQ);
     if (tig == 0) {
-      rs[warp * kDecodeBlockQ + gid] = psum[0];
-      rs[warp * kDecodeBlockQ + gid + 8] = psum[1];
+      rs[gid * W + warp] = psum[0];
+      rs[(gid + 8) * W + warp] = psum[1];
     }
     if (!kDense) {
       // Deferred: l at the next top barrier, PV DEFER iterations later (or after the loop).
       if (warp == 0 && tig == 0) {
-        m_slot[(it % NV) * kDecodeBlockQ + gid] = m_use[0];
-        m_slot[(it % NV) * kDecodeBlockQ + gid + 8] = m_use[1];
+        m_slot[(it % NP) * kDecodeBlockQ + gid] = m_use[0];
+        m_slot[(it % NP) * kDecodeBlockQ + gid + 8] = m_use[1];
       }
       alpha_l[0] = alpha[0];
       alpha_l[1] = alpha[1];

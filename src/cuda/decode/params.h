@@ -9,7 +9,6 @@ namespace cuda {
 
 // Decode query tile height: one m16 mma fragment of packed rows (token * G + g) or tokens.
 constexpr int kDecodeBlockQ = 16;
-constexpr int kDecodeThreads = 128;  // 4 warps
 
 // Key tile of the decode kernels for a head dim: part of the semantics (one skip decision per tile;
 // the CPU path reproduces it through decode_tiles).  128 keys at d <= 128: smaller tiles would put
@@ -17,27 +16,39 @@ constexpr int kDecodeThreads = 128;  // 4 warps
 // pay its exposed V latency on twice as many tiles.
 constexpr int decode_block_k(int head_dim) { return head_dim == 256 ? 64 : 128; }
 
+// Warps of the split kernel's CTA (one CTA per SM): the warps split a tile's keys for QK^T and the
+// head dims for PV, each in slices of at least 16.  One warp per scheduler leaves every dependent
+// instruction's latency exposed (the kernel is issue-bound when tiles are skipped), so d = 128 takes
+// 8 warps; d = 64 (16 dims per warp at 4) and d = 256 (16 keys of a 64-key tile at 4) take 4.
+constexpr int decode_warps(int head_dim) { return head_dim == 128 ? 8 : 4; }
+
 // kLargeSmem: the sm_90 opt-in shared memory (227 KB per block); otherwise sm_80's 163 KB.  The
 // host picks the instance from the device's cudaDevAttrMaxSharedMemoryPerBlockOptin.
 template <int D, bool kLargeSmem>
 struct DecodeConfig {
   static constexpr int BK = decode_block_k(D);
+  static constexpr int WARPS = decode_warps(D), THREADS = 32 * WARPS;
   static constexpr int TILE_BYTES = BK * D * 2;
   static constexpr int P_BYTES = kDecodeBlockQ * BK * 2;
   static constexpr int SMEM_BUDGET = (kLargeSmem ? 227 : 163) * 1024;
-  // Sparse variant: V of a retained tile is read after its test and consumed DEFER tiles later
-  // (its P, m and V wait in rings of NV slots), so the V latency hides behind the next tiles' QK.
-  static constexpr int NV = kLargeSmem ? 3 : 2, DEFER = NV - 1;
-  // Q, P (NV slots sparse, 1 dense), the [4 warps][16 rows] row-max exchange, the row-sum exchange
+  // Sparse variant: V of a retained tile is read after its test, into the slot its K has just left,
+  // and consumed DEFER tiles later (its P and m wait in NP = DEFER + 1 shared-memory slots), so the V
+  // latency hides behind the next tiles' QK while K streams AHEAD tiles ahead of the test.
+  static constexpr int DEFER = kLargeSmem ? 2 : 1, NP = DEFER + 1;
+  // Q, P (NP slots sparse, 1 dense), the [WARPS][16 rows] row-max exchange, the row-sum exchange
   // (two parities sparse, one dense) and, sparse, the m of each P slot.
   static constexpr int extra_bytes(bool dense) {
-    return kDecodeBlockQ * D * 2 + (dense ? 1 : NV) * P_BYTES + 4 * kDecodeBlockQ * 4 +
-           (dense ? 1 : 2) * 4 * kDecodeBlockQ * 4 + (dense ? 0 : NV * kDecodeBlockQ * 4);
+    return kDecodeBlockQ * D * 2 + (dense ? 1 : NP) * P_BYTES + WARPS * kDecodeBlockQ * 4 +
+           (dense ? 1 : 2) * WARPS * kDecodeBlockQ * 4 + (dense ? 0 : NP * kDecodeBlockQ * 4);
   }
   // Tile buffers, as many as fit (decode is memory-bound: they are the bytes in flight per SM).
-  // Dense: NBUF_DENSE / 2 (K, V) stages.  Sparse: NBUF_SPARSE - NV K stages and NV V slots.
+  // Dense: NBUF_DENSE / 2 (K, V) stages, loaded NBUF_DENSE / 2 - 1 tiles ahead.  Sparse: NBUF_SPARSE
+  // slots, each holding a tile's K and then, if it is retained, its V until the PV; the slot is free
+  // for the K of the tile NBUF_SPARSE later once that PV is done, so K runs AHEAD_SPARSE =
+  // NBUF_SPARSE - DEFER tiles ahead (at most 8: the cp.async group counts the waits name stay <= 15).
   static constexpr int NBUF_DENSE = (SMEM_BUDGET - extra_bytes(true)) / TILE_BYTES / 2 * 2;
   static constexpr int NBUF_SPARSE = (SMEM_BUDGET - extra_bytes(false)) / TILE_BYTES;
+  static constexpr int AHEAD_SPARSE = NBUF_SPARSE - DEFER < 8 ? NBUF_SPARSE - DEFER : 8;
   static constexpr int smem_bytes(bool dense) {
     return (dense ? NBUF_DENSE : NBUF_SPARSE) * TILE_BYTES + extra_bytes(dense);
   }
