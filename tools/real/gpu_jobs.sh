@@ -16,7 +16,7 @@
 #   train       qwen_train.py: 120 steps dense, then MALA tau = 1
 #   states      qwen_measure.py --steps load,states,save (the matched-work study's input)
 #   matched     matched_work.py --device cuda at 8K and 32K, every layer (after `states`)
-#   decode      python/benchmarks/decode_timing.py: synthetic and random caches at 32K and 128K and the
+#   decode      python/benchmarks/decode_timing.py: synthetic and random caches at 1K to 128K and the
 #               real 32K cache of layers 0, 14, 27 (after `states`), at 0 (automatic) to 132 splits
 #   pytest      the package's Python tests (CUDA ones included)
 # Results and logs: $STORE/res (STORE = $MALA_REAL_STORE, default /tmp/mala-real).
@@ -47,7 +47,7 @@ job() {
       --out "$RES/matched_work.json" ;;
   decode)
     S=$STORE/work/states
-    python3 python/benchmarks/decode_timing.py --seqlens 32768 131072 --batches 1 8 --regimes synthetic random \
+    python3 python/benchmarks/decode_timing.py --seqlens 1024 8192 32768 131072 --batches 1 8 --regimes synthetic random \
       --real "$S/layer00,$S/layer14,$S/layer27" --num-splits 0 16 33 66 132 --out "$RES/decode_timing.json" ;;
   pytest) python3 -m pytest -q -p no:cacheprovider python/tests tools/real/tests ;;
   *) echo "gpu_jobs: unknown job $1" >&2; return 2 ;;
