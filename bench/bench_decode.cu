@@ -17,22 +17,15 @@
 //               per batch entry (seed = batch index); a decode at N uses the workload's keys [0, N)
 //               and its query row N-1 (the token at position N-1 sees every key).  Larger s: sharper
 //               attention (locality, a sink, planted needles), fewer retained tiles.
-//   recency   : (with --profile, slope 16 only) score(q, key pos) ~ -slope * (N-1-pos)/128 + N(0,1) nats (see apply_recency): the
-//               last query attends sharply to the newest keys.  Under per_split each split keeps its
+//   recency   : score(q, key pos) ~ -slope * (N-1-pos)/128 + N(0,1) nats (see apply_recency): the
+//               last query attends sharply to the newest keys (slopes 2 and 16; --quick and
+//               --profile: 16 only).  Under per_split each split keeps its
 //               own normalizer, so a tile is skipped only when it is ~log(L) nats below what its own
 //               split has retained: homogeneous far context is retained; a ramp is skipped.  Seeded
 //               splits also count the newest tile's mass, so far context is skipped too.
 // Each N uses a cache of capacity N (the kernel's split heuristic depends on the capacity only).
 //
-// Measured with the per_split rule, before seeded existed (H100 80GB HBM3, 2026-11-22, copy bandwidth 2.99 TB/s, Hq=8 Hkv=1 d=128 bf16, cold L2;
-// bench/results/mala_bench_decode_h100.log):
-//   128K batch 8 : tau=0 183 us = 1.02x its K+V floor; recency(16/tile) tau=1 retained 3.5% ->
-//                  100 us = 1.83x faster than tau=0; recency(2/tile) 8.9% -> 105 us (1.75x);
-//                  random / make_workload synthetic s=4,16 retain 91-100% -> 0.98-1.00x.
-//   128K batch 1 : tau=0 30.9-31.1 us = 1.37-1.38x floor (22.5 us) for one cold call, 28.7 us per
-//                  call back to back in a CUDA graph (--overhead); recency(16/tile) tau=1 retained
-//                  28% (132 splits) -> 23.7 us (1.30x); random tau=1 0.99x.
-//   1K-8K        : 9.5-11 us (batch 1), launch/latency bound (--overhead: an empty kernel is 3 us).
+// Measured: docs/kernels.md ("Decode"), bench/results/mala_bench_decode_h200.log.
 // Entry point: run_decode_bench(argc, argv) (called by bench_main.cpp); flags: --quick (fewer
 // lengths / runs), --sweep (num_splits sweep at the largest N), --overhead (batch-1 fixed costs
 // only: empty kernels, a plain kernel streaming the same K+V bytes, the split kernel's (K, V) tile
