@@ -23,6 +23,8 @@
 //               own normalizer, so a tile is skipped only when it is ~log(L) nats below what its own
 //               split has retained: homogeneous far context is retained; a ramp is skipped.  Seeded
 //               splits also count the newest tile's mass, so far context is skipped too.
+//   patchy    : random scores with one key tile in three (scattered) 30 nats lower (see apply_patchy):
+//               about two thirds of the tiles retained, like the real model's 32K cache.
 // Each N uses a cache of capacity N (the kernel's split heuristic depends on the capacity only).
 //
 // Measured: docs/kernels.md ("Decode"), bench/results/mala_bench_decode_h200.log.
@@ -81,6 +83,24 @@ __global__ void apply_recency(__nv_bfloat16* q, __nv_bfloat16* k, int64_t batch,
   for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < total; i += (int64_t)gridDim.x * blockDim.x) {
     const int64_t b = i / n, pos = i % n;
     k[(b * cap_stride + pos) * d] = __float2bfloat16_rn(-slope * static_cast<float>(n - 1 - pos) / 128.f);
+  }
+  if (blockIdx.x == 0)
+    for (int64_t i = threadIdx.x; i < batch * hq; i += blockDim.x) q[i * d] = __float2bfloat16_rn(sqrtf((float)d));
+}
+
+// "patchy" input: random scores, except that one key tile in three (a fixed hash of the tile index;
+// never tile 0 or the newest, the seeded rule's anchors) sits 30 nats lower, far below the
+// threshold: about two thirds of the tiles are retained, the skipped ones scattered, as in the
+// real model's 32K cache (65-68% kept in layers 0 and 14).  q[.., 0] = sqrt(d), K[.., pos, 0] = 0
+// or -30, all other entries N(0, 1).
+__global__ void apply_patchy(__nv_bfloat16* q, __nv_bfloat16* k, int64_t batch, int64_t n, int64_t cap_stride, int hq,
+                             int d, int block_k) {
+  const int64_t total = batch * n;
+  const int64_t last = (n - 1) / block_k;
+  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < total; i += (int64_t)gridDim.x * blockDim.x) {
+    const int64_t b = i / n, pos = i % n, t = pos / block_k;
+    const bool low = t != 0 && t != last && ((static_cast<uint32_t>(t) * 2654435761u) >> 16) % 3 == 0;
+    k[(b * cap_stride + pos) * d] = __float2bfloat16_rn(low ? -30.f : 0.f);
   }
   if (blockIdx.x == 0)
     for (int64_t i = threadIdx.x; i < batch * hq; i += blockDim.x) q[i * d] = __float2bfloat16_rn(sqrtf((float)d));
@@ -582,6 +602,18 @@ int run_decode_bench(int argc, char** argv) {
         bench_problem(pb, env, bf, name, sweep && n == max_n);
       }
   }
+
+  // patchy: about a third of the tiles skipped, scattered (device-generated).
+  for (int64_t b : {int64_t(1), int64_t(8)})
+    for (int64_t n : lengths) {
+      fill_normal_bf16<<<1024, 256, 0, env.stream>>>(reinterpret_cast<__nv_bfloat16*>(k), kv_elems, 31);
+      fill_normal_bf16<<<64, 256, 0, env.stream>>>(reinterpret_cast<__nv_bfloat16*>(q), max_b * hq * d, 33);
+      apply_patchy<<<1024, 256, 0, env.stream>>>(reinterpret_cast<__nv_bfloat16*>(q), reinterpret_cast<__nv_bfloat16*>(k), b,
+                                                 n, max_n, hq, d, 128);
+      BENCH_CHECK(cudaStreamSynchronize(env.stream));
+      Problem pb{b, n, max_n, 8, 1, 128, q, k, v};
+      bench_problem(pb, env, bf, "patchy(1/3 low)", sweep && n == max_n);
+    }
 
   // synthetic: one 128K workload per batch entry; query row N-1 for each N.
   std::vector<double> sharp = quick ? std::vector<double>{16.0} : std::vector<double>{4.0, 16.0};
