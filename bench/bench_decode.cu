@@ -38,6 +38,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -45,6 +46,7 @@
 #include <string>
 #include <vector>
 
+#include "cuda/backend.h"
 #include "mala/mala.h"
 
 namespace {
@@ -415,6 +417,58 @@ void bench_problem(const Problem& pb, Env& env, Bufs& bf, const char* input, boo
 // decode launches its combine; a plain kernel streaming the same K and V bytes; decode at tau = 0
 // eager and replayed from a CUDA graph; decode at tau = 0 with several split counts (num_splits = 1
 // has no combine).
+// Host cost of one enqueue: the wall time of 100 calls in a row with no synchronization inside the
+// timed loop (their few hundred launches stay within the launch queue, so the time is the host's):
+// the public mala::decode (validation, device-pointer checks, then the backend), the backend alone,
+// two bare kernel launches like the decode's (the second a programmatic dependent), and the
+// cudaPointerGetAttributes calls the validation makes (one per device pointer).
+void host_probe(const Problem& pb, Env& env, Bufs& bf) {
+  std::vector<int32_t> lens(pb.batch, static_cast<int32_t>(pb.n));
+  BENCH_CHECK(cudaMemcpy(bf.lens, lens.data(), lens.size() * 4, cudaMemcpyHostToDevice));
+  mala::DecodeArgs a = make_args(pb, env, bf.lens, 1.f, bf.ws, bf.ws_bytes, 0);
+  a.o = bf.o;
+  auto per_call_us = [&](auto&& fn) {
+    for (int i = 0; i < 20; ++i) fn();
+    BENCH_CHECK(cudaStreamSynchronize(env.stream));
+    const int calls = 100;
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int i = 0; i < calls; ++i) fn();
+    const auto t1 = std::chrono::steady_clock::now();
+    BENCH_CHECK(cudaStreamSynchronize(env.stream));
+    return std::chrono::duration<double, std::micro>(t1 - t0).count() / calls;
+  };
+  const double t_api = per_call_us([&] { decode_or_exit(a); });
+  const double t_backend = per_call_us([&] {
+    if (!mala::cuda_backend::decode(a)) {
+      std::fprintf(stderr, "decode bench: backend decode failed\n");
+      std::exit(1);
+    }
+  });
+  const double t_launch = per_call_us([&] {
+    empty_kernel<<<1, 32, 0, env.stream>>>();
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(8);
+    cfg.blockDim = dim3(128);
+    cfg.stream = env.stream;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    BENCH_CHECK(cudaLaunchKernelEx(&cfg, empty_dependent_kernel));
+  });
+  const void* ptrs[] = {a.q, a.k_cache, a.v_cache, a.o, a.lse, a.cache_seqlens, a.workspace, a.tile_mask};
+  const double t_ptr = per_call_us([&] {
+    for (const void* p : ptrs) {
+      cudaPointerAttributes attr;
+      if (p) BENCH_CHECK(cudaPointerGetAttributes(&attr, p));
+    }
+  });
+  std::printf("host N=%-6lld B=%lld: per call mala::decode %.2f us | backend alone %.2f us | two bare launches %.2f us "
+              "| 8 cudaPointerGetAttributes %.2f us\n",
+              (long long)pb.n, (long long)pb.batch, t_api, t_backend, t_launch, t_ptr);
+}
+
 void overhead_probe(const Problem& pb, Env& env, Bufs& bf) {
   std::vector<int32_t> lens(pb.batch, static_cast<int32_t>(pb.n));
   BENCH_CHECK(cudaMemcpy(bf.lens, lens.data(), lens.size() * 4, cudaMemcpyHostToDevice));
@@ -571,6 +625,7 @@ int run_decode_bench(int argc, char** argv) {
     fill_normal_bf16<<<1024, 256, 0, env.stream>>>(reinterpret_cast<__nv_bfloat16*>(k), kv_elems, 11);
     fill_normal_bf16<<<1024, 256, 0, env.stream>>>(reinterpret_cast<__nv_bfloat16*>(v), kv_elems, 12);
     fill_normal_bf16<<<64, 256, 0, env.stream>>>(reinterpret_cast<__nv_bfloat16*>(q), max_b * hq * d, 13);
+    host_probe(Problem{1, 1024, max_n, 8, 1, 128, q, k, v}, env, bf);
     for (int64_t n : {int64_t(1024), int64_t(32768), max_n}) overhead_probe(Problem{1, n, max_n, 8, 1, 128, q, k, v}, env, bf);
     lengths.clear();
     no_synth = true;
