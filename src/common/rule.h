@@ -18,8 +18,12 @@ namespace rule {
 MALA_HD bool dense(float tau) { return !(tau > 0.f); }
 // log2(tau), the kernels' base-2 form of tau (-inf for tau = 0).
 inline float log2_tau(float tau) { return tau > 0.f ? log2f(tau) : -INFINITY; }
+// The kernels keep m, lse and thresholds in base 2; the API's lse is a natural log.  The one
+// spelling of each conversion factor.
+constexpr float kLog2e = 1.4426950408889634f;  // log2(e): natural log -> base 2
+constexpr float kLn2 = 0.69314718055994531f;   // ln(2): base 2 -> natural log
 // softmax_scale * log2(e): the factor that puts raw scores q.k in the kernels' base-2 units.
-MALA_HD float scale_log2(float softmax_scale) { return softmax_scale * 1.4426950408889634f; }
+MALA_HD float scale_log2(float softmax_scale) { return softmax_scale * kLog2e; }
 
 // Keys visible to query row `row` (0-based): bottom-right causal alignment, so row q sees keys
 // k <= q + (seqlen_k - seqlen_q).  Clamped to [0, seqlen_k].  Non-causal rows see every key.

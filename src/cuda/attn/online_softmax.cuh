@@ -11,6 +11,7 @@
 
 #include <math.h>
 
+#include "common/rule.h"
 #include "cuda/core/ptx.cuh"
 
 namespace mala {
@@ -163,7 +164,7 @@ __device__ __forceinline__ void softmax_finalize(const float (&m)[MT][2], const 
     for (int h = 0; h < 2; ++h) {
       bool empty = !(l[mt][h] > 0.f);
       inv[h] = empty ? 0.f : 1.f / l[mt][h];
-      lse[mt][h] = empty ? -INFINITY : log2_norm(m[mt][h], l[mt][h]) * 0.69314718055994531f;
+      lse[mt][h] = empty ? -INFINITY : log2_norm(m[mt][h], l[mt][h]) * rule::kLn2;
     }
 #pragma unroll
     for (int dt = 0; dt < DT; ++dt) {

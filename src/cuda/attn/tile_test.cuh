@@ -135,8 +135,7 @@ __device__ __forceinline__ bool warp_tile_skip_norm(const float (&tile_max)[MT][
 // log2(2^log2_anchor + 2^m l), rule::log_add_exp carried over from natural logs.  log2_anchor = -inf
 // (no anchor mass) gives m + log2(l) up to rounding; nothing at all gives -inf.
 __device__ __forceinline__ float seeded_log2_norm(float log2_anchor, float m, float l) {
-  constexpr float kLn2 = 0.69314718055994531f;
-  return rule::log_add_exp(log2_anchor * kLn2, log2_norm(m, l) * kLn2) * (1.f / kLn2);
+  return rule::log_add_exp(log2_anchor * rule::kLn2, log2_norm(m, l) * rule::kLn2) * (1.f / rule::kLn2);
 }
 
 // ---- votes over more than one warp ------------------------------------------------------------------

@@ -113,7 +113,7 @@ __global__ void bwd_preprocess_kernel(const RowParams p) {
     const int64_t idx = p.cu ? h * total + g : ((g / p.seqlen) * p.heads + h) * p.seqlen + g % p.seqlen;
     // The main kernel's offline test and P = exp2(S - lse2) read this: converted once per row instead
     // of once per visited tile (and finite, so the test needs no -inf case).
-    const float l2 = p.lse[idx] * 1.4426950408889634f;
+    const float l2 = p.lse[idx] * rule::kLog2e;
     const float l2f = l2 == -INFINITY ? 0.f : l2;
     p.lse2[h * p.rows_cap + g] = l2f;
     if (p.bound2) p.bound2[h * p.rows_cap + g] = bwd_row_skip_bound(p, g, l2f);

@@ -104,7 +104,7 @@ __device__ void merge_item(const DecodeParams& p, int64_t item, float* sm) {
     *reinterpret_cast<uint32_t*>(out) = pack2<T>(o0 * inv, o1 * inv);
     if (t == 0 && chunk == 0) {
       const int64_t idx = (static_cast<int64_t>(b) * p.Hq + head) * p.Nq + tok;
-      if (p.lse) p.lse[idx] = L > 0.f ? log2_norm(M, L) * 0.69314718055994531f : -INFINITY;
+      if (p.lse) p.lse[idx] = L > 0.f ? log2_norm(M, L) * rule::kLn2 : -INFINITY;
       if (p.slots) {
         int cnt = 0;
         for (int s = 0; s < p.S; ++s) cnt += __ldcg(p.ws_cnt + idx0 + s);

@@ -520,7 +520,7 @@ __global__ void __launch_bounds__(32 * decode_warps(D), 1) decode_split_kernel(c
         *reinterpret_cast<uint32_t*>(orow + i * 8) = pack2<T>(acc[i][2 * h] * inv, acc[i][2 * h + 1] * inv);
       if (warp == 0 && tig == 0) {
         const int64_t idx = (static_cast<int64_t>(b) * p.Hq + head) * p.Nq + tok;
-        if (p.lse) p.lse[idx] = l[0][h] > 0.f ? log2_norm(m[0][h], l[0][h]) * 0.69314718055994531f : -INFINITY;
+        if (p.lse) p.lse[idx] = l[0][h] > 0.f ? log2_norm(m[0][h], l[0][h]) * rule::kLn2 : -INFINITY;
         if (p.slots) p.slots[idx] = L[h] > 0 ? retained * BK : 0;
       }
     }

@@ -102,7 +102,7 @@ __device__ __forceinline__ float fwd_row_threshold(const FwdParams& p, int r, in
 // seeded_log2_norm then grows with the split's own retained mass.
 __device__ __forceinline__ float fwd_row_seed(const FwdParams& p, int b, int h, int r, int Nq) {
   if (p.seed_lse == nullptr || r >= Nq) return -INFINITY;
-  return p.seed_lse[((int64_t)b * p.heads_q + h) * p.seqlen_q + r] * 1.4426950408889634f;
+  return p.seed_lse[((int64_t)b * p.heads_q + h) * p.seqlen_q + r] * rule::kLog2e;
 }
 // The test's denominator of row r in the seeded instances (kSeeded): log2 of the own retained mass
 // (m, l) plus the anchor mass, re-read after each retained tile rather than held in registers.
