@@ -5,12 +5,12 @@
 // It walks the split's legal key tiles newest first (rule::split_tiles of ceil(Nk/BK) tiles) with its
 // own m, l and tests every tile with rule::row_allows_skip against the FULL L_q (log2 domain).
 // Seeded split rule (p.seeded, MALA_SPEC "Seeded split-KV"): the walk is preceded by the anchor
-// tiles the split does not own (key tile 0 and the rows' newest legal tiles, rule::is_anchor_tile):
-// their K goes through the same K ring and QK, and their exact per-row mass over legal keys is kept
-// as a second online pair (ma, la), no P, no V.  The test's denominator is then
-// log_add_exp(ma + log2(la), m + log2(l)) (seeded_log2_norm), refreshed whenever l changes; owned
-// anchor tiles are retained without a test.  Scoring them first keeps the pipeline uniform (one
-// K ring, every iteration commits the same groups) and hides their loads behind the prologue.
+// tiles the split does not own (key tile 0 and the rows' newest legal tiles, rule::is_anchor_tile),
+// scored together in one pass before the walk: their K comes through the same slot ring (the
+// first prologue loads) and QK, and their exact per-row mass over legal keys is kept as a second
+// online pair (ma, la), no P, no V.  The test's denominator is then log_add_exp(ma + log2(la),
+// m + log2(l)) (seeded_log2_norm), refreshed whenever l changes; owned anchor tiles are retained
+// without a test.
 //   QK^T : warp w computes the scores of keys [w*BK/W, (w+1)*BK/W) for all 16 rows (mma m16n8k16);
 //          row maxima are exchanged through shared memory (one barrier) so every warp holds the
 //          whole tile's row max and takes the same decision (warp_tile_skip_online).
@@ -350,9 +350,87 @@ __global__ void __launch_bounds__(32 * decode_warps(D), 1) decode_split_kernel(c
   };
   uint32_t pend_pv = 0;  // sparse: bit d set = the tile of iteration it - 1 - d awaits its PV
 
-  for (int it = 0; it < n_it; ++it) {
+  // S = Q K^T for this warp's keys of the tile in Ks (key tile j), in log2 units, keys a row does
+  // not see at -inf; mx: this warp's row maxima, reduced over the quad.
+  auto score = [&](const T* Ks, int j, float (&sc)[NF][4], float (&mx)[2]) {
+#pragma unroll
+    for (int i = 0; i < NF; ++i) sc[i][0] = sc[i][1] = sc[i][2] = sc[i][3] = 0.f;
+#pragma unroll
+    for (int ks = 0; ks < KS_QK; ++ks) {
+      uint32_t qs[4];
+      if constexpr (!kQRegs) ldmatrix_x4(qs, smem_addr(sQ + swz<DCH>(arow, ks * 2 + (lane >> 4))));
+      const uint32_t* qf = kQRegs ? qreg[ks] : qs;
+#pragma unroll
+      for (int n2 = 0; n2 < NF / 2; ++n2) {
+        const int krow = warp * KW + n2 * 16 + (lane & 7) + (lane >> 4) * 8;
+        uint32_t kb[4];
+        ldmatrix_x4(kb, smem_addr(Ks + swz<DCH>(krow, ks * 2 + ((lane >> 3) & 1))));
+        mma_16816<T>(sc[2 * n2], qf, kb);
+        mma_16816<T>(sc[2 * n2 + 1], qf, kb + 2);
+      }
+    }
+    const int key0 = j * BK + warp * KW + tig * 2;
+#pragma unroll
+    for (int nf = 0; nf < NF; ++nf)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int h = e >> 1, key = key0 + nf * 8 + (e & 1);
+        sc[nf][e] = key < L[h] ? sc[nf][e] * p.scale_log2 : -INFINITY;
+        mx[h] = fmaxf(mx[h], sc[nf][e]);
+      }
+    mx[0] = warp_max_quad(mx[0]);
+    mx[1] = warp_max_quad(mx[1]);
+  };
+
+  // Seeded: the anchor tiles (iterations [0, na), at most 3) in one pass before the loop: their K
+  // (the oldest prologue groups), one barrier, every warp scores its keys of each, one row-max
+  // exchange for all of them, and their exact mass (ma, la) from that one maximum.  One pass
+  // instead of one iteration per anchor: where a split owns only a few tiles (batch 1, short
+  // caches) the anchors' barriers and exchanges were a third of its iterations.  It then commits
+  // the groups those iterations would have (an empty V group, K of the tile AHEAD ahead, issued
+  // once every warp is past its QK), so the loop's group counts hold from iteration na on.
+  int it_begin = 0;
+  if (!kDense && na > 0) {
+    cp_async_wait_dyn(AHEAD - na);  // na <= 3 <= AHEAD
+    __syncthreads();
+    float sca[3][NF][4];
+    float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int a = 0; a < 3; ++a)
+      if (a < na) score(kbuf(a), tile_of(a), sca[a], mx);
+    float tmax[1][2];
+    cta_row_max_exchange<W>(mx, red_max, warp, gid, tig, tmax);
+    float psa[2] = {0.f, 0.f};
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float m_new = fmaxf(ma[h], tmax[0][h]);
+      const float mu = m_new == -INFINITY ? 0.f : m_new;
+      alpha_l[h] = exp2f(ma[h] - mu);
+      ma[h] = m_new;
+#pragma unroll
+      for (int a = 0; a < 3; ++a)
+        if (a < na)
+#pragma unroll
+          for (int nf = 0; nf < NF; ++nf)
+            psa[h] += exp2f(sca[a][nf][2 * h] - mu) + exp2f(sca[a][nf][2 * h + 1] - mu);
+      psa[h] = warp_sum_quad(psa[h]);
+    }
+    float* rs = red_sum + ((na - 1) & 1) * W * kDecodeBlockQ;  // read by apply_l(na - 1)
+    if (tig == 0) {
+      rs[gid * W + warp] = psa[0];
+      rs[(gid + 8) * W + warp] = psa[1];
+    }
+    pend_l = true;
+#pragma unroll 1
+    for (int a = 0; a < na; ++a) {
+      cp_async_commit();
+      issue(a + AHEAD);
+    }
+    it_begin = na;
+  }
+
+  for (int it = it_begin; it < n_it; ++it) {
     const int j = tile_of(it);
-    const bool anchor = it < na;
     if (kDense) {
       cp_async_wait<NST - 2>();
     } else {
@@ -375,75 +453,25 @@ __global__ void __launch_bounds__(32 * decode_warps(D), 1) decode_split_kernel(c
       pend_pv = (pend_pv << 1) & ((1u << DEFER) - 1);
     }
 
-    // S = Q K^T for this warp's keys.
-    const T* Ks = kbuf(it);
     float sc[NF][4];
-#pragma unroll
-    for (int i = 0; i < NF; ++i) sc[i][0] = sc[i][1] = sc[i][2] = sc[i][3] = 0.f;
-#pragma unroll
-    for (int ks = 0; ks < KS_QK; ++ks) {
-      uint32_t qs[4];
-      if constexpr (!kQRegs) ldmatrix_x4(qs, smem_addr(sQ + swz<DCH>(arow, ks * 2 + (lane >> 4))));
-      const uint32_t* qf = kQRegs ? qreg[ks] : qs;
-#pragma unroll
-      for (int n2 = 0; n2 < NF / 2; ++n2) {
-        const int krow = warp * KW + n2 * 16 + (lane & 7) + (lane >> 4) * 8;
-        uint32_t kb[4];
-        ldmatrix_x4(kb, smem_addr(Ks + swz<DCH>(krow, ks * 2 + ((lane >> 3) & 1))));
-        mma_16816<T>(sc[2 * n2], qf, kb);
-        mma_16816<T>(sc[2 * n2 + 1], qf, kb + 2);
-      }
-    }
-    // Scale to log2 units, mask keys a row does not see, row max over this warp's keys.
-    const int key0 = j * BK + warp * KW + tig * 2;
     float mx[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-    for (int nf = 0; nf < NF; ++nf)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int h = e >> 1, key = key0 + nf * 8 + (e & 1);
-        sc[nf][e] = key < L[h] ? sc[nf][e] * p.scale_log2 : -INFINITY;
-        mx[h] = fmaxf(mx[h], sc[nf][e]);
-      }
-    mx[0] = warp_max_quad(mx[0]);
-    mx[1] = warp_max_quad(mx[1]);
+    score(kbuf(it), j, sc, mx);
     float tmax[1][2];
     cta_row_max_exchange<W>(mx, red_max, warp, gid, tig, tmax);
-    // The tile test (identical inputs in every warp, so every warp takes the same decision).  An
-    // anchor iteration is not tested (its mass goes to the seed); seeded, owned anchors are kept.
+    // The tile test (identical inputs in every warp, so every warp takes the same decision); seeded,
+    // owned anchors are kept untested.
     bool skip = false;
-    if (!kDense && !anchor && !forced(j))
+    if (!kDense && !forced(j))
       skip = seeded ? warp_tile_skip_norm<1>(tmax, log_norm, log_thr) : warp_tile_skip_online<1>(tmax, m, l, log_thr);
-    if (mask && tid == 0 && !anchor) mask[j] = skip ? kTileSkipped : kTileRetained;
+    if (mask && tid == 0) mask[j] = skip ? kTileSkipped : kTileRetained;
     if (!kDense) {
       // V only after the test, into the slot K(it) has left (every warp is past its QK: the barrier
       // of the row-max exchange); one group per iteration even when skipped.
-      if (!skip && !anchor) load_tile(vbuf(it), gv, p.v_sb, p.v_sr, p.v_sh, j);
+      if (!skip) load_tile(vbuf(it), gv, p.v_sb, p.v_sr, p.v_sh, j);
       cp_async_commit();
       issue(it + AHEAD);
     }
     if (skip) continue;
-    if (anchor) {
-      // The anchor tile's exact mass per row: (ma, la) updated like (m, l), la at the next top barrier.
-      float psa[2] = {0.f, 0.f};
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const float m_new = fmaxf(ma[h], tmax[0][h]);
-        const float mu = m_new == -INFINITY ? 0.f : m_new;
-        alpha_l[h] = exp2f(ma[h] - mu);
-        ma[h] = m_new;
-#pragma unroll
-        for (int nf = 0; nf < NF; ++nf) psa[h] += exp2f(sc[nf][2 * h] - mu) + exp2f(sc[nf][2 * h + 1] - mu);
-        psa[h] = warp_sum_quad(psa[h]);
-      }
-      float* rs = red_sum + (it & 1) * W * kDecodeBlockQ;
-      if (tig == 0) {
-        rs[gid * W + warp] = psa[0];
-        rs[(gid + 8) * W + warp] = psa[1];
-      }
-      pend_l = true;
-      continue;
-    }
     ++retained;
 
     // Online softmax update; P -> shared.
