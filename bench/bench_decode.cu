@@ -417,6 +417,22 @@ void bench_problem(const Problem& pb, Env& env, Bufs& bf, const char* input, boo
 // decode launches its combine; a plain kernel streaming the same K and V bytes; decode at tau = 0
 // eager and replayed from a CUDA graph; decode at tau = 0 with several split counts (num_splits = 1
 // has no combine).
+// An empty kernel, then an empty programmatic dependent of it (8 CTAs of `threads`): the launch
+// pattern of a decode call (split kernel, then the combine as its dependent).
+void launch_empty_pair(Env& env, int threads) {
+  empty_kernel<<<1, 32, 0, env.stream>>>();
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(8);
+  cfg.blockDim = dim3(threads);
+  cfg.stream = env.stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  BENCH_CHECK(cudaLaunchKernelEx(&cfg, empty_dependent_kernel));
+}
+
 // Host cost of one enqueue: the wall time of 100 calls in a row with no synchronization inside the
 // timed loop (their few hundred launches stay within the launch queue, so the time is the host's):
 // the public mala::decode (validation, device-pointer checks, then the backend), the backend alone,
@@ -444,19 +460,7 @@ void host_probe(const Problem& pb, Env& env, Bufs& bf) {
       std::exit(1);
     }
   });
-  const double t_launch = per_call_us([&] {
-    empty_kernel<<<1, 32, 0, env.stream>>>();
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3(8);
-    cfg.blockDim = dim3(128);
-    cfg.stream = env.stream;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-    BENCH_CHECK(cudaLaunchKernelEx(&cfg, empty_dependent_kernel));
-  });
+  const double t_launch = per_call_us([&] { launch_empty_pair(env, 128); });
   const void* ptrs[] = {a.q, a.k_cache, a.v_cache, a.o, a.lse, a.cache_seqlens, a.workspace, a.tile_mask};
   const double t_ptr = per_call_us([&] {
     for (const void* p : ptrs) {
@@ -474,19 +478,7 @@ void overhead_probe(const Problem& pb, Env& env, Bufs& bf) {
   BENCH_CHECK(cudaMemcpy(bf.lens, lens.data(), lens.size() * 4, cudaMemcpyHostToDevice));
   const double kv_bytes = 2.0 * pb.batch * pb.n * pb.hkv * pb.d * 2;
   const float t_empty = time_enqueue(env, [&] { empty_kernel<<<1, 32, 0, env.stream>>>(); });
-  const float t_pair = time_enqueue(env, [&] {
-    empty_kernel<<<1, 32, 0, env.stream>>>();
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3(8);
-    cfg.blockDim = dim3(512);
-    cfg.stream = env.stream;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-    BENCH_CHECK(cudaLaunchKernelEx(&cfg, empty_dependent_kernel));
-  });
+  const float t_pair = time_enqueue(env, [&] { launch_empty_pair(env, 512); });
   int sms = 0;
   BENCH_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   // Only valid when the batch's sequences are adjacent (cap_stride == n) or batch == 1.
