@@ -333,8 +333,8 @@ __global__ void __launch_bounds__(32 * decode_warps(D), 1) decode_split_kernel(c
   float ma[2] = {-INFINITY, -INFINITY}, la[2] = {0.f, 0.f};
   float log_norm[1][2] = {{-INFINITY, -INFINITY}};
   // l = l * alpha + the row sums of a retained tile's P from all warps (red_sum parity it_r & 1); la
-  // likewise for an anchor tile's exp2 sums.  Sparse: it waits for the next top barrier; pend_l /
-  // alpha_l carry it.
+  // likewise for the anchors' exp2 sums (it_r = na - 1: the anchor pass).  Sparse: it waits for the
+  // next top barrier; pend_l / alpha_l carry it.
   bool pend_l = false;
   float alpha_l[2] = {1.f, 1.f};
   auto apply_l = [&](int it_r) {
