@@ -222,19 +222,18 @@ __device__ __forceinline__ bool cta_vote_result(uint32_t* words, uint32_t mbar0,
 // each of which scored a slice of the tile's keys (decode): mx is this warp's quad-reduced row max,
 // red_max [16 rows][W warps] in shared memory (16-byte aligned; a row's W values are read as
 // float4s); one barrier.  Every warp then holds the same tile_max and takes the same decision.
-template <int W>
-__device__ __forceinline__ float cta_row_reduce(const float* row, bool is_max) {
+// cta_row_reduce: the max (kMax) or the sum of one row's W per-warp values.
+template <int W, bool kMax>
+__device__ __forceinline__ float cta_row_reduce(const float* row) {
   static_assert(W % 4 == 0, "whole float4s per row");
-  float t = is_max ? -INFINITY : 0.f;
+  float t = kMax ? -INFINITY : 0.f;
 #pragma unroll
   for (int w = 0; w < W; w += 4) {
     const float4 v = *reinterpret_cast<const float4*>(row + w);
-    t = is_max ? fmaxf(fmaxf(t, v.x), fmaxf(v.y, fmaxf(v.z, v.w))) : t + ((v.x + v.y) + (v.z + v.w));
+    t = kMax ? fmaxf(fmaxf(t, v.x), fmaxf(v.y, fmaxf(v.z, v.w))) : t + ((v.x + v.y) + (v.z + v.w));
   }
   return t;
 }
-template <int W>
-__device__ __forceinline__ float cta_row_sum(const float* row) { return cta_row_reduce<W>(row, false); }
 
 template <int W>
 __device__ __forceinline__ void cta_row_max_exchange(const float (&mx)[2], float* red_max, int warp, int gid, int tig,
@@ -245,7 +244,7 @@ __device__ __forceinline__ void cta_row_max_exchange(const float (&mx)[2], float
   }
   __syncthreads();
 #pragma unroll
-  for (int h = 0; h < 2; ++h) tile_max[0][h] = cta_row_reduce<W>(red_max + (gid + 8 * h) * W, true);
+  for (int h = 0; h < 2; ++h) tile_max[0][h] = cta_row_reduce<W, true>(red_max + (gid + 8 * h) * W);
 }
 
 }  // namespace cuda

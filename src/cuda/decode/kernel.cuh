@@ -130,7 +130,7 @@ __device__ __forceinline__ void decode_load_tile(uint32_t sdst, const T* base, i
 }
 
 template <typename T, int D, bool kDense, bool kLargeSmem>
-__global__ void __launch_bounds__(32 * decode_warps(D), 1) decode_split_kernel(const DecodeParams p) {
+__global__ void __launch_bounds__(DecodeConfig<D, kLargeSmem>::THREADS, 1) decode_split_kernel(const DecodeParams p) {
   using Cfg = DecodeConfig<D, kLargeSmem>;
   constexpr int BK = Cfg::BK;
   constexpr int W = Cfg::WARPS, THREADS = Cfg::THREADS;
@@ -327,9 +327,10 @@ __global__ void __launch_bounds__(32 * decode_warps(D), 1) decode_split_kernel(c
     scale_acc(f);
     pv(pbuf(it_d), vbuf(it_d));
   };
-  // Seeded: (ma, la), the online max and sum of the anchor tiles' scores (log2 units), and the test's
-  // denominator log_norm (seeded_log2_norm of both pairs), refreshed whenever l or la changes (m
-  // changes only with l).  Per_split tests with warp_tile_skip_online on (m, l) directly.
+  // Seeded: (ma, la), the max and sum of the anchor tiles' scores (log2 units; set once, by the anchor
+  // pass, through the same deferred update as l), and the test's denominator log_norm
+  // (seeded_log2_norm of both pairs), refreshed whenever l or la changes (m changes only with l).
+  // Per_split tests with warp_tile_skip_online on (m, l) directly.
   float ma[2] = {-INFINITY, -INFINITY}, la[2] = {0.f, 0.f};
   float log_norm[1][2] = {{-INFINITY, -INFINITY}};
   // l = l * alpha + the row sums of a retained tile's P from all warps (red_sum parity it_r & 1); la
@@ -342,7 +343,7 @@ __global__ void __launch_bounds__(32 * decode_warps(D), 1) decode_split_kernel(c
     const bool anchor = it_r < na;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const float sum = cta_row_sum<W>(rs + (gid + 8 * h) * W);
+      const float sum = cta_row_reduce<W, false>(rs + (gid + 8 * h) * W);
       if (anchor) la[h] = la[h] * alpha_l[h] + sum;
       else l[0][h] = l[0][h] * alpha_l[h] + sum;
       if (seeded) log_norm[0][h] = seeded_log2_norm(log2_norm(ma[h], la[h]), m[0][h], l[0][h]);
