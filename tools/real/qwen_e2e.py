@@ -64,23 +64,24 @@ def sdpa_backend(name):
     return sdpa_kernel([{"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}[name]])
 
 
-def timed(fn, reps):
-    """Median milliseconds of fn() over reps runs after one warm-up (CUDA events; wall clock on CPU)."""
+def elapsed_ms(fn):
+    """Milliseconds of one fn() (CUDA events on the GPU, the wall clock on the CPU)."""
+    if qm.DEVICE["name"] == "cuda":
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        return a.elapsed_time(b)
+    t = time.perf_counter()
     fn()
-    times = []
-    for _ in range(reps):
-        if torch.cuda.is_available() and qm.DEVICE["name"] == "cuda":
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b))
-        else:
-            t = time.perf_counter()
-            fn()
-            times.append(1e3 * (time.perf_counter() - t))
-    return statistics.median(times)
+    return 1e3 * (time.perf_counter() - t)
+
+
+def timed(fn, reps):
+    """Median milliseconds of fn() over reps runs after one warm-up."""
+    fn()
+    return statistics.median(elapsed_ms(fn) for _ in range(reps))
 
 
 def run_prefill(args, res, tok, model, taus):
@@ -240,19 +241,12 @@ def decode_config(model, caches, context, first, attention, steps, graphs):
     dec.ids.copy_(first.view(-1, 1))
     if qm.DEVICE["name"] == "cuda":
         torch.cuda.synchronize()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
+
+    def all_steps():
         for _ in range(steps):
             run()
-        b.record()
-        b.synchronize()
-        ms = a.elapsed_time(b)
-    else:
-        t = time.perf_counter()
-        for _ in range(steps):
-            run()
-        ms = 1e3 * (time.perf_counter() - t)
-    return torch.stack(tokens, 1), ms, slots, retained
+
+    return torch.stack(tokens, 1), elapsed_ms(all_steps), slots, retained
 
 
 def run_decode(args, res, tok, model, taus):

@@ -14,6 +14,14 @@ sys.path.insert(0, os.path.dirname(HERE))
 import tiny_gguf  # noqa: E402
 
 
+def require_model_stack():
+    """Skips the calling test unless torch, transformers and mala import; returns torch."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    pytest.importorskip("mala")
+    return torch
+
+
 @pytest.fixture
 def tiny_model(tmp_path):
     """A tiny Qwen2 GGUF (tiny_gguf.write) in tmp_path; its path."""

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from script_fixtures import run_script, tiny_model  # noqa: F401  (fixtures)
+from script_fixtures import require_model_stack, run_script, tiny_model  # noqa: F401  (fixtures)
 
 
 def _model(tiny_model, tmp_path):
@@ -27,9 +27,7 @@ def _model(tiny_model, tmp_path):
 
 @pytest.mark.parametrize("attention", [("mala", 0.0, "seeded"), ("sdpa", None, None)])
 def test_static_decode_step_equals_the_model(tmp_path, tiny_model, attention):
-    torch = pytest.importorskip("torch")
-    pytest.importorskip("transformers")
-    pytest.importorskip("mala")
+    torch = require_model_stack()
     import qwen_e2e
     import qwen_measure as qm
 
@@ -64,9 +62,7 @@ def test_static_decode_step_equals_the_model(tmp_path, tiny_model, attention):
 
 
 def test_script_writes_prefill_and_decode(tmp_path, tiny_model, run_script):
-    pytest.importorskip("torch")
-    pytest.importorskip("transformers")
-    pytest.importorskip("mala")
+    require_model_stack()
     import qwen_e2e
 
     out = tmp_path / "out"

@@ -10,13 +10,11 @@ import math
 
 import pytest
 
-from script_fixtures import run_script, tiny_model  # noqa: F401  (fixtures)
+from script_fixtures import require_model_stack, run_script, tiny_model  # noqa: F401  (fixtures)
 
 
 def test_perplexity_dense_and_mala(tmp_path, tiny_model, run_script):
-    pytest.importorskip("torch")
-    pytest.importorskip("transformers")
-    pytest.importorskip("mala")
+    require_model_stack()
     import qwen_eval
 
     out = tmp_path / "out"

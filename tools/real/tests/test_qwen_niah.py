@@ -11,7 +11,7 @@ import random
 
 import pytest
 
-from script_fixtures import run_script, tiny_model  # noqa: F401  (fixtures)
+from script_fixtures import require_model_stack, run_script, tiny_model  # noqa: F401  (fixtures)
 
 
 def test_trials_hold_their_needles(tiny_model):
@@ -36,9 +36,8 @@ def test_trials_hold_their_needles(tiny_model):
 
 
 def test_mala_runs_prefill_and_decode(tmp_path, monkeypatch, tiny_model, run_script):
-    pytest.importorskip("torch")
-    pytest.importorskip("transformers")
-    mala = pytest.importorskip("mala")
+    require_model_stack()
+    import mala
     import qwen_niah
 
     calls = {"attention": 0, "kvcache": 0}

@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from script_fixtures import run_script, tiny_model  # noqa: F401  (fixtures)
+from script_fixtures import require_model_stack, run_script, tiny_model  # noqa: F401  (fixtures)
 
 
 def _run(run_script, gguf, out, work, *extra):
@@ -22,9 +22,7 @@ def _run(run_script, gguf, out, work, *extra):
 
 
 def test_dense_and_mala_runs(tmp_path, tiny_model, run_script):
-    pytest.importorskip("torch")
-    pytest.importorskip("transformers")
-    pytest.importorskip("mala")
+    require_model_stack()
     work = tmp_path / "w"
     _run(run_script, tiny_model, tmp_path / "dense", work, "--attn", "dense")
     _run(run_script, tiny_model, tmp_path / "mala0", work, "--attn", "mala", "--tau", "0")
@@ -42,9 +40,7 @@ def test_dense_and_mala_runs(tmp_path, tiny_model, run_script):
 
 
 def test_deadline_then_resume(tmp_path, tiny_model, run_script):
-    pytest.importorskip("torch")
-    pytest.importorskip("transformers")
-    pytest.importorskip("mala")
+    require_model_stack()
     work = tmp_path / "w"
     _run(run_script, tiny_model, tmp_path / "o", work, "--attn", "dense", "--deadline-s", "0")
     first = json.load(open(tmp_path / "o" / "qwen_train_dense.json"))
@@ -70,9 +66,7 @@ def test_training_text_is_distinct_chunks_without_the_held_out_packages():
 
 
 def test_run_reports_its_text(tmp_path, tiny_model, run_script):
-    pytest.importorskip("torch")
-    pytest.importorskip("transformers")
-    pytest.importorskip("mala")
+    require_model_stack()
     _run(run_script, tiny_model, tmp_path / "dense", tmp_path / "w", "--attn", "dense")
     text = json.load(open(tmp_path / "dense" / "qwen_train_dense.json"))["text"]
     assert text["held_out"] == ["http", "xml"] and text["train"]["sequences"] == 3
