@@ -26,7 +26,10 @@ namespace {
 using namespace mala_test;
 using mala::DType;
 
-enum class Input { random, local, workload };
+// sink: random, plus key rows 0-3 that every query row scores about 24 nats above the rest (an
+// attention sink).  The forward visits key tile 0 last, so each row's maximum grows there by far more
+// than the lazy rescale's slack (attn/online_softmax.cuh): O and l are rescaled at the last tile.
+enum class Input { random, local, workload, sink };
 
 struct Case {
   std::string name;
@@ -127,12 +130,14 @@ void run_case(const Case& c, FuzzStats* stats = nullptr) {
   std::vector<float> noise = randn((size_t)(all_q * c.hq + 2 * all_k * c.hkv) * d, c.seed);
   size_t ni = 0;
   const float amp = std::sqrt(16.f * std::sqrt((float)d) * 4.f / d);  // local peak ~16 nats
+  const float sink_amp = std::sqrt(24.f * std::sqrt((float)d));       // q.k / sqrt(d) ~ 24 nats
   for (int b = 0; b < batch; ++b) {
     for (int r = 0; r < len_q(b); ++r)
       for (int h = 0; h < c.hq; ++h)
         for (int x = 0; x < d; ++x) {
           float val = noise[ni++];
           if (c.input == Input::local) val += local_value(r + len_k(b) - len_q(b), x, d, amp);
+          if (c.input == Input::sink && x == 0) val += sink_amp;
           if (c.input == Input::workload) val = wq[(((size_t)b * nq + r) * c.hq + h) * d + x];
           q.v[q.idx(b, row0_q(b) + r, h) + x] = val;
         }
@@ -141,6 +146,7 @@ void run_case(const Case& c, FuzzStats* stats = nullptr) {
         for (int x = 0; x < d; ++x) {
           float kv = noise[ni++], vv = noise[ni++];
           if (c.input == Input::local) kv += local_value(r, x, d, amp);
+          if (c.input == Input::sink && x == 0 && r < 4) kv += sink_amp;
           if (c.input == Input::workload) {
             kv = wk[(((size_t)b * nk + r) * c.hkv + h) * d + x];
             vv = wv[(((size_t)b * nk + r) * c.hkv + h) * d + x];
@@ -352,6 +358,17 @@ TEST_P(CudaForwardKernels, RandomInputsTauOne) {
   Case c = mk("fp16 d64 causal mha batch2 N=77 tau1 random", DType::f16, 64, true, 77, 77, 2, 2, 1.f, Input::random);
   c.batch = 2;
   run_case(c);
+}
+
+// Rows whose maximum grows by far more than the lazy rescale's slack at the last tile visited.
+TEST_P(CudaForwardKernels, AttentionSink) {
+  if (!mala::cuda_available()) GTEST_SKIP() << "no CUDA device";
+  for (float tau : {0.f, 1.f}) {
+    const std::string ts = tau > 0.f ? " tau1" : " tau0";
+    run_case(mk("bf16 d128 causal gqa8/1 N=2049 sink" + ts, DType::bf16, 128, true, 2049, 2049, 8, 1, tau, Input::sink));
+    run_case(mk("fp16 d128 noncausal N=300/1000 sink" + ts, DType::f16, 128, false, 300, 1000, 4, 2, tau, Input::sink));
+    run_case(mk("fp16 d64 causal N=1000 sink" + ts, DType::f16, 64, true, 1000, 1000, 4, 2, tau, Input::sink));
+  }
 }
 
 TEST_P(CudaForwardKernels, RaggedLengths) {

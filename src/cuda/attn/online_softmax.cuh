@@ -97,16 +97,24 @@ __device__ __forceinline__ void softmax_rescale(const float (&alpha)[MT][2], flo
       acc[mt][dt][3] *= alpha[mt][1];
     }
 }
-// softmax_step_or_keep: softmax_scores and softmax_rescale in one step for one m16 block (MT = 1),
-// for a warp whose rows may belong to a skipped decision tile while its warpgroup's P V runs anyway
-// (the warp-specialized forward): keep = false turns s into P = 0 (base +inf) and leaves m, l and
-// acc bit for bit as they were, so one code path serves both cases without a branch on the pair's
-// decision.  alpha and the rescale of acc run only when some row of the warp has a new maximum (a
-// warp-uniform branch): where no row's maximum grew, alpha is exactly 1 (or 0 on a row with no legal
-// key yet, whose l and acc are 0), so l + sum and acc are the bits that the full update gives.  On
-// long rows a warp's maximum seldom grows after its first tiles, so most tiles skip the 2 D / 4
-// multiplies and the two exponentials of alpha.
-template <int NT, int DT>
+// A row's exponent base moves only when its maximum grows by more than kRescaleSlack (log2 units),
+// so that O and l are rescaled only then (the lazy rescale of FlashAttention-4).  Between two moves
+// P = exp2(s * scale_log2 - base) <= 2^kRescaleSlack, which fp32 accumulators and bf16/fp16 P hold
+// with their usual relative precision; O / l and base + log2(l) (lse, the test's normaliser) are the
+// same numbers up to rounding, whatever base is.
+constexpr float kRescaleSlack = 8.f;
+
+// softmax_step_or_keep: one tile's update for one m16 block (MT = 1), with the lazy rescale above:
+// only rows whose maximum grew by more than kRescaleSlack take the new maximum as their base, and
+// alpha and the rescale of acc run only when some row of the warp did (a warp-uniform branch; the
+// other rows get alpha = 1 exactly).  On long rows a maximum seldom grows that much after the first
+// tile (random scores: never after it; real models: at the attention-sink tile), so almost every
+// tile skips the 2 D / 4 multiplies of acc and the exponentials of alpha.
+// keep = false (the warp-specialized forward's skipped pair, whose warpgroup runs P V anyway): P = 0
+// and m, l and acc stay bit for bit as they were, so one path serves both decisions.
+// kQuadSum = false (the dense instance, which has no test to feed): l holds this lane's part of the
+// row sum, to be reduced over the quad (warp_sum_quad) once, before the epilogue.
+template <int NT, int DT, bool kQuadSum = true>
 __device__ __forceinline__ void softmax_step_or_keep(float (&s)[1][NT][4], const float (&tile_max_raw)[1][2],
                                                      float scale_log2, bool keep, float (&m)[1][2], float (&l)[1][2],
                                                      float (&acc)[1][DT][4]) {
@@ -115,8 +123,14 @@ __device__ __forceinline__ void softmax_step_or_keep(float (&s)[1][NT][4], const
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     m_old[h] = m[0][h];
-    softmax_row_max(m_old[h], tile_max_raw[0][h], scale_log2, keep, m[0][h], base[h]);
-    grew |= m[0][h] != m_old[h];
+    // -inf + slack is -inf: a row's first legal scores always move it.  (Bitwise & and selects: a
+    // short-circuit && on keep made ptxas branch around each row's update.)
+    const float cand = tile_max_raw[0][h] * scale_log2;
+    const bool move = (cand > m_old[h] + kRescaleSlack) & keep;
+    m[0][h] = move ? cand : m_old[h];
+    const float b = m[0][h] == -INFINITY ? 0.f : m[0][h];
+    base[h] = keep ? b : INFINITY;
+    grew |= move;
   }
   softmax_exponentiate<NT>(s[0], base, scale_log2, sum);
   if (__any_sync(0xffffffffu, grew)) {
@@ -124,12 +138,12 @@ __device__ __forceinline__ void softmax_step_or_keep(float (&s)[1][NT][4], const
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       alpha[0][h] = keep ? exp2f(m_old[h] - base[h]) : 1.f;
-      l[0][h] = fmaf(l[0][h], alpha[0][h], warp_sum_quad(sum[h]));
+      l[0][h] = fmaf(l[0][h], alpha[0][h], kQuadSum ? warp_sum_quad(sum[h]) : sum[h]);
     }
     softmax_rescale<1, DT>(alpha, acc);
   } else {
 #pragma unroll
-    for (int h = 0; h < 2; ++h) l[0][h] += warp_sum_quad(sum[h]);
+    for (int h = 0; h < 2; ++h) l[0][h] += kQuadSum ? warp_sum_quad(sum[h]) : sum[h];
   }
 }
 

@@ -18,8 +18,8 @@
 //     (rule::skip_bound_raw, recomputed after a retained tile), the pair vote (one bar.red.popc
 //     over the warpgroup); a warpgroup with a retaining pair computes P and O += P V, its warps
 //     on one path whatever their pair decided (a skipped pair's rows: P = 0, state kept, through
-//     softmax_step_or_keep, which rescales O only when a row's maximum grew; the dense instance
-//     branches and always rescales).  S of the next tile runs on the tensor cores while a tile is
+//     softmax_step_or_keep, which rescales O only when a row's maximum grew by more than
+//     kRescaleSlack; the dense instance branches on the pair and uses the same update).  S of the next tile runs on the tensor cores while a tile is
 //     exponentiated, and a tile is decided while the previous tile's P V runs (the tau > 0
 //     instance issues the next S while its vote's barrier resolves, and waits there for that P V
 //     before it reads the vote).  The consumers issue no loads and never wait for each other, except
@@ -268,10 +268,8 @@ __global__ void __launch_bounds__(384, 1)
     if (wg_any) {
       if constexpr (kDense) {
         if (pair_retain) {
-          float alpha[1][2];
           quad_row_max<1>(mx);
-          softmax_scores<1, NT>(s, mx, p.scale_log2, m, l, alpha);
-          softmax_rescale<1, DT>(alpha, acc);
+          softmax_step_or_keep<NT, DT, false>(s, mx, p.scale_log2, true, m, l, acc);
 #pragma unroll
           for (int kk = 0; kk < BK / 16; ++kk) p_to_a<T, 1, NT>(s, 0, kk, pa[kk]);
           ++retained;
@@ -283,9 +281,7 @@ __global__ void __launch_bounds__(384, 1)
         // One path for both pairs of a warpgroup that runs P V: a skipped pair's rows get P = 0
         // and keep m, l, acc and their bound bit for bit (softmax_step_or_keep), instead of a
         // branch on the pair's decision and zeros for P, which cost more than the exponentials of
-        // such rows (they run beside the retaining pair's, in the same warpgroup step).  O is
-        // rescaled only when a row of the warp has a new maximum; the dense instance keeps the full
-        // update, since there that branch cost more than it saved.
+        // such rows (they run beside the retaining pair's, in the same warpgroup step).
         softmax_step_or_keep<NT, DT>(s, mx, p.scale_log2, pair_retain, m, l, acc);
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh)
@@ -429,6 +425,10 @@ __global__ void __launch_bounds__(384, 1)
     }
     wgmma_wait<0>();
     pv_done(0);
+  }
+  if constexpr (kDense) {  // l: each lane's part of its rows' sums (softmax_step_or_keep<.., false>)
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) l[0][hh] = warp_sum_quad(l[0][hh]);
   }
   fwd_epilogue<T, 1, DT>(p, sq, b, h, row_w, lane, m, l, acc, retained * BK);
 #endif
