@@ -1,12 +1,13 @@
 // Online softmax on mma fragments (FlashAttention-2 style), base 2 with the softmax scale folded
 // into one FMA: p = exp2(s * scale_log2 - m), scale_log2 = softmax_scale * log2(e).
 //
-// State per fragment row ([mt][h], see tile_test.cuh): m = running max in scaled log2 units
-// (-inf before anything is retained), l = running sum of exp2(s*scale_log2 - m) over retained keys,
-// kept fully reduced over the quad (the tile test needs the whole row sum), and the output
-// accumulator acc[MT][DT][4] (C fragments of the m16 x (8*DT) output block).
-// Scores s[MT][NT][4] arrive raw (q.k) with masked entries at -inf; after softmax_update they hold
-// the unnormalised probabilities P, ready to be packed into A fragments (p_to_a) for P V.
+// State per fragment row ([mt][h], see tile_test.cuh): m = the exponent base in scaled log2 units
+// (the running max, or up to kRescaleSlack below it under the lazy rescale; -inf before anything is
+// retained), l = running sum of exp2(s*scale_log2 - m) over retained keys, kept fully reduced over
+// the quad where a tile test needs the whole row sum, and the output accumulator acc[MT][DT][4] (C
+// fragments of the m16 x (8*DT) output block).  Scores s[MT][NT][4] arrive raw (q.k) with masked
+// entries at -inf; after softmax_step_or_keep (or softmax_scores) they hold the unnormalised
+// probabilities P, ready to be packed into A fragments (p_to_a) for P V.
 #pragma once
 
 #include <math.h>
@@ -65,7 +66,7 @@ __device__ __forceinline__ void softmax_exponentiate(float (&s)[NT][4], const fl
 // softmax_scores updates m and l and turns s into P = exp2(s*scale_log2 - m_new), returning the
 // factors alpha = exp2(m_old - m_new) that softmax_rescale applies to acc; kernels that overlap the
 // exponentials with an in-flight P V of the previous tile (fwd/kernel_sm90.cuh) rescale once that
-// P V has completed, the others at once (softmax_update).
+// P V has completed.
 template <int MT, int NT>
 __device__ __forceinline__ void softmax_scores(float (&s)[MT][NT][4], const float (&tile_max_raw)[MT][2],
                                                float scale_log2, float (&m)[MT][2], float (&l)[MT][2],
@@ -104,56 +105,54 @@ __device__ __forceinline__ void softmax_rescale(const float (&alpha)[MT][2], flo
 // same numbers up to rounding, whatever base is.
 constexpr float kRescaleSlack = 8.f;
 
-// softmax_step_or_keep: one tile's update for one m16 block (MT = 1), with the lazy rescale above:
-// only rows whose maximum grew by more than kRescaleSlack take the new maximum as their base, and
-// alpha and the rescale of acc run only when some row of the warp did (a warp-uniform branch; the
-// other rows get alpha = 1 exactly).  On long rows a maximum seldom grows that much after the first
-// tile (random scores: never after it; real models: at the attention-sink tile), so almost every
-// tile skips the 2 D / 4 multiplies of acc and the exponentials of alpha.
+// softmax_step_or_keep: one tile's update of MT m16 blocks, with the lazy rescale above: only rows
+// whose maximum grew by more than kRescaleSlack take the new maximum as their base, and alpha and
+// the rescale of acc run only when some row of the warp did (a warp-uniform branch; the other rows
+// get alpha = 1 exactly).  On long rows a maximum seldom grows that much after the first tile
+// (random scores: never after it; real models: at the attention-sink tile), so almost every tile
+// skips the 2 D / 4 multiplies per m16 block of acc and the exponentials of alpha.
 // keep = false (the warp-specialized forward's skipped pair, whose warpgroup runs P V anyway): P = 0
 // and m, l and acc stay bit for bit as they were, so one path serves both decisions.
-// kQuadSum = false (the dense instance, which has no test to feed): l holds this lane's part of the
+// kQuadSum = false (dense instances, which have no test to feed): l holds this lane's part of the
 // row sum, to be reduced over the quad (warp_sum_quad) once, before the epilogue.
-template <int NT, int DT, bool kQuadSum = true>
-__device__ __forceinline__ void softmax_step_or_keep(float (&s)[1][NT][4], const float (&tile_max_raw)[1][2],
-                                                     float scale_log2, bool keep, float (&m)[1][2], float (&l)[1][2],
-                                                     float (&acc)[1][DT][4]) {
-  float base[2], m_old[2], sum[2];
+template <int MT, int NT, int DT, bool kQuadSum = true>
+__device__ __forceinline__ void softmax_step_or_keep(float (&s)[MT][NT][4], const float (&tile_max_raw)[MT][2],
+                                                     float scale_log2, bool keep, float (&m)[MT][2], float (&l)[MT][2],
+                                                     float (&acc)[MT][DT][4]) {
+  float base[MT][2], m_old[MT][2], sum[MT][2];
   bool grew = false;
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    m_old[h] = m[0][h];
-    // -inf + slack is -inf: a row's first legal scores always move it.  (Bitwise & and selects: a
-    // short-circuit && on keep made ptxas branch around each row's update.)
-    const float cand = tile_max_raw[0][h] * scale_log2;
-    const bool move = (cand > m_old[h] + kRescaleSlack) & keep;
-    m[0][h] = move ? cand : m_old[h];
-    const float b = m[0][h] == -INFINITY ? 0.f : m[0][h];
-    base[h] = keep ? b : INFINITY;
-    grew |= move;
-  }
-  softmax_exponentiate<NT>(s[0], base, scale_log2, sum);
-  if (__any_sync(0xffffffffu, grew)) {
-    float alpha[1][2];
+  for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      alpha[0][h] = keep ? exp2f(m_old[h] - base[h]) : 1.f;
-      l[0][h] = fmaf(l[0][h], alpha[0][h], kQuadSum ? warp_sum_quad(sum[h]) : sum[h]);
+      m_old[mt][h] = m[mt][h];
+      // -inf + slack is -inf: a row's first legal scores always move it.  (Bitwise & and selects:
+      // a short-circuit && on keep made ptxas branch around each row's update.)
+      const float cand = tile_max_raw[mt][h] * scale_log2;
+      const bool move = (cand > m_old[mt][h] + kRescaleSlack) & keep;
+      m[mt][h] = move ? cand : m_old[mt][h];
+      const float b = m[mt][h] == -INFINITY ? 0.f : m[mt][h];
+      base[mt][h] = keep ? b : INFINITY;
+      grew |= move;
     }
-    softmax_rescale<1, DT>(alpha, acc);
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) softmax_exponentiate<NT>(s[mt], base[mt], scale_log2, sum[mt]);
+  if (__any_sync(0xffffffffu, grew)) {
+    float alpha[MT][2];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        alpha[mt][h] = keep ? exp2f(m_old[mt][h] - base[mt][h]) : 1.f;
+        l[mt][h] = fmaf(l[mt][h], alpha[mt][h], kQuadSum ? warp_sum_quad(sum[mt][h]) : sum[mt][h]);
+      }
+    softmax_rescale<MT, DT>(alpha, acc);
   } else {
 #pragma unroll
-    for (int h = 0; h < 2; ++h) l[0][h] += kQuadSum ? warp_sum_quad(sum[h]) : sum[h];
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) l[mt][h] += kQuadSum ? warp_sum_quad(sum[mt][h]) : sum[mt][h];
   }
-}
-
-template <int MT, int NT, int DT>
-__device__ __forceinline__ void softmax_update(float (&s)[MT][NT][4], const float (&tile_max_raw)[MT][2],
-                                               float scale_log2, float (&m)[MT][2], float (&l)[MT][2],
-                                               float (&acc)[MT][DT][4]) {
-  float alpha[MT][2];
-  softmax_scores<MT, NT>(s, tile_max_raw, scale_log2, m, l, alpha);
-  softmax_rescale<MT, DT>(alpha, acc);
 }
 
 // A fragment (16 rows x keys 16*kk..16*kk+15) of P for m16 tile mt, from the C fragments of n8

@@ -264,7 +264,7 @@ __global__ void __launch_bounds__(FwdKernelTraits<T, D>::kThreads, FwdKernelTrai
 
     if (retain) {
       quad_row_max<MT>(mx);
-      softmax_update<MT, NT, DT>(s, mx, p.scale_log2, m, l, acc);
+      softmax_step_or_keep<MT, NT, DT, !kDense>(s, mx, p.scale_log2, true, m, l, acc);
     }
     if (load_v) {
       cp_async_wait<0>();  // (also waits for tile j - 1's loads, issued before this one)
@@ -310,6 +310,12 @@ __global__ void __launch_bounds__(FwdKernelTraits<T, D>::kThreads, FwdKernelTrai
     v_ready = pref_v;
   }
 
+  if constexpr (kDense) {  // l: each lane's part of its rows' sums (softmax_step_or_keep<.., false>)
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) l[mt][hh] = warp_sum_quad(l[mt][hh]);
+  }
   fwd_epilogue<T, MT, DT>(p, sq, b, h, row_w, lane, m, l, acc, retained * BK);
 }
 

@@ -269,7 +269,7 @@ __global__ void __launch_bounds__(384, 1)
       if constexpr (kDense) {
         if (pair_retain) {
           quad_row_max<1>(mx);
-          softmax_step_or_keep<NT, DT, false>(s, mx, p.scale_log2, true, m, l, acc);
+          softmax_step_or_keep<1, NT, DT, false>(s, mx, p.scale_log2, true, m, l, acc);
 #pragma unroll
           for (int kk = 0; kk < BK / 16; ++kk) p_to_a<T, 1, NT>(s, 0, kk, pa[kk]);
           ++retained;
@@ -282,7 +282,7 @@ __global__ void __launch_bounds__(384, 1)
         // and keep m, l, acc and their bound bit for bit (softmax_step_or_keep), instead of a
         // branch on the pair's decision and zeros for P, which cost more than the exponentials of
         // such rows (they run beside the retaining pair's, in the same warpgroup step).
-        softmax_step_or_keep<NT, DT>(s, mx, p.scale_log2, pair_retain, m, l, acc);
+        softmax_step_or_keep<1, NT, DT>(s, mx, p.scale_log2, pair_retain, m, l, acc);
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh)
           bound[0][hh] = rule::skip_bound_raw(
