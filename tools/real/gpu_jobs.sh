@@ -15,6 +15,8 @@
 #   niah        qwen_niah.py: 4K-32K, 50 trials per variant, tau = 1
 #   train       qwen_train.py: 120 steps dense, then MALA tau = 1
 #   states      qwen_measure.py --steps load,states,save (the matched-work study's input)
+#   speed       qwen_measure.py --steps load,states,speed at 32K: every layer's forward and backward,
+#               MALA tau = 1 and 0 against SDPA cuDNN, on sequence 0's states
 #   matched     matched_work.py --device cuda at 8K and 32K, every layer (after `states`)
 #   decode      python/benchmarks/decode_timing.py: synthetic and random caches at 1K to 128K and the
 #               real 32K cache of layers 0, 14, 27 (after `states`), at 0 (automatic) to 132 splits
@@ -40,6 +42,8 @@ job() {
       --eval-every 20 --deadline-s 100000 ;;
   states) python3 tools/real/qwen_measure.py --gguf "$GGUF" --out "$RES" --steps load,states,save --sequences 1 \
             --lengths 8192,32768 --sweep 1 ;;
+  speed) python3 tools/real/qwen_measure.py --gguf "$GGUF" --out "$RES" --steps load,states,speed --sequences 1 \
+           --lengths 32768 --sweep 1 ;;
   matched)
     python3 tools/real/matched_work.py --device cuda --states "$STORE/work/states" --n 8192 --key 8192 \
       --out "$RES/matched_work.json"
@@ -58,7 +62,7 @@ case "${1:-}" in
 start)
   shift
   [ $# -gt 0 ] || { echo "usage: gpu_jobs.sh start JOB [JOB ...]" >&2; exit 2; }
-  for j in "$@"; do case "$j" in e2e|niah|train|states|matched|decode|pytest) ;; *) echo "gpu_jobs: unknown job $j" >&2; exit 2;; esac; done
+  for j in "$@"; do case "$j" in e2e|niah|train|states|speed|matched|decode|pytest) ;; *) echo "gpu_jobs: unknown job $j" >&2; exit 2;; esac; done
   mkdir -p "$RES"
   rm -rf "$STORE/repo" && mkdir -p "$STORE/repo" && cp -r . "$STORE/repo/"
   setsid nohup bash -c "
