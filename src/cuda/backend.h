@@ -38,7 +38,8 @@ enum class FwdVariant {
   automatic,       // the dispatch's choice
   mma_sync,        // the mma.sync kernel (fwd/kernel_sm80.cuh) on sm_90 too
   wgmma_cp_async,  // sm_90, d = 128: the two-warpgroup wgmma kernel with cp.async loads
-                   // (fwd/kernel_sm90.cuh), which the dispatch picks only where the TMA cannot be used
+                   // (fwd/kernel_sm90.cuh), which the dispatch picks only where the TMA cannot be used;
+                   // d = 64 has none and then runs the mma.sync kernel, as the dispatch does
 };
 enum class BwdVariant {
   automatic,

@@ -405,6 +405,16 @@ TEST_P(CudaForwardKernels, BatchStridedVarlen) {
   c = mk("fp16 d256 noncausal varlen3 strided", DType::f16, 256, false, 0, 0, 4, 2, 1.f, Input::local);
   c.varlen_q = {129, 1, 640}, c.varlen_k = {200, 33, 640}, c.strided = true;
   run_case(c);
+  // d = 64 runs the warp-specialized kernel where the TMA serves, else mma.sync (no cp.async wgmma).
+  for (float tau : {0.f, 1.f}) {
+    c = mk(std::string("bf16 d64 causal varlen3 local tau") + (tau > 0.f ? "1" : "0"), DType::bf16, 64, true, 0, 0, 8,
+           2, tau, Input::local);
+    c.varlen_q = {77, 1000, 300}, c.varlen_k = {77, 1000, 513};
+    run_case(c);
+    c.name += ", no total_k";
+    c.total_k = false;
+    run_case(c);
+  }
 }
 
 TEST_P(CudaForwardKernels, SyntheticWorkload) {

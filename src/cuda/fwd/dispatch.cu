@@ -1,8 +1,8 @@
 // The CUDA forward's host side: checks what the kernels need, resolves the arguments into FwdParams,
 // and chooses the kernel -- the only place where that happens:
-//   sm_90 (sm_90a build), d = 128: the warp-specialized wgmma kernel where the TMA can describe K and
-//     V (fwd/kernel_sm90_ws.cuh), else the two-warpgroup wgmma kernel with cp.async loads
-//     (fwd/kernel_sm90.cuh: varlen inputs without total_k, strides the TMA cannot take);
+//   sm_90 (sm_90a build), d = 64 and 128: the warp-specialized wgmma kernel where the TMA can describe
+//     K and V (fwd/kernel_sm90_ws.cuh), else at d = 128 the two-warpgroup wgmma kernel with cp.async
+//     loads (fwd/kernel_sm90.cuh: varlen inputs without total_k, strides the TMA cannot take);
 //   everything else, and seeded splits the TMA cannot serve: the mma.sync kernel (fwd/kernel_sm80.cuh).
 // Each kernel's tau = 0 instance runs at tau = 0 (the mma.sync kernel's where FwdConfig has one).
 // All of them make the same decisions (tiles of FwdConfig), so the choice changes no result beyond
@@ -51,10 +51,16 @@ cuda::FwdLaunch choose_kernel(const cuda::FwdParams& p, bool dense) {
                                             p.k_sh, p.k_sb, box_rows) &&
                    cuda::make_kv_tensor_map(&l.tmap_v, p.v, kBf16, D, map_rows, p.heads_kv, map_batch, p.v_sr,
                                             p.v_sh, p.v_sb, box_rows);
-  // A seeded split (ForwardArgs::seed_lse) where the TMA cannot serve: the mma.sync kernel (the
-  // two-warpgroup kernel has no registers left for the seed's bookkeeping).
-  if (!tma && l.seeded) return l;
-  l.kernel = tma ? cuda::FwdKernelKind::sm90_ws : cuda::FwdKernelKind::sm90;
+  // Where the TMA cannot serve: the two-warpgroup kernel (d = 128), except for a seeded split
+  // (ForwardArgs::seed_lse; that kernel has no registers left for the seed's bookkeeping), and the
+  // mma.sync kernel at the head dims without a two-warpgroup kernel.
+  if (tma) {
+    l.kernel = cuda::FwdKernelKind::sm90_ws;
+  } else if (cuda::fwd_has_sm90(D) && !l.seeded) {
+    l.kernel = cuda::FwdKernelKind::sm90;
+  } else {
+    l.dense = dense && cuda::FwdConfig<D>::kDenseInstance;
+  }
   return l;
 }
 

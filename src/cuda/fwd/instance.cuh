@@ -11,14 +11,13 @@
 namespace mala {
 namespace cuda {
 
-// The wgmma kernels exist at d = 128 only.
-template <int D>
-constexpr bool fwd_has_wgmma() { return D == 128; }
-
+// Whether this build's wgmma kernels run on the current device (false for head dims without them:
+// fwd_has_sm90_ws, launch.h).
 template <typename T, int D>
 bool fwd_wgmma_usable() {
-  if constexpr (fwd_has_wgmma<D>()) {
-    static const bool ok = wgmma_kernel_usable(reinterpret_cast<const void*>(mala_fwd_kernel_sm90<T, D, false>));
+  if constexpr (fwd_has_sm90_ws(D)) {
+    static const bool ok =
+        wgmma_kernel_usable(reinterpret_cast<const void*>(mala_fwd_kernel_sm90_ws<T, D, false, false, false>));
     return ok;
   } else {
     return false;
@@ -27,9 +26,11 @@ bool fwd_wgmma_usable() {
 
 template <typename T, int D>
 cudaError_t launch_fwd(const FwdParams& p, const FwdLaunch& l, cudaStream_t stream) {
-  if constexpr (fwd_has_wgmma<D>()) {
+  if constexpr (fwd_has_sm90_ws(D)) {
     if (l.kernel == FwdKernelKind::sm90_ws)
       return launch_fwd_sm90_ws<T, D>(p, l.dense, l.record, l.seeded, l.tmap_k, l.tmap_v, stream);
+  }
+  if constexpr (fwd_has_sm90(D)) {
     if (l.kernel == FwdKernelKind::sm90) return launch_fwd_sm90<T, D>(p, l.dense, stream);
   }
   return launch_fwd_sm80<T, D>(p, l.dense, l.seeded, stream);

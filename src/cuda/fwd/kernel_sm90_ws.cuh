@@ -1,4 +1,4 @@
-// The warp-specialized forward on Hopper (wgmma + TMA), head dim 128, sm_90a: the kernel for every
+// The warp-specialized forward on Hopper (wgmma + TMA), head dims 64 and 128, sm_90a: the kernel for every
 // tau whenever the TMA can describe K and V (launch_fwd_sm90: varlen inputs too when the call gives
 // total_k; without it they run the cp.async instances of mala_fwd_kernel_sm90).  kDense: the tau = 0
 // instance (no test, no vote, every V).
@@ -30,6 +30,7 @@
 #include "cuda/core/tma.cuh"
 #include "cuda/core/wgmma.cuh"
 #include "cuda/fwd/common.cuh"
+#include "cuda/fwd/launch.h"
 
 namespace mala {
 namespace cuda {
@@ -37,7 +38,7 @@ namespace cuda {
 template <int D_>
 struct FwdWs {
   static constexpr int D = D_;
-  static_assert(D == 128, "warp-specialized forward: head dim 128 (launch_fwd dispatches only it)");
+  static_assert(fwd_has_sm90_ws(D), "warp-specialized forward: head dims 64 and 128 (fwd/launch.h)");
   static constexpr int kThreads = 384, BQ = 128, BK = 64;
   using QTile = SmemTile<64, D>;
   using KVTile = GmmaTile<BK, D>;
