@@ -1,7 +1,7 @@
-// The warp-specialized forward on Hopper (wgmma + TMA), head dims 64 and 128, sm_90a: the kernel for every
-// tau whenever the TMA can describe K and V (launch_fwd_sm90: varlen inputs too when the call gives
-// total_k; without it they run the cp.async instances of mala_fwd_kernel_sm90).  kDense: the tau = 0
-// instance (no test, no vote, every V).
+// The warp-specialized forward on Hopper (wgmma + TMA), head dims 64 and 128, sm_90a: the kernel for
+// every tau whenever the TMA can describe K and V (fwd/dispatch.cu: varlen inputs too when the call
+// gives total_k; without it they run the cp.async mala_fwd_kernel_sm90 at d = 128, mma.sync at
+// d = 64).  kDense: the tau = 0 instance (no test, no vote, every V).
 //
 // Same decisions as the other forward kernels (decision tile 32 query rows x 64 keys, key tiles from
 // the diagonal down, the online test against the running normaliser), so the tile mask, the slots
@@ -324,9 +324,7 @@ __global__ void __launch_bounds__(384, 1)
     // S(t - 1) is on the tensor cores, P V(t) left in flight), then decide(t - 1), whose between()
     // issues S(t - 2) behind P V(t) and waits for P V(t) alone, so that the tensor cores always hold
     // the next product and, at tau > 0, the vote's latency hides behind both.  (Waiting for P V(t)
-    // before S(t - 2) is issued leaves the tensor cores idle in between: the dense instance ran that
-    // order until the lazy rescale, and was then 1.6-1.8% slower than the tau > 0 instance on random
-    // inputs, which retain every tile.)
+    // before S(t - 2) is issued leaves the tensor cores idle in between, at every tau.)
     auto step = [&](int t, STile& s_t, STile& s_n) {  // t >= 2
       finish(t, s_t);
       wgmma_wait<1>();
