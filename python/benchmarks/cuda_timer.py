@@ -1,5 +1,5 @@
 """python/benchmarks' timer (bench/suite/timing.py is the suite's own): CUDA events around one call,
-the median over repetitions."""
+the median over repetitions; and the CUDA-graph capture the decode scripts replay."""
 
 import torch
 
@@ -23,3 +23,16 @@ def median_ms(fn, reps=10, warmup=1, before=None):
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
     return sorted(times)[len(times) // 2]
+
+
+def capture_graph(fn):
+    """A CUDA graph of one fn() call, captured after a warm-up call on a side stream (as PyTorch asks)."""
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    with torch.cuda.graph(graph):
+        fn()
+    return graph

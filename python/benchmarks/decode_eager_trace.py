@@ -23,7 +23,7 @@ import mala
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench", "suite"))
 from workloads import make_workload  # noqa: E402
 
-from cuda_timer import median_ms  # noqa: E402
+from cuda_timer import capture_graph, median_ms  # noqa: E402
 
 
 def kernel_stats(prof):
@@ -49,14 +49,7 @@ def run_case(n, batch, tau, args):
         return mala.attention_with_kvcache(q, k_cache, v_cache, lens, tau=tau)
 
     eager_us = median_ms(call, args.reps) * 1e3
-    graph = torch.cuda.CUDAGraph()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        call()
-    torch.cuda.current_stream().wait_stream(side)
-    with torch.cuda.graph(graph):
-        call()
+    graph = capture_graph(call)
     graph_us = median_ms(graph.replay, args.reps) * 1e3
     traces = {}
     for mode, fn in (("eager", call), ("graph", graph.replay)):

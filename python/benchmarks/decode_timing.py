@@ -29,7 +29,7 @@ import mala
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench", "suite"))
 from workloads import make_workload  # noqa: E402
 
-from cuda_timer import median_ms  # noqa: E402
+from cuda_timer import capture_graph, median_ms  # noqa: E402
 
 
 def median_us(fn, reps):
@@ -86,14 +86,7 @@ def rows_for(n, batch, regime, args, bw, num_splits=0):
                                                   num_splits=num_splits, return_lse=True, return_stats=True)
         retained = stats.fwd_retained_fraction
         eager = median_us(call, args.reps)
-        graph = torch.cuda.CUDAGraph()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            call()
-        torch.cuda.current_stream().wait_stream(side)
-        with torch.cuda.graph(graph):
-            call()
+        graph = capture_graph(call)
         replay = median_us(graph.replay, args.reps)
         floor = (kv_bytes + retained * kv_bytes) / bw * 1e6
         out.append({"n": n, "batch": batch, "regime": regime, "tau": tau,

@@ -15,21 +15,13 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from cuda_timer import median_ms
 
-def median_ms(fn, iters, warmup=3):
+
+def flushed_median_ms(fn, iters):
+    """median_ms with 3 warm-up calls and a 512 MiB write (the L2 flush) before each timed call."""
     flush = torch.empty(512 << 20, dtype=torch.uint8, device="cuda")
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        flush.zero_()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
+    return median_ms(fn, iters, warmup=3, before=flush.zero_)
 
 
 def main():
@@ -59,7 +51,7 @@ def main():
                 with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
                     return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
-            fwd_ms = median_ms(lambda: fwd(), args.iters)
+            fwd_ms = flushed_median_ms(fwd, args.iters)
             line = f"d={d:<3} N={n:>6}  fwd {fwd_ms:9.3f} ms {flops / fwd_ms * 1e-9:6.1f} TF/s"
             if not args.no_backward:
                 out = fwd()
@@ -67,7 +59,7 @@ def main():
                 def bwd():
                     torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
 
-                bwd_ms = median_ms(bwd, args.iters)
+                bwd_ms = flushed_median_ms(bwd, args.iters)
                 line += f"  bwd {bwd_ms:9.3f} ms {2.5 * flops / bwd_ms * 1e-9:6.1f} TF/s"
             print(line, flush=True)
             del q, k, v, dout
