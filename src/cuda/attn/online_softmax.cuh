@@ -33,15 +33,20 @@ __device__ __forceinline__ void softmax_init(float (&m)[MT][2], float (&l)[MT][2
   }
 }
 
-// The two halves of a tile's update, for one row and one m16 block, shared by the updates below:
-// softmax_row_max gives the row's new running maximum and the exponent base of its P (0 where no key
-// is legal yet; keep = false: the maximum stays and the base is +inf, so P = 0);
+// The exponent base of a row's P after a tile: its base m, or 0 where no key is legal yet (m = -inf,
+// so that P = exp2(-inf) = 0 rather than NaN); +inf (P = 0) for rows that keep = false leaves alone.
+__device__ __forceinline__ float softmax_p_base(float m, bool keep) {
+  const float b = m == -INFINITY ? 0.f : m;
+  return keep ? b : INFINITY;
+}
+// The two halves of a tile's update, for one row and one m16 block: softmax_row_max gives the row's
+// new running maximum and the exponent base of its P (keep = false: the maximum stays and P = 0);
 // softmax_exponentiate turns s into P = exp2(s*scale_log2 - base) and sums this lane's part of
 // each row.
 __device__ __forceinline__ void softmax_row_max(float m_old, float tile_max_raw, float scale_log2, bool keep,
                                                 float& m_new, float& base) {
   m_new = fmaxf(m_old, tile_max_raw * scale_log2);
-  base = m_new == -INFINITY ? 0.f : m_new;
+  base = softmax_p_base(m_new, true);
   if (!keep) {
     m_new = m_old;
     base = INFINITY;
@@ -126,13 +131,12 @@ __device__ __forceinline__ void softmax_step_or_keep(float (&s)[MT][NT][4], cons
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       m_old[mt][h] = m[mt][h];
-      // -inf + slack is -inf: a row's first legal scores always move it.  (Bitwise & and selects:
-      // a short-circuit && on keep made ptxas branch around each row's update.)
+      // -inf + slack is -inf: a row's first legal scores always move it.  (Bitwise & and a select: a
+      // short-circuit && on keep made ptxas branch around each row's update.)
       const float cand = tile_max_raw[mt][h] * scale_log2;
       const bool move = (cand > m_old[mt][h] + kRescaleSlack) & keep;
       m[mt][h] = move ? cand : m_old[mt][h];
-      const float b = m[mt][h] == -INFINITY ? 0.f : m[mt][h];
-      base[mt][h] = keep ? b : INFINITY;
+      base[mt][h] = softmax_p_base(m[mt][h], keep);
       grew |= move;
     }
 #pragma unroll
@@ -153,6 +157,16 @@ __device__ __forceinline__ void softmax_step_or_keep(float (&s)[MT][NT][4], cons
 #pragma unroll
       for (int h = 0; h < 2; ++h) l[mt][h] += kQuadSum ? warp_sum_quad(sum[mt][h]) : sum[mt][h];
   }
+}
+
+// The row sums that softmax_step_or_keep<.., false> left per lane, reduced over the quad (before the
+// epilogue).
+template <int MT>
+__device__ __forceinline__ void softmax_quad_row_sums(float (&l)[MT][2]) {
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) l[mt][h] = warp_sum_quad(l[mt][h]);
 }
 
 // A fragment (16 rows x keys 16*kk..16*kk+15) of P for m16 tile mt, from the C fragments of n8

@@ -37,7 +37,6 @@ cuda::FwdLaunch choose_kernel(const cuda::FwdParams& p, bool dense) {
   l.record = p.tile_mask != nullptr;
   l.seeded = p.seed_lse != nullptr && !dense;
   if (forced == FwdVariant::mma_sync || !cuda::fwd_wgmma_usable<T, D>()) return l;
-  l.dense = dense;
   // K and V by TMA when it can describe them.  Varlen: only when the caller gave the packed
   // tensors' row count (total_k; cu_seqlens_k lives on the device), mapped as one batch entry of
   // total_k rows.  A sequence's last tile then reads the next sequence's first rows (or zeros past
@@ -54,12 +53,9 @@ cuda::FwdLaunch choose_kernel(const cuda::FwdParams& p, bool dense) {
   // Where the TMA cannot serve: the two-warpgroup kernel (d = 128), except for a seeded split
   // (ForwardArgs::seed_lse; that kernel has no registers left for the seed's bookkeeping), and the
   // mma.sync kernel at the head dims without a two-warpgroup kernel.
-  if (tma) {
-    l.kernel = cuda::FwdKernelKind::sm90_ws;
-  } else if (cuda::fwd_has_sm90(D) && !l.seeded) {
-    l.kernel = cuda::FwdKernelKind::sm90;
-  } else {
-    l.dense = dense && cuda::FwdConfig<D>::kDenseInstance;
+  if (tma || (cuda::fwd_has_sm90(D) && !l.seeded)) {
+    l.kernel = tma ? cuda::FwdKernelKind::sm90_ws : cuda::FwdKernelKind::sm90;
+    l.dense = dense;  // both wgmma kernels have a dense instance at every head dim they serve
   }
   return l;
 }

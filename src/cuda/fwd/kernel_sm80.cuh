@@ -310,12 +310,7 @@ __global__ void __launch_bounds__(FwdKernelTraits<T, D>::kThreads, FwdKernelTrai
     v_ready = pref_v;
   }
 
-  if constexpr (kDense) {  // l: each lane's part of its rows' sums (softmax_step_or_keep<.., false>)
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-      for (int hh = 0; hh < 2; ++hh) l[mt][hh] = warp_sum_quad(l[mt][hh]);
-  }
+  if constexpr (kDense) softmax_quad_row_sums<MT>(l);
   fwd_epilogue<T, MT, DT>(p, sq, b, h, row_w, lane, m, l, acc, retained * BK);
 }
 

@@ -378,10 +378,7 @@ __global__ void __launch_bounds__(384, 1)
     wgmma_wait<0>();
     pv_done(0);
   }
-  if constexpr (kDense) {  // l: each lane's part of its rows' sums (softmax_step_or_keep<.., false>)
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) l[0][hh] = warp_sum_quad(l[0][hh]);
-  }
+  if constexpr (kDense) softmax_quad_row_sums<1>(l);
   fwd_epilogue<T, 1, DT>(p, sq, b, h, row_w, lane, m, l, acc, retained * BK);
 #endif
 }
