@@ -339,6 +339,7 @@ TEST_P(CudaForwardKernels, DenseMatchesCpuAtTauZero) {
   run_case(mk("bf16 d128 causal gqa8/1 N=1000 tau0", DType::bf16, 128, true, 1000, 1000, 8, 1, 0.f, Input::random));
   run_case(mk("fp16 d64 causal mha N=2049 tau0 local", DType::f16, 64, true, 2049, 2049, 2, 2, 0.f, Input::local));
   run_case(mk("bf16 d256 noncausal N=300/77 tau0", DType::bf16, 256, false, 300, 77, 4, 2, 0.f, Input::random));
+  run_case(mk("fp16 d256 causal gqa4/1 N=1000 tau0", DType::f16, 256, true, 1000, 1000, 4, 1, 0.f, Input::random));
 }
 
 TEST_P(CudaForwardKernels, HeadDimsDtypesCausality) {
@@ -358,6 +359,7 @@ TEST_P(CudaForwardKernels, RandomInputsTauOne) {
   Case c = mk("fp16 d64 causal mha batch2 N=77 tau1 random", DType::f16, 64, true, 77, 77, 2, 2, 1.f, Input::random);
   c.batch = 2;
   run_case(c);
+  run_case(mk("bf16 d256 causal gqa4/1 N=2049 tau1 random", DType::bf16, 256, true, 2049, 2049, 4, 1, 1.f, Input::random));
 }
 
 // Rows whose maximum grows by far more than the lazy rescale's slack at the last tile visited.
@@ -368,6 +370,7 @@ TEST_P(CudaForwardKernels, AttentionSink) {
     run_case(mk("bf16 d128 causal gqa8/1 N=2049 sink" + ts, DType::bf16, 128, true, 2049, 2049, 8, 1, tau, Input::sink));
     run_case(mk("fp16 d128 noncausal N=300/1000 sink" + ts, DType::f16, 128, false, 300, 1000, 4, 2, tau, Input::sink));
     run_case(mk("fp16 d64 causal N=1000 sink" + ts, DType::f16, 64, true, 1000, 1000, 4, 2, tau, Input::sink));
+    run_case(mk("bf16 d256 causal N=1000 sink" + ts, DType::bf16, 256, true, 1000, 1000, 2, 1, tau, Input::sink));
   }
 }
 
@@ -421,6 +424,7 @@ TEST_P(CudaForwardKernels, SyntheticWorkload) {
   if (!mala::cuda_available()) GTEST_SKIP() << "no CUDA device";
   Case c = mk("bf16 d128 causal gqa8/1 N=2048 synthetic", DType::bf16, 128, true, 2048, 2048, 8, 1, 1.f, Input::workload);
   run_case(c);
+  run_case(mk("bf16 d256 causal gqa4/1 N=2048 synthetic", DType::bf16, 256, true, 2048, 2048, 4, 1, 1.f, Input::workload));
 }
 
 // The call as one split of a longer sequence (context parallelism): the whole-length threshold

@@ -147,6 +147,16 @@ __device__ __forceinline__ int ld_acquire_gpu(const int* p) {
 __device__ __forceinline__ void st_release_gpu(int* p, int v) {
   asm volatile("st.release.gpu.global.b32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
 }
+// Publishes a word through an mbarrier when pred: the store, then an arrival (release at CTA scope,
+// so a thread that sees the phase complete reads the word).  Predicated rather than branched on, so
+// that the caller's code stays warp-uniform.
+__device__ __forceinline__ void smem_store_arrive_if(uint32_t word, int v, uint32_t mbar, bool pred) {
+  asm volatile(
+      "{\n .reg .pred p;\n setp.ne.u32 p, %3, 0;\n @p st.shared.b32 [%0], %1;\n"
+      " @p mbarrier.arrive.shared::cta.b64 _, [%2];\n}\n" ::"r"(word),
+      "r"(v), "r"(mbar), "r"((uint32_t)pred)
+      : "memory");
+}
 // Orders this thread's generic-proxy accesses with its async-proxy (TMA) ones, in every state space.
 __device__ __forceinline__ void fence_proxy_async_all() { asm volatile("fence.proxy.async;\n" ::: "memory"); }
 

@@ -98,7 +98,7 @@ __global__ void __launch_bounds__(FwdSm90<D>::kThreads, FwdSm90<D>::kMinBlocks)
   float log_thr[1][2], log_norm[1][2];
   wgmma_fwd_test_inputs(log_thr, log_norm, b, h, row_w, lane, Nq, Nk, p);
   // The pair's first warp records its decisions.
-  uint8_t* mask_row = (wl & 1) == 0 ? wgmma_fwd_mask_row(p, b, h, row_pair, pair_hi, lane) : nullptr;
+  uint8_t* mask_row = (wl & 1) == 0 ? wgmma_fwd_mask_row(p, b, h, row_pair, 32, pair_hi, lane) : nullptr;
 
   float m[1][2], l[1][2], acc[1][DT][4];
   softmax_init<1, DT>(m, l, acc);

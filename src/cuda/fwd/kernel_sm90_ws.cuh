@@ -1,20 +1,21 @@
-// The warp-specialized forward on Hopper (wgmma + TMA), head dims 64 and 128, sm_90a: the kernel for
+// The warp-specialized forward on Hopper (wgmma + TMA), head dims 64, 128 and 256, sm_90a: the kernel for
 // every tau whenever the TMA can describe K and V (fwd/dispatch.cu: varlen inputs too when the call
 // gives total_k; without it they run the cp.async mala_fwd_kernel_sm90 at d = 128, mma.sync at
-// d = 64).  kDense: the tau = 0 instance (no test, no vote, every V).
+// d = 64 and 256).  kDense: the tau = 0 instance (no test, no vote, every V).
 //
-// Same decisions as the other forward kernels (decision tile 32 query rows x 64 keys, key tiles from
-// the diagonal down, the online test against the running normaliser), so the tile mask, the slots
-// and the outputs are theirs.  A CTA is three warpgroups over 128 query rows:
+// Same decisions as the other forward kernels (decision tile 32 query rows x 64 keys, at d = 256 16
+// x 32; key tiles from the diagonal down, the online test against the running normaliser), so the
+// tile mask, the slots and the outputs are theirs.  A CTA is three warpgroups over 128 query rows:
 //   producer (warpgroup 0, 24 registers; one thread issues every TMA load): K_t into a ring of
 //     kKBufs slots (full/empty mbarriers, up to kKBufs tiles ahead); V_t into slot t % kVBufs of
 //     the V ring, prefetched when the latest decision it has seen was a retention, else loaded
 //     once both warpgroups have decided tile t if one of them retains it (each warpgroup stores its
-//     decision, (t << 1) | retained, into a ring of kR slots that the producer polls).  V_t's full
+//     decision, (t << 1) | retained, into a ring of kR slots and arrives on the slot's mbarrier,
+//     which the producer tests, or waits on where it must know).  V_t's full
 //     barrier completes once per tile either way (with no bytes when nobody needs V_t), so every
 //     phase is static.
 //   consumers (warpgroups 1 and 2, 240 registers, 64 rows each): per key tile, S = Q K^T (Q in
-//     registers), mask, each lane's part of the raw row max against a bound per row
+//     registers; at d = 256 in shared memory), mask, each lane's part of the raw row max against a bound per row
 //     (rule::skip_bound_raw, recomputed after a retained tile), the pair vote (one bar.red.popc
 //     over the warpgroup); a warpgroup with a retaining pair computes P and O += P V, its warps
 //     on one path whatever their pair decided (a skipped pair's rows: P = 0, state kept, through
@@ -26,6 +27,8 @@
 //     afterwards).  The consumers issue no loads and never wait for each other, except
 //     through the rings' depth and when one needs the V of a tile the other has not decided yet.
 #pragma once
+
+#include <type_traits>
 
 #include "cuda/core/smem_tile.cuh"
 #include "cuda/core/tma.cuh"
@@ -39,24 +42,30 @@ namespace cuda {
 template <int D_>
 struct FwdWs {
   static constexpr int D = D_;
-  static_assert(fwd_has_sm90_ws(D), "warp-specialized forward: head dims 64 and 128 (fwd/launch.h)");
-  static constexpr int kThreads = 384, BQ = 128, BK = 64;
-  using QTile = SmemTile<64, D>;
+  static_assert(fwd_has_sm90_ws(D), "warp-specialized forward: head dims 64, 128 and 256 (fwd/launch.h)");
+  // The decision tile is FwdConfig's (what every forward kernel decides on): 32 rows (a warp pair)
+  // x 64 keys at d = 64 and 128, 16 rows (one warp) x 32 keys at d = 256.
+  static constexpr int kThreads = 384, BQ = 128, BK = FwdConfig<D>::kBk, kDecWarps = FwdConfig<D>::kMT;
+  static_assert(kDecWarps == 1 || kDecWarps == 2, "a decision tile is one warp's rows or a pair's");
+  // d = 256: O takes 128 registers a thread, which leaves none for Q's 64; Q stays in shared memory
+  // (GmmaTile, an operand of an ss wgmma) instead of going to registers through ldmatrix.
+  static constexpr bool kQSmem = D == 256;
+  using QTile = std::conditional_t<kQSmem, GmmaTile<64, D>, SmemTile<64, D>>;
   using KVTile = GmmaTile<BK, D>;
   // K ring (the producer runs up to kKBufs tiles ahead), V ring indexed by tile (t % kVBufs; a tile
   // whose V is not loaded leaves its slot unused), the consumers' per-tile decisions (kR tiles).
   // Power-of-two rings: a slot and a phase are a mask and a shift, where five V slots would cost a
-  // division per tile.
-  static constexpr int kKBufs = 4, kVBufs = 8, kLag = 2, kR = 8;
+  // division per tile.  d = 256: 64 KB of Q leave room for four V slots.
+  static constexpr int kKBufs = 4, kVBufs = kQSmem ? 4 : 8, kLag = 2, kR = 8;
   static_assert(kR > kLag + kKBufs, "a decision slot is reused only after the producer has read it");
   static_assert(kVBufs >= 3, "V slots are given back two tiles late");
   static constexpr int kOffK = 0;
   static constexpr int kOffV = kOffK + kKBufs * KVTile::kBytes;
   static constexpr int kOffQ = kOffV + kVBufs * KVTile::kBytes;  // [2] one per consumer warpgroup
   static constexpr int kOffMbar = kOffQ + 2 * QTile::kBytes;
-  // mbarriers: full_k[NK], empty_k[NK], full_v[NV], empty_v[NV]
-  static constexpr int kOffDec = kOffMbar + (2 * kKBufs + 2 * kVBufs) * 8;  // [kR][2][4] int: (tile << 1) | retained
-  static constexpr int kBytes = kOffDec + kR * 2 * 4 * 4;
+  // mbarriers: full_k[NK], empty_k[NK], full_v[NV], empty_v[NV], dec[kR]
+  static constexpr int kOffDec = kOffMbar + (2 * kKBufs + 2 * kVBufs + kR) * 8;  // [kR][2] int: (tile << 1) | retained
+  static constexpr int kBytes = kOffDec + kR * 2 * 4;
   static constexpr int kSmem = kBytes + 1024;
 };
 
@@ -89,16 +98,23 @@ __global__ void __launch_bounds__(384, 1)
   const int top = n_tiles - 1;
   const uint32_t sK0 = sbase + C::kOffK, sV0 = sbase + C::kOffV;
   const uint32_t mb_full_k = sbase + C::kOffMbar, mb_empty_k = mb_full_k + 8 * NKB;
-  const uint32_t mb_full_v = mb_empty_k + 8 * NKB, mb_empty_v = mb_full_v + 8 * NVB;
-  // Warpgroup g's decision on tile t: (t << 1) | retained in s_dec[t % R][g][w], stored by every
-  // lane of each of its warps w (a word per warp, so that the store is unconditional: no branch on
-  // the warp between the vote and the softmax), no arrival to wait for; the producer polls warp 0's
-  // words.
-  volatile int* s_dec = reinterpret_cast<volatile int*>(smem + C::kOffDec);
+  const uint32_t mb_full_v = mb_empty_k + 8 * NKB, mb_empty_v = mb_full_v + 8 * NVB, mb_dec = mb_empty_v + 8 * NVB;
+  // Warpgroup g's decision on tile t: (t << 1) | retained in s_dec[t % R][g], stored by the
+  // warpgroup's thread 0, which then arrives on mbarrier dec[t % R] (smem_store_arrive_if:
+  // predicated, no branch between the vote and the softmax; the consumers never wait on it).  The
+  // producer tests the phase without waiting where a decision only steers a prefetch, and waits for
+  // it where it must know.
+  const int* s_dec = reinterpret_cast<const int*>(smem + C::kOffDec);
+  const uint32_t s_dec_addr = sbase + C::kOffDec;
   // Phase parity of tile t's use of a ring of n slots indexed by t % n (tiles run from top down);
   // unsigned, so that a power-of-two n costs a shift and a mask.
   auto phase = [&](int t, uint32_t n) { return ((uint32_t)(top - t) / n) & 1u; };
   auto ring = [](int t, uint32_t n) { return (uint32_t)t % n; };
+  // Both warpgroups' decisions on tile x, once mbarrier dec[x % R] says they are in.
+  auto retained_by_some = [&](int x) {
+    const int* d = s_dec + 2 * ring(x, R);
+    return ((d[0] | d[1]) & 1) != 0;
+  };
   if (tid == 0) {
     for (int i = 0; i < NKB; ++i) {
       mbar_init(mb_full_k + 8 * i, 1);
@@ -108,7 +124,7 @@ __global__ void __launch_bounds__(384, 1)
       mbar_init(mb_full_v + 8 * i, 1);
       mbar_init(mb_empty_v + 8 * i, 8);
     }
-    for (int i = 0; i < 8 * R; ++i) s_dec[i] = -1;
+    for (int i = 0; i < R; ++i) mbar_init(mb_dec + 8 * i, 2);  // one arrival per consumer warpgroup
     fence_mbarrier_init();
   }
   __syncthreads();
@@ -122,15 +138,6 @@ __global__ void __launch_bounds__(384, 1)
         const uint32_t slot = ring(t, NKB);
         if (t + NKB <= top) mbar_wait<true>(mb_empty_k + 8 * slot, phase(t + NKB, NKB));
         tma_load_tile<BK, D>(sK0 + slot * KVTile::kBytes, &tmap_k, mb_full_k + 8 * slot, k_row0 + t * BK, hk, k_batch);
-      };
-      // Whether some consumer warpgroup retained tile x (waits for both decisions).
-      auto retained_by_some = [&](int x) {
-        int d0, d1;
-        do {
-          d0 = s_dec[8 * ring(x, R)];
-          d1 = s_dec[8 * ring(x, R) + 4];
-        } while ((d0 >> 1) != x || (d1 >> 1) != x);
-        return ((d0 | d1) & 1) != 0;
       };
       for (int t = top; t > top - NKB && t >= 0; --t) load_k(t);
       bool last_known = true;
@@ -146,11 +153,13 @@ __global__ void __launch_bounds__(384, 1)
         if (!kDense) {
           if (t + C::kLag <= top) {
             const int x = t + C::kLag;
-            const int d0 = s_dec[8 * ring(x, R)], d1 = s_dec[8 * ring(x, R) + 4];
-            if ((d0 >> 1) == x && (d1 >> 1) == x) last_known = ((d0 | d1) & 1) != 0;
+            if (mbar_test(mb_dec + 8 * ring(x, R), phase(x, R))) last_known = retained_by_some(x);
             load = last_known;
           }
-          if (!load) load = retained_by_some(t);
+          if (!load) {
+            mbar_wait<false>(mb_dec + 8 * ring(t, R), phase(t, R));
+            load = retained_by_some(t);
+          }
         }
         if (load) {
           tma_load_tile<BK, D>(sV0 + slot * KVTile::kBytes, &tmap_v, mb_full_v + 8 * slot, k_row0 + t * BK, hk, k_batch);
@@ -166,13 +175,15 @@ __global__ void __launch_bounds__(384, 1)
   // The warp index through a shuffle, so that ptxas knows what is derived from it (the legal
   // ranges of the warpgroup and the pair) to be warp-uniform, and branches on them need no
   // divergence handling.
+  // "pair": the warps of one decision tile (a warp pair, or at d = 256 the warp itself).
+  constexpr int DW = C::kDecWarps, DR = 16 * DW;
   const int ctid = tid - 128, warp = __shfl_sync(0xffffffffu, ctid >> 5, 0), lane = ctid & 31, wg = warp >> 2,
-            wl = warp & 3, pair = wl >> 1;
+            wl = warp & 3, pair = wl / DW;
   const int row_wg = row_cta + 64 * wg;
-  const int row_pair = row_wg + 32 * pair;
+  const int row_pair = row_wg + DR * pair;
   const int row_w = row_wg + 16 * wl;
   const int wg_hi = rule::ceil_div(max_L(row_wg, 64), BK) - 1;
-  const int pair_hi = rule::ceil_div(max_L(row_pair, 32), BK) - 1;
+  const int pair_hi = rule::ceil_div(max_L(row_pair, DR), BK) - 1;
   const int min_L_w = row_w + 16 <= Nq ? rule::visible_keys(row_w, Nq, Nk, p.causal) : 0;
   const FwdAnchors anchors = fwd_held_anchors<BK>(p, row_pair, pair_hi, Nq, Nk);  // kSeeded only
   // The test compares each lane's part of the raw row max with a bound per row (rule::skip_bound_raw),
@@ -185,9 +196,11 @@ __global__ void __launch_bounds__(384, 1)
   const float inv_scale = 1.f / p.scale_log2;
 #pragma unroll
   for (int hh = 0; hh < 2; ++hh) bound[0][hh] = rule::skip_bound_raw(log_norm[0][hh], log_thr[0][hh], inv_scale);
-  // Lanes counted by the vote: every lane of a pair-0 warp, lane 0 of a pair-1 warp (below).
-  const uint32_t vote_counted = wl < 2 || lane == 0;
-  uint8_t* mask_row = kRecord && (wl & 1) == 0 ? wgmma_fwd_mask_row(p, b, h, row_pair, pair_hi, lane) : nullptr;
+  // Lanes counted by the vote (below): pairs, every lane of a pair-0 warp and lane 0 of a pair-1
+  // warp; single warps, 2^w lanes of warp w, so that the count is the mask of retaining warps.
+  const uint32_t vote_counted = DW == 2 ? (wl < 2 || lane == 0) : lane < (1 << wl);
+  uint8_t* mask_row =
+      kRecord && wl % DW == 0 ? wgmma_fwd_mask_row(p, b, h, row_pair, DR, pair_hi, lane) : nullptr;
   float m[1][2], l[1][2], acc[1][DT][4];
   softmax_init<1, DT>(m, l, acc);
   float(&acc_flat)[D / 2] = *reinterpret_cast<float(*)[D / 2]>(&acc[0][0][0]);
@@ -196,12 +209,13 @@ __global__ void __launch_bounds__(384, 1)
   wgmma_fence_operands(acc_flat);
   int retained = 0;
   const uint32_t sQ = sbase + C::kOffQ + wg * QTile::kBytes;
-  uint32_t qreg[KS][4];
+  uint32_t qreg[C::kQSmem ? 1 : KS][4];
   QTile::template load_async<128>(sQ, sq.q + (int64_t)row_wg * p.q_sr, p.q_sr, Nq - row_wg, ctid & 127);
   cp_async_commit();
   cp_async_wait<0>();
+  if constexpr (C::kQSmem) fence_proxy_async_smem();  // cp.async's writes, read by wgmma
   warpgroup_barrier_sync(wg);
-  {
+  if constexpr (!C::kQSmem) {
     const uint32_t q_lane = QTile::lane_off_a(lane);
 #pragma unroll
     for (int ks = 0; ks < KS; ++ks) ldmatrix_x4(qreg[ks], QTile::frag_addr(sQ, q_lane, 16 * wl, ks * 16));
@@ -218,9 +232,17 @@ __global__ void __launch_bounds__(384, 1)
     mbar_wait<true>(mb_full_k + 8 * slot, phase(t, NKB));
     wgmma_fence();
     const uint64_t dK = wgmma_desc(sK0 + slot * KVTile::kBytes, 16, 1024);
+    if constexpr (C::kQSmem) {
+      const uint64_t dQ = wgmma_desc(sQ, 16, 1024);
 #pragma unroll
-    for (int ks = 0; ks < KS; ++ks)
-      WgmmaRS<BK, 0, T>::run(s_flat, qreg[ks], wgmma_desc_advance(dK, (ks >> 2) * KVTile::kBlockBytes + (ks & 3) * 32));
+      for (int ks = 0; ks < KS; ++ks)
+        WgmmaSS<BK, 0, 0, T>::run(s_flat, wgmma_desc_advance(dQ, (ks >> 2) * QTile::kBlockBytes + (ks & 3) * 32),
+                                  wgmma_desc_advance(dK, (ks >> 2) * KVTile::kBlockBytes + (ks & 3) * 32));
+    } else {
+#pragma unroll
+      for (int ks = 0; ks < KS; ++ks)
+        WgmmaRS<BK, 0, T>::run(s_flat, qreg[ks], wgmma_desc_advance(dK, (ks >> 2) * KVTile::kBlockBytes + (ks & 3) * 32));
+    }
   };
   auto release_k = [&](int t) {
     if (lane == 0) mbar_arrive(mb_empty_k + 8 * ring(t, NKB));
@@ -242,6 +264,9 @@ __global__ void __launch_bounds__(384, 1)
     }
     if constexpr (kDense) {
       (void)lane_retain;
+      // The row max reduced over the quad before between(): its shuffles then overlap the next S's
+      // issue and the wait for P V, not the exponentials' start.
+      quad_row_max<1>(mx);
       between();
       pair_retain = t <= pair_hi;
       wg_any = t <= wg_hi;
@@ -249,7 +274,7 @@ __global__ void __launch_bounds__(384, 1)
       // The pair vote in one barrier (pair_vote_popc, attn/tile_test.cuh: one barrier instead of
       // flags in shared memory and a named barrier): a retaining warp of pair 0 counts 32 (every
       // lane), one of pair 1 counts 1 (lane 0), so the warpgroup's count says both pairs'
-      // decisions.  The warpgroup's decision, the one branch here, goes through __any_sync, which
+      // decisions (single-warp decision tiles: warp w counts 2^w).  The warpgroup's decision, the one branch here, goes through __any_sync, which
       // ptxas knows to be warp-uniform: it then compiles the branch around P V without divergence
       // handling.
       const uint32_t cnt = pair_vote_popc(wg + 1, 128, lane_retain, vote_counted);
@@ -259,9 +284,10 @@ __global__ void __launch_bounds__(384, 1)
       quad_row_max<1>(mx);
       between();
       // pair_retain is data below (softmax_step_or_keep), not a branch: no vote for it.
-      pair_retain = (cnt & (pair ? 31u : ~31u)) != 0u;
+      pair_retain = DW == 2 ? (cnt & (pair ? 31u : ~31u)) != 0u : ((cnt >> wl) & 1u) != 0u;
       wg_any = __any_sync(0xffffffffu, cnt != 0u);
-      s_dec[8 * ring(t, R) + 4 * wg + wl] = (t << 1) | (wg_any ? 1 : 0);  // for the producer's V_t
+      smem_store_arrive_if(s_dec_addr + 4 * (2 * ring(t, R) + wg), (t << 1) | (wg_any ? 1 : 0),
+                           mb_dec + 8 * ring(t, R), (ctid & 127) == 0);  // for the producer's V_t
     }
     if (kRecord && mask_row && lane == 0 && t <= pair_hi) mask_row[t] = pair_retain ? kTileRetained : kTileSkipped;
   };
@@ -270,7 +296,6 @@ __global__ void __launch_bounds__(384, 1)
     if (wg_any) {
       if constexpr (kDense) {
         if (pair_retain) {
-          quad_row_max<1>(mx);
           softmax_step_or_keep<1, NT, DT, false>(s, mx, p.scale_log2, true, m, l, acc);
 #pragma unroll
           for (int kk = 0; kk < BK / 16; ++kk) p_to_a<T, 1, NT>(s, 0, kk, pa[kk]);

@@ -13,11 +13,11 @@ namespace cuda {
 enum class FwdKernelKind {
   sm80,     // mma.sync (fwd/kernel_sm80.cuh): every device, every head dim
   sm90,     // two-warpgroup wgmma, cp.async loads (fwd/kernel_sm90.cuh): sm_90a, d = 128
-  sm90_ws,  // warp-specialized wgmma, TMA loads (fwd/kernel_sm90_ws.cuh): sm_90a, d = 64 and 128
+  sm90_ws,  // warp-specialized wgmma, TMA loads (fwd/kernel_sm90_ws.cuh): sm_90a, d = 64, 128 and 256
 };
 // The head dims each wgmma kernel is built for.
 constexpr bool fwd_has_sm90(int d) { return d == 128; }
-constexpr bool fwd_has_sm90_ws(int d) { return d == 64 || d == 128; }
+constexpr bool fwd_has_sm90_ws(int d) { return d == 64 || d == 128 || d == 256; }
 struct FwdLaunch {
   FwdKernelKind kernel = FwdKernelKind::sm80;
   bool dense = false;   // tau = 0: the kernel's dense instance (sm80: where FwdConfig has one)
