@@ -5,7 +5,7 @@
 #include <cstdint>
 #include <sstream>
 #include <string>
-#include <vector>
+#include <utility>
 
 #include "cpu/cpu.h"
 #include "common/layout.h"
@@ -113,13 +113,19 @@ Status check_strides(const char* name, const Strides& s, int64_t batch, int64_t 
     const char* what;
     int64_t count, stride;
   };
-  std::vector<Dim> dims;
-  if (batch > 1) dims.push_back({"batch", batch, r.batch});
-  if (seqlen > 1) dims.push_back({"row", seqlen, r.row});
-  if (heads > 1) dims.push_back({"head", heads, r.head});
-  std::stable_sort(dims.begin(), dims.end(), [](const Dim& a, const Dim& b) { return a.stride < b.stride; });
+  // At most three dimensions: a fixed array and an insertion sort, so that the check allocates
+  // nothing (it runs on every call).  The sort is stable: equal strides keep the order batch, row,
+  // head, which decides the dimension an error names.
+  Dim dims[3];
+  int n = 0;
+  if (batch > 1) dims[n++] = {"batch", batch, r.batch};
+  if (seqlen > 1) dims[n++] = {"row", seqlen, r.row};
+  if (heads > 1) dims[n++] = {"head", heads, r.head};
+  for (int i = 1; i < n; ++i)
+    for (int j = i; j > 0 && dims[j].stride < dims[j - 1].stride; --j) std::swap(dims[j], dims[j - 1]);
   int64_t span = head_dim;  // elements covered by the dimensions inside the current one
-  for (const Dim& dm : dims) {
+  for (int i = 0; i < n; ++i) {
+    const Dim& dm = dims[i];
     if (dm.stride > (INT64_MAX - span) / std::max<int64_t>(dm.count - 1, 1))
       return fail(name, std::string(dm.what) + " stride " + str(dm.stride) + " is too large");
     if (dm.stride < span)
@@ -261,8 +267,10 @@ bool overlaps(const Region& a, const Region& b) {
 }
 
 // Every output against every input and every earlier output: "<output>: overlaps <other>".
-Status check_no_overlap(const std::vector<Region>& inputs, const std::vector<Region>& outputs) {
-  for (size_t i = 0; i < outputs.size(); ++i) {
+// (Fixed-size arrays: the checks run on every call, so they allocate nothing.)
+template <size_t NI, size_t NO>
+Status check_no_overlap(const Region (&inputs)[NI], const Region (&outputs)[NO]) {
+  for (size_t i = 0; i < NO; ++i) {
     for (const Region& in : inputs)
       if (overlaps(outputs[i], in)) return fail(outputs[i].name, std::string("overlaps ") + in.name);
     for (size_t j = 0; j < i; ++j)
@@ -323,14 +331,14 @@ Status check_overlap(const ForwardArgs& a) {
   if (varlen && a.total_k > 0) rk = a.total_k;
   const int64_t rows = a.heads_q * (varlen ? rq : a.batch * a.seqlen_q);
   const Tiles t = forward_tiles(a);
-  const std::vector<Region> in = {
+  const Region in[] = {
       strided(a.q, "q", es, a.q_strides, nb, rq, a.heads_q, a.head_dim),
       strided(a.k, "k", es, a.k_strides, nb, rk, a.heads_kv, a.head_dim),
       strided(a.v, "v", es, a.v_strides, nb, rk, a.heads_kv, a.head_dim),
       flat(a.cu_seqlens_q, "cu_seqlens_q", varlen ? 4 * (a.batch + 1) : 0),
       flat(a.cu_seqlens_k, "cu_seqlens_k", a.cu_seqlens_k ? 4 * (a.batch + 1) : 0),
       flat(a.seed_lse, "seed_lse", 4 * rows)};
-  const std::vector<Region> out = {
+  const Region out[] = {
       strided(a.o, "o", es, a.o_strides, nb, rq, a.heads_q, a.head_dim),
       flat(a.lse, "lse", 4 * rows),
       flat(a.fwd_slots, "fwd_slots", 4 * rows),
@@ -349,7 +357,7 @@ Status check_overlap(const BackwardArgs& a) {
   if (varlen && a.total_k > 0) rk = a.total_k;
   const int64_t rows = a.heads_q * (varlen ? rq : a.batch * a.seqlen_q);
   const Tiles t = backward_tiles(a);
-  const std::vector<Region> in = {
+  const Region in[] = {
       strided(a.q, "q", es, a.q_strides, nb, rq, a.heads_q, a.head_dim),
       strided(a.k, "k", es, a.k_strides, nb, rk, a.heads_kv, a.head_dim),
       strided(a.v, "v", es, a.v_strides, nb, rk, a.heads_kv, a.head_dim),
@@ -358,7 +366,7 @@ Status check_overlap(const BackwardArgs& a) {
       flat(a.lse, "lse", 4 * rows),
       flat(a.cu_seqlens_q, "cu_seqlens_q", varlen ? 4 * (a.batch + 1) : 0),
       flat(a.cu_seqlens_k, "cu_seqlens_k", a.cu_seqlens_k ? 4 * (a.batch + 1) : 0)};
-  const std::vector<Region> out = {
+  const Region out[] = {
       strided(a.dq, "dq", es, a.dq_strides, nb, rq, a.heads_q, a.head_dim),
       strided(a.dk, "dk", es, a.dk_strides, nb, rk, a.heads_kv, a.head_dim),
       strided(a.dv, "dv", es, a.dv_strides, nb, rk, a.heads_kv, a.head_dim),
@@ -382,7 +390,7 @@ Status check_overlap(const DecodeArgs& a) {
   const int64_t group = a.heads_q / a.heads_kv;
   const int64_t tile_heads = a.pack_gqa ? a.heads_kv : a.heads_q;
   const int64_t tile_rows = a.pack_gqa ? a.seqlen_q * group : a.seqlen_q;
-  const std::vector<Region> in = {
+  const Region in[] = {
       strided(a.q, "q", es, a.q_strides, a.batch, a.seqlen_q, a.heads_q, a.head_dim),
       strided(a.k_cache, "k_cache", es, a.k_cache_strides, cache_batch, cache_rows, a.heads_kv, a.head_dim),
       strided(a.v_cache, "v_cache", es, a.v_cache_strides, cache_batch, cache_rows, a.heads_kv, a.head_dim),
@@ -390,7 +398,7 @@ Status check_overlap(const DecodeArgs& a) {
       strided(a.v_new, "v_new", es, a.v_new_strides, a.batch, a.seqlen_new, a.heads_kv, a.head_dim),
       flat(a.cache_seqlens, "cache_seqlens", 4 * a.batch),
       flat(a.block_table, "block_table", paged ? 4 * ((a.batch - 1) * bt_stride + a.max_pages) : 0)};
-  const std::vector<Region> out = {
+  const Region out[] = {
       strided(a.o, "o", es, a.o_strides, a.batch, a.seqlen_q, a.heads_q, a.head_dim),
       flat(a.lse, "lse", 4 * rows),
       flat(a.fwd_slots, "fwd_slots", 4 * rows),

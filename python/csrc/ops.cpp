@@ -36,6 +36,8 @@
 #include <tuple>
 
 #ifdef MALA_TORCH_CUDA
+#include <ATen/cuda/EmptyTensor.h>
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAStream.h>
 #endif
 
@@ -175,6 +177,29 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 Tensor workspace(size_t bytes, const Tensor& like) {
   if (bytes == 0) return Tensor();
   return at::empty({static_cast<int64_t>(bytes)}, like.options().dtype(at::kByte));
+}
+
+// Allocations on the decode call's latency path: the host time of a decode step adds to the step,
+// whose batch-1 kernels take 10-25 us.  An output on CUDA comes straight from
+// at::detail::empty_cuda, where at::empty ends, without going through the dispatcher again (the
+// op already runs at its backend's key).
+Tensor new_empty(at::IntArrayRef shape, at::ScalarType type, const Tensor& like) {
+#ifdef MALA_TORCH_CUDA
+  if (like.is_cuda()) return at::detail::empty_cuda(shape, type, like.device(), std::nullopt);
+#endif
+  return at::empty(shape, like.options().dtype(type));
+}
+
+// Scratch for the call alone: a block of PyTorch's allocator, no tensor around it.  On CUDA the
+// caching allocator serves it on the current device and stream (the op's device guard and launch
+// stream) and, under graph capture, from the graph's pool; it goes back when the DataPtr is
+// destroyed, after the launches, as a temporary tensor's storage would.
+c10::DataPtr scratch(size_t bytes, const Tensor& like) {
+  if (bytes == 0) return c10::DataPtr(nullptr, like.device());
+#ifdef MALA_TORCH_CUDA
+  if (like.is_cuda()) return c10::cuda::CUDACachingAllocator::get()->allocate(bytes);
+#endif
+  return c10::GetAllocator(like.device().type())->allocate(bytes);
 }
 
 // ---- forward --------------------------------------------------------------------------------
@@ -574,18 +599,19 @@ std::tuple<Tensor, Tensor, Tensor> kvcache(const Tensor& q_in, const Tensor& k_c
     a.k_new_strides = strides_bnhd(k_new);
     a.v_new_strides = strides_bnhd(v_new);
   }
-  Tensor out = at::empty(q.sizes(), q.options());
+  Tensor out = new_empty(q.sizes(), q.scalar_type(), q);
   a.o = out.data_ptr();
   a.o_strides = strides_bnhd(out);
-  Tensor lse = at::empty({batch, hq, a.seqlen_q}, q.options().dtype(at::kFloat));
+  Tensor lse = new_empty({batch, hq, a.seqlen_q}, at::kFloat, q);
   a.lse = lse.data_ptr<float>();
-  Tensor slots = empty_or(return_stats, lse.sizes(), q, at::kInt);
+  Tensor slots = return_stats ? empty_or(true, lse.sizes(), q, at::kInt) : new_empty({0}, at::kInt, q);
   if (return_stats) a.fwd_slots = slots.data_ptr<int32_t>();
   if (q.numel() == 0) return {out, lse, slots};
-  Tensor ws = workspace(mala::decode_workspace_size(a), q);
-  if (ws.defined()) {
-    a.workspace = ws.data_ptr();
-    a.workspace_bytes = static_cast<size_t>(ws.numel());
+  const size_t ws_bytes = mala::decode_workspace_size(a);
+  c10::DataPtr ws = scratch(ws_bytes, q);
+  if (ws_bytes > 0) {
+    a.workspace = ws.get();
+    a.workspace_bytes = ws_bytes;
   }
   check_status(mala::decode(a), "kvcache");
   return {out, lse, slots};

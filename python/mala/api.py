@@ -203,9 +203,12 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     capture).  Shapes, dtypes and devices are always checked.  (CPU tensors are also checked by the
     CPU implementation, which reads them on the host anyway.)
     """
+    # A decode step's host time adds to its latency: the common call (no lse, no stats, no host
+    # check) goes from these checks straight to the operator and returns its output.
     tau = _tau_arg(tau)
     scale = _scale_arg(softmax_scale)
-    if int(num_splits) < 0:
+    splits = int(num_splits)
+    if splits < 0:
         raise ValueError(f"num_splits: must be >= 0, 0 meaning automatic (got {num_splits})")
     if split_rule not in SPLIT_RULES:
         raise ValueError(f"split_rule: must be one of {', '.join(repr(r) for r in SPLIT_RULES)} (got {split_rule!r})")
@@ -226,7 +229,9 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             if lo < 0 or hi >= k_cache.shape[0]:
                 raise ValueError(f"block_table: entries must lie in [0, {k_cache.shape[0]}) (got {lo}..{hi})")
     out, lse, slots = torch.ops.mala.kvcache(q, k_cache, v_cache, cache_seqlens, k, v, block_table, tau, causal,
-                                             scale, int(num_splits), bool(return_stats), split_rule)
+                                             scale, splits, bool(return_stats), split_rule)
+    if not (return_lse or return_stats):
+        return out
     stats = None
     if return_stats:
         _eager_only("return_stats")
@@ -234,7 +239,7 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         capacity = k_cache.shape[1] * (block_table.shape[1] if block_table is not None else 1)
         block_q, block_k, splits = torch.ops.mala.tile_sizes("decode", q.device, q.dtype, q.shape[0], q.shape[1],
                                                              capacity, q.shape[2], k_cache.shape[2], q.shape[3],
-                                                             causal, int(num_splits))
+                                                             causal, splits)
         stats = AttentionStats(fwd_block_q=block_q, fwd_block_k=block_k, fwd_slots=slots, num_splits=splits,
                                visible_keys=visible_keys_decode(cache_seqlens, seqlen_new, q.shape[1], causal))
     return _results(out, lse, stats, return_lse, return_stats)

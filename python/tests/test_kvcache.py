@@ -1,6 +1,10 @@
 """mala.attention_with_kvcache: decode against contiguous and paged caches, in-place append, CUDA graphs,
 split rules, and no host synchronization unless check_inputs=True."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -132,6 +136,61 @@ def test_cuda_graph_capture_and_replay():
         eager = mala.attention_with_kvcache(new_q, k_eager, v_eager, static["lens"], k=new_k, v=new_v, tau=1.0)
         torch.testing.assert_close(static_out, eager, atol=0, rtol=0)
         assert torch.equal(k_cache, k_eager), f"replay {i}: the graph must append into the cache like eager"
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="no CUDA GPU")
+def test_cuda_first_call_inside_graph_capture():
+    """A process whose very first decode call is captured: the per-device facts (attributes, the
+    kernel's shared-memory opt-in) are set up under capture, and the replay matches an eager call."""
+    script = """
+import torch, mala
+torch.manual_seed(0)
+q = torch.randn(2, 1, 8, 128, device="cuda", dtype=torch.bfloat16)
+k = torch.randn(2, 4096, 1, 128, device="cuda", dtype=torch.bfloat16)
+v = torch.randn_like(k)
+lens = torch.tensor([4000, 1234], dtype=torch.int32, device="cuda")
+graph = torch.cuda.CUDAGraph()
+with torch.cuda.graph(graph):
+    static_out = {tau0: mala.attention_with_kvcache(q, k, v, lens, tau=tau0, num_splits=8) for tau0 in (0.0, 1.0)}
+graph.replay()
+torch.cuda.synchronize()
+for tau0, out in static_out.items():
+    assert torch.equal(out, mala.attention_with_kvcache(q, k, v, lens, tau=tau0, num_splits=8)), tau0
+print("ok")
+"""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stdout + run.stderr
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="no CUDA GPU")
+def test_cuda_decode_returns_its_scratch():
+    """The split-KV partials live in scratch memory of the call alone: once the outputs are dropped,
+    PyTorch's allocator holds what it held before."""
+    q, k_cache, v_cache, cache_seqlens, _, _ = _cache_case("cuda", seqlen_new=0, seed=7)
+    mala.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, num_splits=4)  # first-call setup
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    out, lse = mala.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, num_splits=4, return_lse=True)
+    assert torch.cuda.memory_allocated() > before
+    del out, lse
+    assert torch.cuda.memory_allocated() == before
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_cuda_decode_on_every_device():
+    """Per-device setup (the split kernel's shared-memory opt-in, the device attributes): the same
+    call gives the same answer on every device, whichever device is current."""
+    q, k_cache, v_cache, cache_seqlens, _, _ = _cache_case("cuda", seqlen_new=0, seed=8)
+    ref = {tau: mala.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, tau=tau, num_splits=4).cpu()
+           for tau in (0.0, 1.0)}
+    for dev in range(1, torch.cuda.device_count()):
+        args = [t.to(f"cuda:{dev}") for t in (q, k_cache, v_cache, cache_seqlens)]
+        for tau, expected in ref.items():
+            with torch.cuda.device(0):  # the operator switches to the tensors' device
+                out = mala.attention_with_kvcache(*args, tau=tau, num_splits=4)
+            assert out.device == args[0].device
+            torch.testing.assert_close(out.cpu(), expected, atol=2e-2, rtol=1e-2)  # devices may differ in kind
 
 
 # ---- split_rule (issue 29): per_split, the paper's rule, and seeded ------------------------------

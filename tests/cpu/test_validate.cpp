@@ -439,6 +439,36 @@ TEST(Validate, DecodeRejectsOutputsOverlappingQOrTheCache) {
   }
 }
 
+// The stride test sorts a tensor's dimensions by stride (stably: equal strides keep the order
+// batch, row, head), so layouts in any dimension order pass and an error names the dimension that
+// runs into the ones inside it.
+TEST(Validate, StridesInAnyOrderAndTheOverlappingDimensionNamed) {
+  const int64_t b = 2, n = 2, hq = 2, hkv = 1, d = 8, cap = 16;
+  std::vector<float> q = randn(8 * b * n * hq * d, 1), kc = randn(b * cap * hkv * d, 2), vc = kc;
+  std::vector<float> o(b * n * hq * d), lse(b * hq * n);
+  static const int32_t seqlens[] = {3, 7};
+  struct Case {
+    mala::Strides q_strides;
+    const char* message;  // "" = accepted
+  };
+  const Case cases[] = {
+      {{8, 32, 16}, ""},  // [row, head, batch, d]: every dimension steps past the ones inside it
+      {{0, 8, 8}, "q_strides: head stride 8 makes elements overlap (needs >= 16 with head_dim=8)"},
+      {{8, 32, 8}, "q_strides: head stride 8 makes elements overlap (needs >= 16 with head_dim=8)"},
+      {{16, 4, 0}, "q_strides: row stride 4 makes elements overlap (needs >= 8 with head_dim=8)"},
+  };
+  for (const Case& c : cases) {
+    mala::DecodeArgs a;
+    a.q = q.data(), a.k_cache = kc.data(), a.v_cache = vc.data(), a.cache_seqlens = seqlens;
+    a.batch = b, a.seqlen_q = n, a.cache_capacity = cap, a.heads_q = hq, a.heads_kv = hkv, a.head_dim = d;
+    a.o = o.data(), a.lse = lse.data();
+    a.q_strides = c.q_strides;
+    const mala::Status s = mala::check(a);
+    EXPECT_EQ(s.message, c.message) << c.q_strides.batch << "," << c.q_strides.row << "," << c.q_strides.head;
+    EXPECT_EQ(s.ok, *c.message == '\0');
+  }
+}
+
 // Device::cuda where there is no GPU (CI, this machine) or no CUDA in the build: the message says
 // so, instead of blaming the first pointer ("q: not a CUDA device pointer").
 TEST(Validate, CudaWithoutADeviceSaysSo) {

@@ -7,13 +7,18 @@
 //
 // CUDA-graph safe: the host never reads cache_seqlens (the kernels do), never synchronizes, and
 // allocates nothing when args.workspace is given (otherwise stream-ordered cudaMallocAsync/FreeAsync).
+// Per call the host only packs parameters and launches: the device's attributes are queried once
+// per device (current_device_caps) and the split kernels' shared-memory opt-in is set once per
+// device (instance.cuh), both on the device's first call, which may be under stream capture.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <mutex>
 #include <string>
 
 #include "common/layout.h"
@@ -53,21 +58,53 @@ Geometry geometry(const DecodeArgs& a) {
   return g;
 }
 
-int sm_count() {
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess) {
+// What the host needs to know about the current device.  Queried on the device's first decode call
+// and then read from a per-device table: a decode call's host time adds to its latency, and this
+// way a call costs one cudaGetDevice instead of attribute queries.  Thread-safe: the queries run
+// under a mutex and the result is published with a release store.  A failed query is not cached
+// (the next call asks again); the call gets the fallback values.
+struct DeviceCaps {
+  int device = 0;      // keys the launcher's per-device cache of kernel attributes
+  int sms = 132;       // multiprocessors (fallback: an H100's)
+  int smem_optin = 0;  // bytes of shared memory one block may opt in to
+  bool pdl = false;    // programmatic dependent launch (sm_90+)
+};
+
+bool query_caps(int dev, DeviceCaps* c) {
+  int major = 0;
+  if (cudaDeviceGetAttribute(&c->sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || c->sms <= 0 ||
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&c->smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess) {
     cudaGetLastError();
-    return 132;
+    return false;
   }
-  static int cache[64] = {0};
-  if (dev >= 0 && dev < 64 && cache[dev] > 0) return cache[dev];
-  int n = 0;
-  if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || n <= 0) {
+  c->pdl = major >= 9;
+  return true;
+}
+
+DeviceCaps current_device_caps() {
+  struct Slot {
+    std::atomic<bool> ready{false};
+    DeviceCaps caps;
+  };
+  static Slot table[cuda::kMaxCachedDevices];
+  static std::mutex mutex;
+  DeviceCaps c;
+  if (cudaGetDevice(&c.device) != cudaSuccess) {
     cudaGetLastError();
-    n = 132;
+    return c;
   }
-  if (dev >= 0 && dev < 64) cache[dev] = n;
-  return n;
+  const bool cacheable = c.device >= 0 && c.device < cuda::kMaxCachedDevices;
+  if (cacheable && table[c.device].ready.load(std::memory_order_acquire)) return table[c.device].caps;
+  std::lock_guard<std::mutex> lock(mutex);
+  if (cacheable && table[c.device].ready.load(std::memory_order_relaxed)) return table[c.device].caps;
+  DeviceCaps q = c;
+  if (!query_caps(c.device, &q)) return c;
+  if (cacheable) {
+    table[c.device].caps = q;
+    table[c.device].ready.store(true, std::memory_order_release);
+  }
+  return q;
 }
 
 struct WorkspaceLayout {
@@ -76,10 +113,9 @@ struct WorkspaceLayout {
 
 size_t align256(size_t x) { return (x + 255) / 256 * 256; }
 
-WorkspaceLayout workspace_layout(const DecodeArgs& a, int splits) {
+WorkspaceLayout workspace_layout(const DecodeArgs& a, const Geometry& g, int splits) {
   WorkspaceLayout w;
   if (splits <= 1) return w;
-  const Geometry g = geometry(a);
   const size_t entries = static_cast<size_t>(a.batch) * g.HS * g.NQT * splits;
   w.o_bytes = align256(entries * kDecodeBlockQ * a.head_dim * sizeof(float));
   w.lse_bytes = align256(entries * kDecodeBlockQ * sizeof(float));
@@ -88,40 +124,32 @@ WorkspaceLayout workspace_layout(const DecodeArgs& a, int splits) {
   return w;
 }
 
-struct DeviceCaps {
-  bool pdl = false;    // programmatic dependent launch (sm_90+)
-  int smem_optin = 0;  // bytes of shared memory one block may opt in to
-};
-const DeviceCaps& device_caps() {
-  static const DeviceCaps caps = [] {
-    DeviceCaps c;
-    int dev = 0, major = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
-        cudaDeviceGetAttribute(&c.smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess) {
-      cudaGetLastError();
-      return c;
-    }
-    c.pdl = major >= 9;
-    return c;
-  }();
-  return caps;
+// num_splits resolved: the given count, or at most one wave of CTAs (one CTA per SM; a second
+// partial wave would double the time).
+int num_splits_for(const DecodeArgs& a, const Geometry& g, int sms) {
+  if (a.num_splits > 0) return a.num_splits;
+  const int64_t base = std::max<int64_t>(1, a.batch * g.HS * g.NQT);
+  int64_t want = std::max<int64_t>(1, sms / base);
+  want = std::min<int64_t>(want, g.n_cap);
+  want = std::min<int64_t>(want, kMaxSplits);
+  return static_cast<int>(std::max<int64_t>(want, 1));
 }
 
 // The split kernel's instance for this call (see the top of the file).
 template <int D>
-cuda::DecodeLaunch choose_instance(bool dense) {
-  const DeviceCaps& caps = device_caps();
+cuda::DecodeLaunch choose_instance(bool dense, const DeviceCaps& caps) {
   cuda::DecodeLaunch l;
   l.dense = dense;
   l.large_smem = kernel_override().decode != DecodeVariant::small_smem &&
                  caps.smem_optin >= cuda::DecodeConfig<D, true>::smem_bytes(dense);
   l.pdl = caps.pdl;
+  l.device = caps.device;
   return l;
 }
 
 template <typename T, int D>
-cudaError_t run(const cuda::DecodeParams& p, bool dense, cudaStream_t stream) {
-  return cuda::launch_decode<T, D>(p, choose_instance<D>(dense), stream);
+cudaError_t run(const cuda::DecodeParams& p, bool dense, const DeviceCaps& caps, cudaStream_t stream) {
+  return cuda::launch_decode<T, D>(p, choose_instance<D>(dense, caps), stream);
 }
 
 Status aligned(const void* p, const char* what) {
@@ -145,25 +173,21 @@ Tiles decode_tiles(const DecodeArgs& a) {
 }
 
 int decode_num_splits(const DecodeArgs& a) {
-  if (a.num_splits > 0) return a.num_splits;
-  const Geometry g = geometry(a);
-  const int64_t base = std::max<int64_t>(1, a.batch * g.HS * g.NQT);
-  const int64_t sms = sm_count();
-  // At most one wave of CTAs (one CTA per SM; a second partial wave would double the time).
-  int64_t want = std::max<int64_t>(1, sms / base);
-  want = std::min<int64_t>(want, g.n_cap);
-  want = std::min<int64_t>(want, kMaxSplits);
-  return static_cast<int>(std::max<int64_t>(want, 1));
+  if (a.num_splits > 0) return a.num_splits;  // no device query needed
+  return num_splits_for(a, geometry(a), current_device_caps().sms);
 }
 
-size_t decode_workspace_size(const DecodeArgs& a) { return workspace_layout(a, cuda_backend::decode_num_splits(a)).total; }
+size_t decode_workspace_size(const DecodeArgs& a) {
+  return workspace_layout(a, geometry(a), cuda_backend::decode_num_splits(a)).total;
+}
 
 Status decode(const DecodeArgs& a) {
   if (a.dtype != DType::bf16 && a.dtype != DType::f16)
     return Status::error("dtype: CUDA decode supports bfloat16 and float16");
   const int d = static_cast<int>(a.head_dim);
+  const DeviceCaps caps = current_device_caps();
   const Geometry g = geometry(a);
-  const int splits = cuda_backend::decode_num_splits(a);
+  const int splits = num_splits_for(a, g, caps.sms);
   const bool paged = a.block_table != nullptr;
   const int64_t cache_rows = paged ? a.page_size : a.cache_capacity;
   const int64_t new_rows = std::max<int64_t>(a.seqlen_new, 1);
@@ -235,7 +259,7 @@ Status decode(const DecodeArgs& a) {
   p.vn_sb = vns.batch, p.vn_sr = vns.row, p.vn_sh = vns.head;
 
   cudaStream_t stream = static_cast<cudaStream_t>(a.stream);
-  const WorkspaceLayout wl = workspace_layout(a, splits);
+  const WorkspaceLayout wl = workspace_layout(a, g, splits);
   void* ws = nullptr;
   bool owned = false;
   if (wl.total > 0) {
@@ -259,9 +283,9 @@ Status decode(const DecodeArgs& a) {
   const bool bf16 = a.dtype == DType::bf16;
   cudaError_t err;
   switch (d) {
-    case 64: err = bf16 ? run<__nv_bfloat16, 64>(p, dense, stream) : run<__half, 64>(p, dense, stream); break;
-    case 128: err = bf16 ? run<__nv_bfloat16, 128>(p, dense, stream) : run<__half, 128>(p, dense, stream); break;
-    case 256: err = bf16 ? run<__nv_bfloat16, 256>(p, dense, stream) : run<__half, 256>(p, dense, stream); break;
+    case 64: err = bf16 ? run<__nv_bfloat16, 64>(p, dense, caps, stream) : run<__half, 64>(p, dense, caps, stream); break;
+    case 128: err = bf16 ? run<__nv_bfloat16, 128>(p, dense, caps, stream) : run<__half, 128>(p, dense, caps, stream); break;
+    case 256: err = bf16 ? run<__nv_bfloat16, 256>(p, dense, caps, stream) : run<__half, 256>(p, dense, caps, stream); break;
     default: err = cudaErrorInvalidValue; break;
   }
   if (owned) {
