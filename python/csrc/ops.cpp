@@ -167,11 +167,6 @@ void check_status(const mala::Status& st, const char* op) {
   TORCH_CHECK(st.ok, "mala.", op, ": ", st.message);
 }
 
-Tensor empty_or(bool wanted, at::IntArrayRef shape, const Tensor& like, at::ScalarType type) {
-  if (!wanted) return at::empty({0}, like.options().dtype(type));
-  return at::zeros(shape, like.options().dtype(type));
-}
-
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 Tensor workspace(size_t bytes, const Tensor& like) {
@@ -179,8 +174,8 @@ Tensor workspace(size_t bytes, const Tensor& like) {
   return at::empty({static_cast<int64_t>(bytes)}, like.options().dtype(at::kByte));
 }
 
-// Allocations on the decode call's latency path: the host time of a decode step adds to the step,
-// whose batch-1 kernels take 10-25 us.  An output on CUDA comes straight from
+// The ops' outputs, allocated with the decode call's latency in mind (the host time of a decode step
+// adds to the step, whose batch-1 kernels take 10-25 us): an output on CUDA comes straight from
 // at::detail::empty_cuda, where at::empty ends, without going through the dispatcher again (the
 // op already runs at its backend's key).
 Tensor new_empty(at::IntArrayRef shape, at::ScalarType type, const Tensor& like) {
@@ -188,6 +183,13 @@ Tensor new_empty(at::IntArrayRef shape, at::ScalarType type, const Tensor& like)
   if (like.is_cuda()) return at::detail::empty_cuda(shape, type, like.device(), std::nullopt);
 #endif
   return at::empty(shape, like.options().dtype(type));
+}
+
+// An optional output: zeros of `shape` (counters the kernels add into) when wanted, else an empty
+// tensor.
+Tensor empty_or(bool wanted, at::IntArrayRef shape, const Tensor& like, at::ScalarType type) {
+  if (!wanted) return new_empty({0}, type, like);
+  return at::zeros(shape, like.options().dtype(type));
 }
 
 // Scratch for the call alone: a block of PyTorch's allocator, no tensor around it.  On CUDA the
@@ -604,7 +606,7 @@ std::tuple<Tensor, Tensor, Tensor> kvcache(const Tensor& q_in, const Tensor& k_c
   a.o_strides = strides_bnhd(out);
   Tensor lse = new_empty({batch, hq, a.seqlen_q}, at::kFloat, q);
   a.lse = lse.data_ptr<float>();
-  Tensor slots = return_stats ? empty_or(true, lse.sizes(), q, at::kInt) : new_empty({0}, at::kInt, q);
+  Tensor slots = empty_or(return_stats, lse.sizes(), q, at::kInt);
   if (return_stats) a.fwd_slots = slots.data_ptr<int32_t>();
   if (q.numel() == 0) return {out, lse, slots};
   const size_t ws_bytes = mala::decode_workspace_size(a);

@@ -1,6 +1,6 @@
 // The CUDA forward's host side: checks what the kernels need, resolves the arguments into FwdParams,
 // and chooses the kernel -- the only place where that happens:
-//   sm_90 (sm_90a build), d = 64 and 128: the warp-specialized wgmma kernel where the TMA can describe
+//   sm_90 (sm_90a build), d = 64, 128 and 256: the warp-specialized wgmma kernel where the TMA can describe
 //     K and V (fwd/kernel_sm90_ws.cuh), else at d = 128 the two-warpgroup wgmma kernel with cp.async
 //     loads (fwd/kernel_sm90.cuh: varlen inputs without total_k, strides the TMA cannot take);
 //   everything else, and seeded splits the TMA cannot serve: the mma.sync kernel (fwd/kernel_sm80.cuh).

@@ -15,9 +15,9 @@
 //     barrier completes once per tile either way (with no bytes when nobody needs V_t), so every
 //     phase is static.
 //   consumers (warpgroups 1 and 2, 240 registers, 64 rows each): per key tile, S = Q K^T (Q in
-//     registers; at d = 256 in shared memory), mask, each lane's part of the raw row max against a bound per row
-//     (rule::skip_bound_raw, recomputed after a retained tile), the pair vote (one bar.red.popc
-//     over the warpgroup); a warpgroup with a retaining pair computes P and O += P V, its warps
+//     registers; at d = 256 in shared memory), mask, each lane's part of the raw row max against
+//     a bound per row (rule::skip_bound_raw, recomputed after a retained tile), the pair vote (one
+//     bar.red.popc over the warpgroup); a warpgroup with a retaining pair computes P and O += P V, its warps
 //     on one path whatever their pair decided (a skipped pair's rows: P = 0, state kept, through
 //     softmax_step_or_keep, which rescales O only when a row's maximum grew by more than
 //     kRescaleSlack; the dense instance branches on the pair and uses the same update).  S of
@@ -274,9 +274,9 @@ __global__ void __launch_bounds__(384, 1)
       // The pair vote in one barrier (pair_vote_popc, attn/tile_test.cuh: one barrier instead of
       // flags in shared memory and a named barrier): a retaining warp of pair 0 counts 32 (every
       // lane), one of pair 1 counts 1 (lane 0), so the warpgroup's count says both pairs'
-      // decisions (single-warp decision tiles: warp w counts 2^w).  The warpgroup's decision, the one branch here, goes through __any_sync, which
-      // ptxas knows to be warp-uniform: it then compiles the branch around P V without divergence
-      // handling.
+      // decisions (single-warp decision tiles: warp w counts 2^w).  The warpgroup's decision, the
+      // one branch here, goes through __any_sync, which ptxas knows to be warp-uniform: it then
+      // compiles the branch around P V without divergence handling.
       const uint32_t cnt = pair_vote_popc(wg + 1, 128, lane_retain, vote_counted);
       // The row max reduced over the quad while the barrier resolves (bar.red defers blocking to the
       // read of its result), for every tile: it hides the barrier's latency where tiles are
