@@ -126,11 +126,12 @@ template <int TB> struct WgmmaRS<{n}, TB, {ctype}> {{
 '''
 
 out = [HEADER]
-# The shapes used: backward ss m64n64 (S, dP, dQ), rs m64n64 / m64n128 (dV, dK at d = 64 / 128);
-# forward rs m64n64 (S at d = 64 / 128), ss m64n32 (S at d = 256, Q from shared memory),
-# rs m64n64 / m64n128 / m64n256 (O at d = 64 / 128 / 256).
+# The shapes used: backward ss m64n64 (S, dP, dQ), rs m64n64 / m64n128 (dV, dK at d = 64 / 128),
+# at d = 256 ss m64n32 (S^T, dP^T of a warpgroup's 32 query rows), ss m64n128 (dV, dK: a warpgroup's
+# 128 columns) and ss m64n64 (dQ); forward rs m64n64 (S at d = 64 / 128), ss m64n32 (S at d = 256, Q
+# from shared memory), rs m64n64 / m64n128 / m64n256 (O at d = 64 / 128 / 256).
 for dtype, ctype in (("bf16", "__nv_bfloat16"), ("f16", "__half")):
-    for n in (32, 64):
+    for n in (32, 64, 128):
         out.append(ss(n, dtype, ctype))
     for n in (64, 128, 256):
         out.append(rs(n, dtype, ctype))

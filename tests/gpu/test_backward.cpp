@@ -546,8 +546,46 @@ TEST_P(BackwardGpu, DeterministicGqaLong) {
   }
 }
 
+// Head dim 256 (its own warp-specialized kernel on Hopper: 64-key CTAs, two 32-row decision tiles per
+// query step): lengths that end inside a step or a half, bottom-right causal, batch strides, GQA with
+// head splits, varlen.
+TEST_P(BackwardGpu, HeadDim256Layouts) {
+  for (auto nn : {std::pair<int, int>{200, 517}, {517, 200}, {97, 97}})
+    for (bool causal : {true, false})
+      for (float tau : {0.f, 1.f}) {
+        Case c;
+        c.d = 256;
+        c.nq = nn.first;
+        c.nk = nn.second;
+        c.causal = causal;
+        c.tau = tau;
+        c.regime = tau > 0 ? "sharp" : "random";
+        c.seed = 300 + nn.first + causal + 2 * (tau > 0);
+        run_case(c);
+      }
+  for (int splits : {0, 2, 4}) {
+    Case c;
+    c.d = 256;
+    c.batch = 2;
+    c.nq = c.nk = 391;
+    c.hq = 8;
+    c.hkv = 2;
+    c.strided = true;
+    c.regime = "sharp";
+    c.head_splits = splits;
+    run_case(c);
+  }
+  Case v;
+  v.d = 256;
+  v.varlen_q = {70, 0, 130, 257};
+  v.varlen_k = {70, 33, 200, 100};
+  v.strided = true;
+  v.regime = "sharp";
+  run_case(v);
+}
+
 TEST_P(BackwardGpu, SyntheticWorkload) {
-  for (int64_t d : {64, 128}) {
+  for (int64_t d : {64, 128, 256}) {
     for (double sharp : {1.0, 4.0}) {
       Case c;
       c.regime = "synthetic";

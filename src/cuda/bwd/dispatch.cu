@@ -1,12 +1,13 @@
 // The CUDA backward's host side: the plan (tiles, head splits, workspace), the three steps, and the
 // choice of the main kernel -- the only place where that happens:
-//   sm_90 (sm_90a build), d = 64 and 128, while the query tiles and heads fit the packed 16-bit tile
-//     words: the warp-specialized TMA kernel (bwd/kernel_sm90_ws.cuh) where the TMA can describe Q,
-//     dO, K, V and the dQ accumulator (varlen: when the call gives total_q and total_k), else the
-//     two-warpgroup cp.async kernel (bwd/kernel_sm90.cuh);
+//   sm_90 (sm_90a build), while the query tiles and heads fit the packed 16-bit tile words: the
+//     warp-specialized TMA kernel (bwd/kernel_sm90_ws.cuh at d = 64 and 128, kernel_sm90_ws256.cuh
+//     at d = 256) where the TMA can describe Q, dO, K, V and the dQ accumulator (varlen: when the
+//     call gives total_q and total_k), else at d = 64 and 128 the two-warpgroup cp.async kernel
+//     (bwd/kernel_sm90.cuh);
 //   everything else: the mma.sync kernel (bwd/kernel_sm80.cuh).
-// deterministic = true runs only on the warp-specialized kernel (an error elsewhere), without head
-// splits.  Each kernel's tau = 0 instance runs at tau = 0.  The kernel override (backend.h) forces
+// deterministic = true runs only on the warp-specialized kernel at d = 64 and 128 (an error
+// elsewhere), without head splits.  Each kernel's tau = 0 instance runs at tau = 0.  The kernel override (backend.h) forces
 // another kernel, the Q stages or the head splits for tests and benchmarks.
 //   1. preprocess kernel (bwd/rowwise.cuh): D = rowsum(dO * O) (fp32) into the workspace, lse in
 //      log2 units and (tau > 0) each row's skip bound on raw scores beside it, bwd_slots zeroed;
@@ -107,12 +108,29 @@ Plan make_plan(const BackwardArgs& a) {
       splits = next;
     };
     while (splits < group && base * splits < want) more();
-    // Long sequences: CTAs that loop over many heads drift apart (a CTA with fewer query tiles reaches
-    // the next head sooner), and once one head's dQ accumulator outgrows the L2 the CTAs running
-    // together no longer share its lines; at most two heads per CTA keeps them together (H100, 128K,
-    // d = 128: 172 ms instead of 197 ms).
-    if (a.seqlen_q * a.head_dim * 4 > device_attribute(cudaDevAttrL2CacheSize, 50LL << 20) / 2)
+    // d = 256 (its own kernel: 64-key CTAs whose dQ adds, red.global.add into the fp32 accumulator,
+    // bound its speed) instead slows down by up to 2x once the dQ accumulators of the heads in flight
+    // together (one per CTA stream: batch x KV heads x splits) pass about 128 MB, and otherwise gains
+    // from more splits: the most splits under that bound, but two streams rather than one (H100,
+    // tau = 0, Hq 8 / Hkv 1: 8K 2.70 ms with 8 splits, 4.80 with 1; 32K 40.4 ms with 4, 45.3 with 2,
+    // 47.6 with 8; 128K 667-673 ms with 2, 730-754 with 1, 1178 with 4; Hq 16 / Hkv 2 at 32K 91.9 ms
+    // with 2 splits, 115.8 with 4).
+    if (a.head_dim == 256) {
+      const int64_t per_stream = a.seqlen_q * a.head_dim * 4;
+      splits = 1;
+      for (int s = group; s > 1; --s)
+        if (group % s == 0 && a.batch * a.heads_kv * s * per_stream <= (128LL << 20)) {
+          splits = s;
+          break;
+        }
+      if (splits == 1 && a.batch * a.heads_kv == 1 && group > 1) more();
+    } else if (a.seqlen_q * a.head_dim * 4 > device_attribute(cudaDevAttrL2CacheSize, 50LL << 20) / 2) {
+      // Long sequences: CTAs that loop over many heads drift apart (a CTA with fewer query tiles
+      // reaches the next head sooner), and once one head's dQ accumulator outgrows the L2 the CTAs
+      // running together no longer share its lines; at most two heads per CTA keeps them together
+      // (H100, 128K, d = 128: 172 ms instead of 197 ms).
       while (group / splits > 2) more();
+    }
   }
   pl.head_splits = splits;
   pl.heads_per_cta = group / splits;
@@ -153,7 +171,8 @@ RowStrides strides(const Strides& s, int64_t seqlen, int64_t heads, int64_t d) {
 }
 
 // The TMA's view of the call's tensors (false where it cannot describe one): Q, dO [rows, heads, d]
-// in boxes of 64 rows, K, V in boxes of 128 rows (varlen: the packed rows as one batch entry), the fp32
+// in boxes of 64 rows, K, V in boxes of the kernel's key tile (128 rows, 64 at d = 256; varlen: the
+// packed rows as one batch entry), the fp32
 // dQ accumulator [heads_q * rows_q_cap, d] in boxes of 32 columns x 64 rows, the per-row lse, bound
 // and D [heads_q * rows_q_cap] in boxes of 68 (64 rows from the 16-byte boundary before the first).
 bool make_tma_maps(const BackwardArgs& a, const BwdParams& p, cuda::BwdTmaMaps* m) {
@@ -161,10 +180,11 @@ bool make_tma_maps(const BackwardArgs& a, const BwdParams& p, cuda::BwdTmaMaps* 
   if (varlen && (a.total_q <= 0 || a.total_k <= 0)) return false;
   const int d = static_cast<int>(a.head_dim), batch = varlen ? 1 : p.batch;
   const int rq = static_cast<int>(varlen ? a.total_q : a.seqlen_q), rk = static_cast<int>(varlen ? a.total_k : a.seqlen_k);
+  const int kbox = d == 256 ? cuda::BwdConfig<256>::BK : 128;
   return cuda::make_kv_tensor_map(&m->q, a.q, bf16, d, rq, p.heads_q, batch, p.q_r, p.q_h, p.q_b, 64) &&
          cuda::make_kv_tensor_map(&m->dout, a.dout, bf16, d, rq, p.heads_q, batch, p.do_r, p.do_h, p.do_b, 64) &&
-         cuda::make_kv_tensor_map(&m->k, a.k, bf16, d, rk, p.heads_kv, batch, p.k_r, p.k_h, p.k_b, 128) &&
-         cuda::make_kv_tensor_map(&m->v, a.v, bf16, d, rk, p.heads_kv, batch, p.v_r, p.v_h, p.v_b, 128) &&
+         cuda::make_kv_tensor_map(&m->k, a.k, bf16, d, rk, p.heads_kv, batch, p.k_r, p.k_h, p.k_b, kbox) &&
+         cuda::make_kv_tensor_map(&m->v, a.v, bf16, d, rk, p.heads_kv, batch, p.v_r, p.v_h, p.v_b, kbox) &&
          cuda::make_f32_tensor_map(&m->dq, p.dq_acc, d, a.heads_q * p.rows_q_cap, 64) &&
          cuda::make_f32_vec_tensor_map(&m->lse, p.lse2, a.heads_q * p.rows_q_cap, 68) &&
          cuda::make_f32_vec_tensor_map(&m->bound, p.bound2, a.heads_q * p.rows_q_cap, 68) &&
@@ -264,7 +284,7 @@ cudaError_t run_typed(const BackwardArgs& a, const Plan& pl, char* ws, cudaStrea
   cuda::BwdTmaMaps maps;
   const cuda::BwdLaunch launch = choose_kernel<T, D>(a, p, dense, &maps);
   if (a.deterministic) {
-    if (launch.kernel != cuda::BwdKernelKind::sm90_ws) return cudaErrorNotSupported;  // backward() words it
+    if (launch.kernel != cuda::BwdKernelKind::sm90_ws || D == 256) return cudaErrorNotSupported;  // backward() words it
     p.dq_sem = reinterpret_cast<int32_t*>(ws + pl.off_sem);
   }
   // 1. zero accumulators, tile_mask; D and slot zeroing.

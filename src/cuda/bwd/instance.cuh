@@ -6,13 +6,15 @@
 #include "cuda/bwd/kernel_sm80.cuh"
 #include "cuda/bwd/kernel_sm90.cuh"
 #include "cuda/bwd/kernel_sm90_ws.cuh"
+#include "cuda/bwd/kernel_sm90_ws256.cuh"
 #include "cuda/bwd/launch.h"
 #include "cuda/core/arch.cuh"
 
 namespace mala {
 namespace cuda {
 
-// The wgmma kernel exists at d = 64 and 128.
+// The two-warpgroup (cp.async) wgmma kernel exists at d = 64 and 128; the warp-specialized one at 64,
+// 128 (kernel_sm90_ws.cuh) and 256 (kernel_sm90_ws256.cuh).
 template <int D>
 constexpr bool bwd_has_wgmma() { return D == 64 || D == 128; }
 
@@ -21,6 +23,9 @@ bool bwd_wgmma_usable() {
   if constexpr (bwd_has_wgmma<D>()) {
     static const bool ok = wgmma_kernel_usable(reinterpret_cast<const void*>(bwd_main_kernel_sm90<T, D, true>));
     return ok;
+  } else if constexpr (D == 256) {
+    static const bool ok = wgmma_kernel_usable(reinterpret_cast<const void*>(bwd_main_kernel_sm90_ws256<T, true>));
+    return ok;
   } else {
     return false;
   }
@@ -28,6 +33,9 @@ bool bwd_wgmma_usable() {
 
 template <typename T, int D>
 cudaError_t launch_bwd_main(const BwdParams& p, const BwdLaunch& l, cudaStream_t stream) {
+  if constexpr (D == 256) {
+    if (l.kernel == BwdKernelKind::sm90_ws) return launch_bwd_sm90_ws256<T>(p, *l.maps, l.dense, stream);
+  }
   if constexpr (bwd_has_wgmma<D>()) {
     if (l.kernel == BwdKernelKind::sm90_ws) return launch_bwd_sm90_ws<T, D>(p, *l.maps, l.dense, stream);
     if (l.kernel == BwdKernelKind::sm90) return launch_bwd_sm90<T, D>(p, l.dense, stream);

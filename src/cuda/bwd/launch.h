@@ -13,7 +13,8 @@ namespace cuda {
 enum class BwdKernelKind {
   sm80,     // mma.sync (bwd/kernel_sm80.cuh): every device, every head dim
   sm90,     // two-warpgroup wgmma with cp.async loads (bwd/kernel_sm90.cuh): sm_90a, d = 64 and 128
-  sm90_ws,  // warp-specialized wgmma + TMA (bwd/kernel_sm90_ws.cuh): sm_90a, d = 64 and 128
+  sm90_ws,  // warp-specialized wgmma + TMA: sm_90a, d = 64 and 128 (bwd/kernel_sm90_ws.cuh), d = 256
+            // (bwd/kernel_sm90_ws256.cuh)
 };
 // What the TMA reads (Q, dO, K, V; the per-row lse, skip bound and D) and adds into (the fp32 dQ
 // accumulator), for sm90_ws.

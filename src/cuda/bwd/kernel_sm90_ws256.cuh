@@ -1,0 +1,374 @@
+// The warp-specialized backward on Hopper at head dim 256 (wgmma + TMA), sm_90a: the kernel for every
+// tau whenever the TMA can describe Q, dO, K, V (dispatch.cu).  Same decisions, tile mask, slots and
+// gradients as the mma.sync kernel (decision tile 32 query rows x 64 keys; up to the order of dQ's
+// adds).  One CTA per (key tile of 64 keys, sequence, KV head, head split), query tiles of 64 rows
+// ascending from the first legal one, each the two 32-row decision tiles of one CTA step.
+//
+// At d = 256 a warpgroup cannot keep dK and dV of all 64 keys x 256 dims (256 registers a thread),
+// so the two consumer warpgroups split the work of a tile two ways:
+//   by query rows  S^T_g = K Q_g^T, dP^T_g = V dO_g^T  (m64n32k256: warpgroup g's 32 rows, its
+//                  decision tile), the mask, the offline test and P^T_g, dS^T_g in registers, both
+//                  stored (bf16) into one 64 x 64 tile each in shared memory;
+//   by head dims   dV[:, 128g..] += P^T dO[:, 128g..],  dK[:, 128g..] += dS^T Q[:, 128g..]
+//                  (m64n128k64, over the retained row halves only), dQ[:, 128g..] = dS K[:, 128g..]
+//                  in two m64n64 passes, added into the fp32 accumulator with red.global.add (the
+//                  rows of retained halves only; there is no shared memory left for a TMA dQ tile).
+// The dQ adds bound it: 64 KB of fp32 adds per 64 x 64 tile, twice the d = 128 kernel's per flop, at
+// the L2's reduction rate (H100, 32K: 40.6 ms with them, 17.3 ms, 634 TF/s, without).
+// Three warpgroups (384 threads):
+//   producer (warpgroup 0, 24 registers): warp 0 K and V once, then Q_t with its rows' lse and skip
+//     bound into a ring of 2 slots; warp 1 dO_t with D = rowsum(dO * O) into a ring of 2 slots (every
+//     tile: S^T and dP^T are issued together, before the test).
+//   consumers (warpgroups 1 and 2, 240 registers), per tile t:
+//     wait S^T(t), dP^T(t);  mask, test: each warp's verdict into a word;  P^T, dS^T
+//     wait until both warpgroups have finished reading tile t - 1's P^T / dS^T (mbarrier), store
+//     barrier (both halves stored, both verdicts in): a half is retained iff one of its 4 warps blocks
+//     issue dQ pass 0, dV and dK;  then S^T(t + 1), dP^T(t + 1), so that the tensor cores hold the
+//     next tile's products while this tile's dQ is added and its slots go back.
+//   A tile whose halves are both skipped issues no dV, dK or dQ work.
+#pragma once
+
+#include "cuda/bwd/common.cuh"
+#include "cuda/bwd/launch.h"
+#include "cuda/core/smem_tile.cuh"
+#include "cuda/core/tma.cuh"
+#include "cuda/core/wgmma.cuh"
+
+namespace mala {
+namespace cuda {
+
+struct BwdWs256 {
+  static constexpr int D = 256, BQ = 64, BK = 64, BH = 32, kThreads = 384, kStages = 2;
+  static_assert(BwdConfig<256>::BQ == BH && BwdConfig<256>::BK == BK, "decision tile: a warpgroup's 32 rows x 64 keys");
+  using KTile = GmmaTile<BK, D>;
+  using QTile = GmmaTile<BQ, D>;
+  using STile = GmmaTile<BK, BQ>;  // P^T, dS^T [key][query]
+  static constexpr int kOffK = 0;
+  static constexpr int kOffV = kOffK + KTile::kBytes;
+  static constexpr int kOffQ = kOffV + KTile::kBytes;             // [kStages]
+  static constexpr int kOffDO = kOffQ + kStages * QTile::kBytes;  // [kStages]
+  static constexpr int kOffP = kOffDO + kStages * QTile::kBytes;
+  static constexpr int kOffDS = kOffP + STile::kBytes;
+  // Per-row scalars of a query tile by TMA, as in kernel_sm90_ws.cuh: kVec floats from the 16-byte
+  // boundary at or before the tile's first row, kVecStride floats per slot.
+  static constexpr int kVec = BQ + 4, kVecStride = 96;
+  static constexpr int kOffLse = kOffDS + STile::kBytes;                   // [kStages][kVecStride]
+  static constexpr int kOffBound = kOffLse + kStages * kVecStride * 4;     // [kStages][kVecStride]
+  static constexpr int kOffDsum = kOffBound + kStages * kVecStride * 4;    // [kStages][kVecStride]
+  // mbarriers: kv, q_full[2], q_empty[2], do_full[2], do_empty[2], st_free
+  static constexpr int kOffMbar = kOffDsum + kStages * kVecStride * 4;
+  static constexpr int kOffVote = kOffMbar + 10 * 8;  // [2][8] each consumer warp's verdict, by tile parity
+  static constexpr int kBytes = kOffVote + 2 * 8 * 4;
+  static constexpr int kSmem = kBytes + 1024;
+  static constexpr int kBarStored = 1, kConsumers = 256;
+};
+
+template <typename T, bool kDense>
+__global__ void __launch_bounds__(384, 1)
+    bwd_main_kernel_sm90_ws256(const BwdParams p, const __grid_constant__ BwdTmaMaps maps) {
+#ifdef MALA_WGMMA_ENABLED
+  using C = BwdWs256;
+  constexpr int D = C::D, BQ = C::BQ, BK = C::BK, BH = C::BH, NS = C::kStages;
+  using KTile = typename C::KTile;
+  using QTile = typename C::QTile;
+  using STile = typename C::STile;
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  uint32_t sbase;
+  unsigned char* smem = smem_align_1024(smem_raw, sbase);
+  const int tid = threadIdx.x;
+
+  const BwdWork w = bwd_cta_work<BQ, BK>(p);
+  if (w.kb >= w.klen) return;
+  const int qlen = w.qlen, klen = w.klen, kb = w.kb, kn = w.kn, n_iter = w.n_iter;
+
+  const uint32_t sK = sbase + C::kOffK, sV = sbase + C::kOffV, sQ = sbase + C::kOffQ, sDO = sbase + C::kOffDO,
+                 sP = sbase + C::kOffP, sDS = sbase + C::kOffDS;
+  const uint32_t mb_kv = sbase + C::kOffMbar, mb_q_full = mb_kv + 8, mb_q_empty = mb_q_full + 8 * NS,
+                 mb_do_full = mb_q_empty + 8 * NS, mb_do_empty = mb_do_full + 8 * NS, mb_st_free = mb_do_empty + 8 * NS;
+  if (tid == 0) {
+    mbar_init(mb_kv, 2);  // K's and V's expect_tx arrivals
+    for (int i = 0; i < NS; ++i) {
+      mbar_init(mb_q_full + 8 * i, 1);
+      mbar_init(mb_q_empty + 8 * i, 8);  // one arrival per consumer warp
+      mbar_init(mb_do_full + 8 * i, 1);
+      mbar_init(mb_do_empty + 8 * i, 8);
+    }
+    mbar_init(mb_st_free, 8);  // each consumer warp, once its reads of a tile's P^T and dS^T are done
+    fence_mbarrier_init();
+  }
+  __syncthreads();
+
+  const int q_row0 = w.varlen ? static_cast<int>(w.qrow0) : 0, k_row0 = w.varlen ? static_cast<int>(w.krow0) : 0;
+  const int map_b = w.varlen ? 0 : w.b;
+  auto parity = [](int use) { return static_cast<uint32_t>(use) & 1u; };
+  // First row of (head h, query tile qi) in the per-row vectors.
+  auto vec_at = [&](BwdWork::Tile x) { return static_cast<int>(x.h() * p.rows_q_cap + w.qrow0 + x.qi() * BQ); };
+
+  if (tid < 128) {
+    setmaxnreg_dec24();
+    const int warp = tid >> 5, lane = tid & 31;
+    if (lane == 0 && warp == 0) {
+      tma_load_tile<BK, D>(sK, &maps.k, mb_kv, k_row0 + kb, w.hk, map_b);
+      tma_load_tile<BK, D>(sV, &maps.v, mb_kv, k_row0 + kb, w.hk, map_b);
+      BwdWork::Tile x = w.first(false);
+      for (int t = 0; t < n_iter; ++t, x = w.step(x, false)) {
+        const int s = t & 1;
+        if (t >= NS) mbar_wait<true>(mb_q_empty + 8 * s, parity((t >> 1) - 1));
+        const int at = vec_at(x);
+        const uint32_t full = mb_q_full + 8 * s;
+        mbar_arrive_expect_tx(full, QTile::kBytes + (kDense ? 1 : 2) * C::kVec * 4);
+        tma_load_tile_boxes<BQ, D>(sQ + s * QTile::kBytes, &maps.q, full, q_row0 + x.qi() * BQ, x.h(), map_b);
+        tma_load_1d(sbase + C::kOffLse + s * C::kVecStride * 4, &maps.lse, full, at & ~3);
+        if (!kDense) tma_load_1d(sbase + C::kOffBound + s * C::kVecStride * 4, &maps.bound, full, at & ~3);
+      }
+    } else if (lane == 0 && warp == 1) {
+      BwdWork::Tile x = w.first(false);
+      for (int t = 0; t < n_iter; ++t, x = w.step(x, false)) {
+        const int s = t & 1;
+        if (t >= NS) mbar_wait<true>(mb_do_empty + 8 * s, parity((t >> 1) - 1));
+        const uint32_t full = mb_do_full + 8 * s;
+        mbar_arrive_expect_tx(full, QTile::kBytes + C::kVec * 4);
+        tma_load_tile_boxes<BQ, D>(sDO + s * QTile::kBytes, &maps.dout, full, q_row0 + x.qi() * BQ, x.h(), map_b);
+        tma_load_1d(sbase + C::kOffDsum + s * C::kVecStride * 4, &maps.dsum, full, vec_at(x) & ~3);
+      }
+    }
+    return;
+  }
+
+  setmaxnreg_inc240();
+  const int ctid = tid - 128, warp = __shfl_sync(0xffffffffu, ctid >> 5, 0), lane = ctid & 31, wg = warp >> 2,
+            wl = warp & 3, gid = lane >> 2, tig = lane & 3;
+  const int krow = 16 * wl + gid;  // this thread's first key row of S^T (+8: second)
+  const int qcol = BH * wg;        // this warpgroup's first query row of the tile (its decision tile)
+  const float* lse_s = reinterpret_cast<const float*>(smem + C::kOffLse);
+  const float* bound_s = reinterpret_cast<const float*>(smem + C::kOffBound);
+  const float* dsum_s = reinterpret_cast<const float*>(smem + C::kOffDsum);
+  uint32_t* vote_s = reinterpret_cast<uint32_t*>(smem + C::kOffVote);
+  const bool recording = p.tile_mask != nullptr || p.bwd_slots != nullptr;
+  // The first legal 32-row query tile of this key tile (a half before it has no legal entry: it is
+  // neither recorded nor counted, as in the mma.sync kernel, which never visits it).
+  const int i_first32 = p.causal ? max(kb - (klen - qlen), 0) / BH : 0;
+
+  float dk[64], dv[64];  // m64n128: keys 0..63 x dims 128 wg..
+#pragma unroll
+  for (int i = 0; i < 64; ++i) dk[i] = dv[i] = 0.f;
+  float s[16], dp[16], dq[32];
+
+  mbar_wait<true>(mb_kv, 0);
+  // S^T(t) and dP^T(t) of this warpgroup's 32 rows, one group: X Y_g^T over d (X = K or V, Y = Q_t or dO_t).
+  auto issue_s_dp = [&](int t) {
+    const int qs = t & 1;
+    mbar_wait<true>(mb_q_full + 8 * qs, parity(t >> 1));
+    mbar_wait<true>(mb_do_full + 8 * qs, parity(t >> 1));
+#pragma unroll
+    for (int e = 0; e < 16; ++e) s[e] = dp[e] = 0.f;
+    // The zeros pinned before the first product: left free, ptxas sinks dP^T's behind S^T's wgmmas and
+    // then serialises them (C7515).
+    wgmma_fence_operands(s);
+    wgmma_fence_operands(dp);
+    wgmma_fence();
+    const uint32_t yq = sQ + qs * QTile::kBytes + qcol * 128, yd = sDO + qs * QTile::kBytes + qcol * 128;
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      const uint32_t xo = (kk >> 2) * KTile::kBlockBytes + (kk & 3) * 32, yo = (kk >> 2) * QTile::kBlockBytes + (kk & 3) * 32;
+      WgmmaSS<32, 0, 0, T>::run(s, wgmma_desc(sK + xo, 16, 1024), wgmma_desc(yq + yo, 16, 1024));
+    }
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      const uint32_t xo = (kk >> 2) * KTile::kBlockBytes + (kk & 3) * 32, yo = (kk >> 2) * QTile::kBlockBytes + (kk & 3) * 32;
+      WgmmaSS<32, 0, 0, T>::run(dp, wgmma_desc(sV + xo, 16, 1024), wgmma_desc(yd + yo, 16, 1024));
+    }
+    wgmma_commit();
+  };
+  // dV += P^T dO, dK += dS^T Q over the query steps of the retained halves (k16 steps K0 .. K1 - 1).
+  auto issue_dkdv = [&](int qs, auto k0, auto k1) {
+    constexpr int K0 = decltype(k0)::value, K1 = decltype(k1)::value;
+    const uint32_t bdo = sDO + qs * QTile::kBytes + 2 * wg * QTile::kBlockBytes,
+                   bq = sQ + qs * QTile::kBytes + 2 * wg * QTile::kBlockBytes;
+#pragma unroll
+    for (int kq = K0; kq < K1; ++kq)
+      WgmmaSS<128, 0, 1, T>::run(dv, wgmma_desc(sP + kq * 32, 16, 1024), wgmma_desc(bdo + kq * 2048, QTile::kBlockBytes, 1024));
+#pragma unroll
+    for (int kq = K0; kq < K1; ++kq)
+      WgmmaSS<128, 0, 1, T>::run(dk, wgmma_desc(sDS + kq * 32, 16, 1024), wgmma_desc(bq + kq * 2048, QTile::kBlockBytes, 1024));
+  };
+  // dQ[:, 128 wg + 64 pass ..] = dS K (m64n64k64): dS^T read MN-major, K MN-major.
+  auto issue_dq = [&](int pass) {
+#pragma unroll
+    for (int i = 0; i < 32; ++i) dq[i] = 0.f;
+    wgmma_fence_operands(dq);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < BK / 16; ++kk)
+      WgmmaSS<64, 1, 1, T>::run(dq, wgmma_desc(sDS + kk * 2048, STile::kBlockBytes, 1024),
+                                wgmma_desc(sK + (2 * wg + pass) * KTile::kBlockBytes + kk * 2048, KTile::kBlockBytes, 1024));
+    wgmma_commit();
+  };
+  // Adds a dQ pass into the accumulator: element 4n + 2hh + c is query row 16 wl + gid + 8 hh of the
+  // tile, column 128 wg + 64 pass + 8n + 2 tig + c.  Only rows of retained halves (warps 2h, 2h + 1
+  // hold half h's rows) and of the sequence.  (Lane pairs swapping halves for red.global.add.v4, half
+  // the adds, measured no faster.)
+  auto add_dq = [&](int pass, int q0, int h, bool half_kept) {
+#ifdef MALA_ABLATE_DQ_ADDS
+    if (q0 >= 0) return;
+#endif
+    if (!half_kept) return;
+    float* base = p.dq_acc + (static_cast<int64_t>(h) * p.rows_q_cap + w.qrow0 + q0) * D + 128 * wg + 64 * pass + 2 * tig;
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const int r = 16 * wl + gid + 8 * hh;
+      if (q0 + r < qlen) {
+#pragma unroll
+        for (int n = 0; n < 8; ++n) bwd_red_add2(base + static_cast<int64_t>(r) * D + 8 * n, dq[4 * n + 2 * hh], dq[4 * n + 2 * hh + 1]);
+      }
+    }
+  };
+  auto release_slots = [&](int qs) {
+    if (lane == 0) {
+      mbar_arrive(mb_q_empty + 8 * qs);
+      mbar_arrive(mb_do_empty + 8 * qs);
+    }
+  };
+
+  BwdWork::Tile x = w.first(false);
+  if (n_iter > 0) issue_s_dp(0);
+  for (int t = 0; t < n_iter; ++t, x = w.step(x, false)) {
+    const int qs = t & 1, h = x.h(), q0 = x.qi() * BQ;
+    wgmma_wait<0>();  // S^T(t), dP^T(t)
+    wgmma_fence_operands(s);
+    wgmma_fence_operands(dp);
+    // Mask: entry 4n + 2hh + c is key krow + 8hh, query row qcol + 8n + 2tig + c of the tile.
+    const int qw = q0 + qcol;
+    if ((qw + BH > qlen) || (kb + BK > klen) || (p.causal && kb + BK - 1 > qw + klen - qlen)) {
+#pragma unroll
+      for (int n = 0; n < 4; ++n)
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          const int qr = qw + n * 8 + 2 * tig + c;
+          const int L = qr < qlen ? rule::visible_keys(qr, qlen, klen, p.causal) : 0;
+#pragma unroll
+          for (int hh = 0; hh < 2; ++hh)
+            if (kb + krow + hh * 8 >= L) s[4 * n + 2 * hh + c] = -INFINITY;
+        }
+    }
+    const int vec0 = vec_at(x) & 3;
+    if constexpr (!kDense) {
+      // The offline test: does some entry of this warp reach its row's raw-score bound?
+      const float* bound_t = bound_s + qs * C::kVecStride + vec0 + qcol;
+      bool block = false;
+#pragma unroll
+      for (int n = 0; n < 4; ++n)
+#pragma unroll
+        for (int c = 0; c < 2; ++c)
+          block |= !rule::row_allows_skip_raw(fmaxf(s[4 * n + c], s[4 * n + 2 + c]), bound_t[n * 8 + 2 * tig + c]);
+      block = __any_sync(0xffffffffu, block);
+      if (lane == 0) vote_s[8 * qs + warp] = block ? 1u : 0u;
+    }
+    // P^T = exp2(S^T - lse), dS^T = P^T (dP^T - D), packed for the stores.
+    const float* lse_t = lse_s + qs * C::kVecStride + vec0 + qcol;
+    const float* dsum_t = dsum_s + qs * C::kVecStride + vec0 + qcol;
+    uint32_t pp[8], dd[8];
+#pragma unroll
+    for (int n = 0; n < 4; ++n)
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const int i = 4 * n + 2 * hh;
+        const float l0 = lse_t[n * 8 + 2 * tig], l1 = lse_t[n * 8 + 2 * tig + 1];
+        const float d0 = dsum_t[n * 8 + 2 * tig], d1 = dsum_t[n * 8 + 2 * tig + 1];
+        const float p0 = exp2f(s[i] * p.scale_log2 - l0), p1 = exp2f(s[i + 1] * p.scale_log2 - l1);
+        pp[2 * n + hh] = pack2<T>(p0, p1);
+        dd[2 * n + hh] = pack2<T>(p0 * (dp[i] - d0), p1 * (dp[i + 1] - d1));
+      }
+    if (t > 0) mbar_wait<true>(mb_st_free, parity(t - 1));  // both warpgroups are done with tile t - 1's
+    unsigned char* sp_g = smem + C::kOffP;
+    unsigned char* sds_g = smem + C::kOffDS;
+#pragma unroll
+    for (int n = 0; n < 4; ++n)
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const uint32_t off = STile::offset(krow + 8 * hh, qcol + 8 * n + 2 * tig);
+        *reinterpret_cast<uint32_t*>(sp_g + off) = pp[2 * n + hh];
+        *reinterpret_cast<uint32_t*>(sds_g + off) = dd[2 * n + hh];
+      }
+    fence_proxy_async_smem();
+    named_barrier_sync(C::kBarStored, C::kConsumers);
+    bool kept0 = true, kept1 = true;
+    if constexpr (!kDense) {
+      const uint4 v0 = *reinterpret_cast<const uint4*>(vote_s + 8 * qs), v1 = *reinterpret_cast<const uint4*>(vote_s + 8 * qs + 4);
+      // Warp-uniform to ptxas (the branches around the wgmmas below need no divergence handling).
+      kept0 = __any_sync(0xffffffffu, (v0.x | v0.y | v0.z | v0.w) != 0u);
+      kept1 = __any_sync(0xffffffffu, (v1.x | v1.y | v1.z | v1.w) != 0u);
+    }
+    const bool kept_own = wg ? kept1 : kept0, any = kept0 || kept1;
+    if (recording) {
+      const int i32 = 2 * x.qi() + wg;
+      if (i32 >= i_first32 && i32 * BH < qlen) bwd_record_tile<BH, BK>(p, w, h, i32, kept_own, ctid & 127);
+    }
+    const bool kept_rows = wl < 2 ? kept0 : kept1;  // the half this warp's dQ rows belong to
+    // The next tile's S^T and dP^T on either path (a run-time merge of the two paths while a wgmma is
+    // in flight makes ptxas serialise every wgmma, C7515).
+    auto issue_next = [&]() {
+      if (t + 1 < n_iter)
+        issue_s_dp(t + 1);
+      else
+        wgmma_commit();  // (an empty group: the waits below count the same groups on the last tile)
+    };
+    if (any) {
+      issue_dq(0);
+      wgmma_fence();
+      if (kept0 && kept1)
+        issue_dkdv(qs, std::integral_constant<int, 0>{}, std::integral_constant<int, 4>{});
+      else if (kept0)
+        issue_dkdv(qs, std::integral_constant<int, 0>{}, std::integral_constant<int, 2>{});
+      else
+        issue_dkdv(qs, std::integral_constant<int, 2>{}, std::integral_constant<int, 4>{});
+      wgmma_commit();
+      issue_next();
+      wgmma_wait<2>();  // dQ pass 0
+      wgmma_fence_operands(dq);
+      add_dq(0, q0, h, kept_rows);
+      issue_dq(1);
+      wgmma_wait<2>();  // dV, dK: Q_t and dO_t are free
+      wgmma_fence_operands(dv);
+      wgmma_fence_operands(dk);
+      release_slots(qs);
+      wgmma_wait<0>();  // dQ pass 1 (and S^T(t + 1), dP^T(t + 1))
+      wgmma_fence_operands(dq);
+      add_dq(1, q0, h, kept_rows);
+    } else {
+      issue_next();
+      release_slots(qs);
+    }
+    if (lane == 0) mbar_arrive(mb_st_free);  // this warp's reads of tile t's P^T, dS^T are done
+  }
+  wgmma_wait<0>();
+  wgmma_fence_operands(dk);
+  wgmma_fence_operands(dv);
+
+  // Epilogue: dK (scaled), dV.  Accumulator element 4n + 2hh + c: key krow + 8hh, dim 128 wg + 8n + 2tig + c.
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    const int r = krow + hh * 8;
+    if (r >= kn) continue;
+    bwd_store_dkdv_row<T, D, 16>(p, w, r, 128 * wg + 2 * tig, [&](int n) {
+      return make_float4(dk[4 * n + 2 * hh], dk[4 * n + 2 * hh + 1], dv[4 * n + 2 * hh], dv[4 * n + 2 * hh + 1]);
+    });
+  }
+#endif
+}
+
+// Launches the instance `dense` names (grid as the other backward kernels').
+template <typename T>
+cudaError_t launch_bwd_sm90_ws256(const BwdParams& p, const BwdTmaMaps& maps, bool dense, cudaStream_t stream) {
+  using C = BwdWs256;
+  auto kernel = dense ? bwd_main_kernel_sm90_ws256<T, true> : bwd_main_kernel_sm90_ws256<T, false>;
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmem);
+  if (err != cudaSuccess) return err;
+  const int64_t grid = static_cast<int64_t>(p.n_k_tiles) * p.batch * p.heads_kv * p.head_splits;
+  if (grid <= 0) return cudaSuccess;
+  kernel<<<static_cast<unsigned>(grid), C::kThreads, C::kSmem, stream>>>(p, maps);
+  return cudaGetLastError();
+}
+
+}  // namespace cuda
+}  // namespace mala
