@@ -466,7 +466,7 @@ TEST_P(BackwardGpuSmall, VarlenStrided) {
 TEST_P(BackwardGpuSmall, DeterministicAndFallbacks) {
   if (GetParam() != BwdVariant::automatic) GTEST_SKIP() << "the dispatch's choice only";
   if (!mala_test::device_is_sm90()) GTEST_SKIP() << "deterministic mode needs sm_90";
-  for (int64_t d : {64, 128})
+  for (int64_t d : {64, 128, 256})
     for (float tau : {0.f, 1.f}) {
       Case c;
       c.d = d;

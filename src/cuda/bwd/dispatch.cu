@@ -1,13 +1,13 @@
 // The CUDA backward's host side: the plan (tiles, head splits, workspace), the three steps, and the
 // choice of the main kernel -- the only place where that happens:
 //   sm_90 (sm_90a build), while the query tiles and heads fit the packed 16-bit tile words: the
-//     warp-specialized TMA kernel (bwd/kernel_sm90_ws.cuh at d = 64 and 128, kernel_sm90_ws256.cuh
-//     at d = 256) where the TMA can describe Q, dO, K, V and the dQ accumulator (varlen: when the
-//     call gives total_q and total_k), else at d = 64 and 128 the two-warpgroup cp.async kernel
-//     (bwd/kernel_sm90.cuh);
+//     warp-specialized TMA kernels where the TMA can describe Q, dO, K, V and the dQ accumulator
+//     (varlen: when the call gives total_q and total_k): bwd/kernel_sm90_ws.cuh at d = 64 and 128;
+//     at d = 256 kernel_sm90_ws256.cuh (dK, dV, the decisions into the tile mask) then
+//     dq_sm90_ws256.cuh (dQ straight into the output: no accumulator, no convert); else at d = 64
+//     and 128 the two-warpgroup cp.async kernel (bwd/kernel_sm90.cuh);
 //   everything else: the mma.sync kernel (bwd/kernel_sm80.cuh).
-// deterministic = true runs only on the warp-specialized kernel at d = 64 and 128 (an error
-// elsewhere), without head splits.  Each kernel's tau = 0 instance runs at tau = 0.  The kernel override (backend.h) forces
+// deterministic = true runs only on the warp-specialized kernels (an error elsewhere).  Each kernel's tau = 0 instance runs at tau = 0.  The kernel override (backend.h) forces
 // another kernel, the Q stages or the head splits for tests and benchmarks.
 //   1. preprocess kernel (bwd/rowwise.cuh): D = rowsum(dO * O) (fp32) into the workspace, lse in
 //      log2 units and (tau > 0) each row's skip bound on raw scores beside it, bwd_slots zeroed;
@@ -81,7 +81,8 @@ struct Plan {
   int heads_per_cta = 1, head_splits = 1;
   bool kv_atomic = false;  // dK/dV through the fp32 workspace (head splits)
   int kv_slices = 0;       // > 0: one workspace slice per split (deterministic), else atomics
-  size_t off_dsum = 0, off_lse2 = 0, off_bound2 = 0, off_dq = 0, off_dk = 0, off_dv = 0, off_sem = 0, bytes = 0;
+  size_t off_dsum = 0, off_lse2 = 0, off_bound2 = 0, off_dq = 0, off_dk = 0, off_dv = 0, off_sem = 0, off_mask = 0,
+         bytes = 0;
 };
 
 size_t align_up(size_t x) { return (x + 255) & ~static_cast<size_t>(255); }
@@ -108,29 +109,12 @@ Plan make_plan(const BackwardArgs& a) {
       splits = next;
     };
     while (splits < group && base * splits < want) more();
-    // d = 256 (its own kernel: 64-key CTAs whose dQ adds, red.global.add into the fp32 accumulator,
-    // bound its speed) instead slows down by up to 2x once the dQ accumulators of the heads in flight
-    // together (one per CTA stream: batch x KV heads x splits) pass about 128 MB, and otherwise gains
-    // from more splits: the most splits under that bound, but two streams rather than one (H100,
-    // tau = 0, Hq 8 / Hkv 1: 8K 2.70 ms with 8 splits, 4.80 with 1; 32K 40.4 ms with 4, 45.3 with 2,
-    // 47.6 with 8; 128K 667-673 ms with 2, 730-754 with 1, 1178 with 4; Hq 16 / Hkv 2 at 32K 91.9 ms
-    // with 2 splits, 115.8 with 4).
-    if (a.head_dim == 256) {
-      const int64_t per_stream = a.seqlen_q * a.head_dim * 4;
-      splits = 1;
-      for (int s = group; s > 1; --s)
-        if (group % s == 0 && a.batch * a.heads_kv * s * per_stream <= (128LL << 20)) {
-          splits = s;
-          break;
-        }
-      if (splits == 1 && a.batch * a.heads_kv == 1 && group > 1) more();
-    } else if (a.seqlen_q * a.head_dim * 4 > device_attribute(cudaDevAttrL2CacheSize, 50LL << 20) / 2) {
-      // Long sequences: CTAs that loop over many heads drift apart (a CTA with fewer query tiles
-      // reaches the next head sooner), and once one head's dQ accumulator outgrows the L2 the CTAs
-      // running together no longer share its lines; at most two heads per CTA keeps them together
-      // (H100, 128K, d = 128: 172 ms instead of 197 ms).
+    // Long sequences: CTAs that loop over many heads drift apart (a CTA with fewer query tiles reaches
+    // the next head sooner), and once one head's dQ accumulator outgrows the L2 the CTAs running
+    // together no longer share its lines; at most two heads per CTA keeps them together (H100, 128K,
+    // d = 128: 172 ms instead of 197 ms).  (Not at d = 256, whose key-major kernel adds no dQ.)
+    if (a.head_dim != 256 && a.seqlen_q * a.head_dim * 4 > device_attribute(cudaDevAttrL2CacheSize, 50LL << 20) / 2)
       while (group / splits > 2) more();
-    }
   }
   pl.head_splits = splits;
   pl.heads_per_cta = group / splits;
@@ -157,6 +141,11 @@ Plan make_plan(const BackwardArgs& a) {
   // accumulator's placement).
   pl.off_bound2 = off;
   off = align_up(off + sizeof(float) * static_cast<size_t>(a.heads_q * pl.rows_q_cap));
+  // d = 256, tau > 0, no tile mask requested: the decisions the dQ kernel reads.
+  if (a.head_dim == 256 && !rule::dense(a.tau) && a.tile_mask == nullptr) {
+    pl.off_mask = off;
+    off = align_up(off + static_cast<size_t>(a.batch * a.heads_q) * pl.n_q_tiles * pl.n_k_tiles);
+  }
   if (a.deterministic) {
     pl.off_sem = off;
     off = align_up(off + sizeof(int32_t) * static_cast<size_t>(a.batch * a.heads_q) * pl.n_q_tiles);
@@ -188,7 +177,10 @@ bool make_tma_maps(const BackwardArgs& a, const BwdParams& p, cuda::BwdTmaMaps* 
          cuda::make_f32_tensor_map(&m->dq, p.dq_acc, d, a.heads_q * p.rows_q_cap, 64) &&
          cuda::make_f32_vec_tensor_map(&m->lse, p.lse2, a.heads_q * p.rows_q_cap, 68) &&
          cuda::make_f32_vec_tensor_map(&m->bound, p.bound2, a.heads_q * p.rows_q_cap, 68) &&
-         cuda::make_f32_vec_tensor_map(&m->dsum, p.dsum, a.heads_q * p.rows_q_cap, 68);
+         cuda::make_f32_vec_tensor_map(&m->dsum, p.dsum, a.heads_q * p.rows_q_cap, 68) &&
+         (d != 256 ||
+          (cuda::make_kv_tensor_map(&m->k32, a.k, bf16, d, rk, p.heads_kv, batch, p.k_r, p.k_h, p.k_b, 32) &&
+           cuda::make_kv_tensor_map(&m->v32, a.v, bf16, d, rk, p.heads_kv, batch, p.v_r, p.v_h, p.v_b, 32)));
 }
 
 // The main kernel for this call (see the top of the file); maps is filled for sm90_ws.
@@ -246,6 +238,8 @@ cudaError_t run_typed(const BackwardArgs& a, const Plan& pl, char* ws, cudaStrea
   p.do_b = dos.b; p.do_r = dos.r; p.do_h = dos.h;
   p.dk = a.dk;
   p.dv = a.dv;
+  p.dq = a.dq;
+  p.dq_b = dqs.b; p.dq_r = dqs.r; p.dq_h = dqs.h;
   p.dk_b = dks.b; p.dk_r = dks.r; p.dk_h = dks.h;
   p.dv_b = dvs.b; p.dv_r = dvs.r; p.dv_h = dvs.h;
   p.bwd_slots = a.bwd_slots;
@@ -284,12 +278,21 @@ cudaError_t run_typed(const BackwardArgs& a, const Plan& pl, char* ws, cudaStrea
   cuda::BwdTmaMaps maps;
   const cuda::BwdLaunch launch = choose_kernel<T, D>(a, p, dense, &maps);
   if (a.deterministic) {
-    if (launch.kernel != cuda::BwdKernelKind::sm90_ws || D == 256) return cudaErrorNotSupported;  // backward() words it
+    if (launch.kernel != cuda::BwdKernelKind::sm90_ws) return cudaErrorNotSupported;  // backward() words it
     p.dq_sem = reinterpret_cast<int32_t*>(ws + pl.off_sem);
   }
+  // d = 256 on Hopper: dQ is written by its own kernel, which reads the decisions from the tile mask.
+  const bool dq_direct = D == 256 && launch.kernel == cuda::BwdKernelKind::sm90_ws;
+  if (dq_direct && !dense && p.tile_mask == nullptr) {
+    p.tile_mask = reinterpret_cast<uint8_t*>(ws + pl.off_mask);
+    err = cudaMemsetAsync(p.tile_mask, 0, static_cast<size_t>(a.batch * a.heads_q) * pl.n_q_tiles * pl.n_k_tiles, stream);
+    if (err != cudaSuccess) return err;
+  }
   // 1. zero accumulators, tile_mask; D and slot zeroing.
-  err = cudaMemsetAsync(dq_acc, 0, sizeof(float) * static_cast<size_t>(a.heads_q * pl.rows_q_cap * d), stream);
-  if (err != cudaSuccess) return err;
+  if (!dq_direct) {
+    err = cudaMemsetAsync(dq_acc, 0, sizeof(float) * static_cast<size_t>(a.heads_q * pl.rows_q_cap * d), stream);
+    if (err != cudaSuccess) return err;
+  }
   if (pl.kv_atomic && pl.kv_slices == 0) {  // (slices: every valid row is stored)
     err = cudaMemsetAsync(ws + pl.off_dk, 0, pl.bytes - pl.off_dk, stream);
     if (err != cudaSuccess) return err;
@@ -334,7 +337,7 @@ cudaError_t run_typed(const BackwardArgs& a, const Plan& pl, char* ws, cudaStrea
   if ((err = cuda::launch_bwd_main<T, D>(p, launch, stream)) != cudaSuccess) return err;
 
   // 3. converts.
-  if (q_warps > 0) {
+  if (q_warps > 0 && !dq_direct) {
     RowParams rc = rq;
     rc.dst = a.dq;
     rc.dst_s = dqs;
@@ -421,7 +424,7 @@ Status backward(const BackwardArgs& a) {
     if (err == cudaSuccess) err = e2;
   }
   if (err == cudaErrorNotSupported && a.deterministic)
-    return Status::error("deterministic: needs the Hopper backward (sm_90 with an sm_90a build, head_dim 64 or 128, "
+    return Status::error("deterministic: needs the Hopper backward (sm_90 with an sm_90a build, "
                          "tensors the TMA can describe; varlen calls must give total_q and total_k)");
   if (err != cudaSuccess) return Status::error(std::string("device: CUDA backward failed: ") + cudaGetErrorString(err));
   return Status::success();

@@ -1,8 +1,10 @@
-// The warp-specialized backward on Hopper at head dim 256 (wgmma + TMA), sm_90a: the kernel for every
-// tau whenever the TMA can describe Q, dO, K, V (dispatch.cu).  Same decisions, tile mask, slots and
-// gradients as the mma.sync kernel (decision tile 32 query rows x 64 keys; up to the order of dQ's
-// adds).  One CTA per (key tile of 64 keys, sequence, KV head, head split), query tiles of 64 rows
-// ascending from the first legal one, each the two 32-row decision tiles of one CTA step.
+// The warp-specialized backward on Hopper at head dim 256 (wgmma + TMA), sm_90a: the key-major half,
+// dK and dV, and every tile decision; dQ is the query-major kernel's (dq_sm90_ws256.cuh), which reads
+// the decisions from the tile mask recorded here.  The kernel for every tau whenever the TMA can
+// describe Q, dO, K, V (dispatch.cu).  Same decisions, tile mask, slots and gradients as the mma.sync
+// kernel (decision tile 32 query rows x 64 keys).  One CTA per (key tile of 64 keys, sequence, KV
+// head, head split), query tiles of 64 rows ascending from the first legal one, each the two 32-row
+// decision tiles of one CTA step.
 //
 // At d = 256 a warpgroup cannot keep dK and dV of all 64 keys x 256 dims (256 registers a thread),
 // so the two consumer warpgroups split the work of a tile two ways:
@@ -10,11 +12,10 @@
 //                  decision tile), the mask, the offline test and P^T_g, dS^T_g in registers, both
 //                  stored (bf16) into one 64 x 64 tile each in shared memory;
 //   by head dims   dV[:, 128g..] += P^T dO[:, 128g..],  dK[:, 128g..] += dS^T Q[:, 128g..]
-//                  (m64n128k64, over the retained row halves only), dQ[:, 128g..] = dS K[:, 128g..]
-//                  in two m64n64 passes, added into the fp32 accumulator with red.global.add (the
-//                  rows of retained halves only; there is no shared memory left for a TMA dQ tile).
-// The dQ adds bound it: 64 KB of fp32 adds per 64 x 64 tile, twice the d = 128 kernel's per flop, at
-// the L2's reduction rate (H100, 32K: 40.6 ms with them, 17.3 ms, 634 TF/s, without).
+//                  (m64n128k64, over the retained row halves only).
+// dQ is not computed here: its partials, 64 KB of fp32 adds per 64 x 64 tile into an accumulator,
+// took more than twice this kernel's own time at the L2's reduction rate (H100, 32K: 40.6 ms with
+// them, 17.3 ms, 634 TF/s, without).
 // Three warpgroups (384 threads):
 //   producer (warpgroup 0, 24 registers): warp 0 K and V once, then Q_t with its rows' lse and skip
 //     bound into a ring of 2 slots; warp 1 dO_t with D = rowsum(dO * O) into a ring of 2 slots (every
@@ -23,12 +24,13 @@
 //     wait S^T(t), dP^T(t);  mask, test: each warp's verdict into a word;  P^T, dS^T
 //     wait until both warpgroups have finished reading tile t - 1's P^T / dS^T (mbarrier), store
 //     barrier (both halves stored, both verdicts in): a half is retained iff one of its 4 warps blocks
-//     issue dQ pass 0, dV and dK;  then S^T(t + 1), dP^T(t + 1), so that the tensor cores hold the
-//     next tile's products while this tile's dQ is added and its slots go back.
-//   A tile whose halves are both skipped issues no dV, dK or dQ work.
+//     issue dV and dK;  then S^T(t + 1), dP^T(t + 1), so that the tensor cores hold the next tile's
+//     products while this tile's slots go back.
+//   A tile whose halves are both skipped issues no dV or dK work.
 #pragma once
 
 #include "cuda/bwd/common.cuh"
+#include "cuda/bwd/dq_sm90_ws256.cuh"
 #include "cuda/bwd/launch.h"
 #include "cuda/core/smem_tile.cuh"
 #include "cuda/core/tma.cuh"
@@ -152,7 +154,7 @@ __global__ void __launch_bounds__(384, 1)
   float dk[64], dv[64];  // m64n128: keys 0..63 x dims 128 wg..
 #pragma unroll
   for (int i = 0; i < 64; ++i) dk[i] = dv[i] = 0.f;
-  float s[16], dp[16], dq[32];
+  float s[16], dp[16];
 
   mbar_wait<true>(mb_kv, 0);
   // S^T(t) and dP^T(t) of this warpgroup's 32 rows, one group: X Y_g^T over d (X = K or V, Y = Q_t or dO_t).
@@ -191,37 +193,6 @@ __global__ void __launch_bounds__(384, 1)
 #pragma unroll
     for (int kq = K0; kq < K1; ++kq)
       WgmmaSS<128, 0, 1, T>::run(dk, wgmma_desc(sDS + kq * 32, 16, 1024), wgmma_desc(bq + kq * 2048, QTile::kBlockBytes, 1024));
-  };
-  // dQ[:, 128 wg + 64 pass ..] = dS K (m64n64k64): dS^T read MN-major, K MN-major.
-  auto issue_dq = [&](int pass) {
-#pragma unroll
-    for (int i = 0; i < 32; ++i) dq[i] = 0.f;
-    wgmma_fence_operands(dq);
-    wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < BK / 16; ++kk)
-      WgmmaSS<64, 1, 1, T>::run(dq, wgmma_desc(sDS + kk * 2048, STile::kBlockBytes, 1024),
-                                wgmma_desc(sK + (2 * wg + pass) * KTile::kBlockBytes + kk * 2048, KTile::kBlockBytes, 1024));
-    wgmma_commit();
-  };
-  // Adds a dQ pass into the accumulator: element 4n + 2hh + c is query row 16 wl + gid + 8 hh of the
-  // tile, column 128 wg + 64 pass + 8n + 2 tig + c.  Only rows of retained halves (warps 2h, 2h + 1
-  // hold half h's rows) and of the sequence.  (Lane pairs swapping halves for red.global.add.v4, half
-  // the adds, measured no faster.)
-  auto add_dq = [&](int pass, int q0, int h, bool half_kept) {
-#ifdef MALA_ABLATE_DQ_ADDS
-    if (q0 >= 0) return;
-#endif
-    if (!half_kept) return;
-    float* base = p.dq_acc + (static_cast<int64_t>(h) * p.rows_q_cap + w.qrow0 + q0) * D + 128 * wg + 64 * pass + 2 * tig;
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      const int r = 16 * wl + gid + 8 * hh;
-      if (q0 + r < qlen) {
-#pragma unroll
-        for (int n = 0; n < 8; ++n) bwd_red_add2(base + static_cast<int64_t>(r) * D + 8 * n, dq[4 * n + 2 * hh], dq[4 * n + 2 * hh + 1]);
-      }
-    }
   };
   auto release_slots = [&](int qs) {
     if (lane == 0) {
@@ -304,17 +275,15 @@ __global__ void __launch_bounds__(384, 1)
       const int i32 = 2 * x.qi() + wg;
       if (i32 >= i_first32 && i32 * BH < qlen) bwd_record_tile<BH, BK>(p, w, h, i32, kept_own, ctid & 127);
     }
-    const bool kept_rows = wl < 2 ? kept0 : kept1;  // the half this warp's dQ rows belong to
     // The next tile's S^T and dP^T on either path (a run-time merge of the two paths while a wgmma is
     // in flight makes ptxas serialise every wgmma, C7515).
     auto issue_next = [&]() {
       if (t + 1 < n_iter)
         issue_s_dp(t + 1);
       else
-        wgmma_commit();  // (an empty group: the waits below count the same groups on the last tile)
+        wgmma_commit();  // (an empty group: the wait below counts the same groups on the last tile)
     };
     if (any) {
-      issue_dq(0);
       wgmma_fence();
       if (kept0 && kept1)
         issue_dkdv(qs, std::integral_constant<int, 0>{}, std::integral_constant<int, 4>{});
@@ -324,21 +293,13 @@ __global__ void __launch_bounds__(384, 1)
         issue_dkdv(qs, std::integral_constant<int, 2>{}, std::integral_constant<int, 4>{});
       wgmma_commit();
       issue_next();
-      wgmma_wait<2>();  // dQ pass 0
-      wgmma_fence_operands(dq);
-      add_dq(0, q0, h, kept_rows);
-      issue_dq(1);
-      wgmma_wait<2>();  // dV, dK: Q_t and dO_t are free
+      wgmma_wait<1>();  // dV, dK: Q_t, dO_t, P^T and dS^T are free
       wgmma_fence_operands(dv);
       wgmma_fence_operands(dk);
-      release_slots(qs);
-      wgmma_wait<0>();  // dQ pass 1 (and S^T(t + 1), dP^T(t + 1))
-      wgmma_fence_operands(dq);
-      add_dq(1, q0, h, kept_rows);
     } else {
       issue_next();
-      release_slots(qs);
     }
+    release_slots(qs);
     if (lane == 0) mbar_arrive(mb_st_free);  // this warp's reads of tile t's P^T, dS^T are done
   }
   wgmma_wait<0>();
@@ -357,16 +318,21 @@ __global__ void __launch_bounds__(384, 1)
 #endif
 }
 
-// Launches the instance `dense` names (grid as the other backward kernels').
+// Launches the instance `dense` names: the key-major kernel (dK, dV, the decisions), then the dQ
+// kernel (grid: query tiles of 128 rows, query heads, sequences).
 template <typename T>
 cudaError_t launch_bwd_sm90_ws256(const BwdParams& p, const BwdTmaMaps& maps, bool dense, cudaStream_t stream) {
-  using C = BwdWs256;
   auto kernel = dense ? bwd_main_kernel_sm90_ws256<T, true> : bwd_main_kernel_sm90_ws256<T, false>;
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmem);
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, BwdWs256::kSmem);
   if (err != cudaSuccess) return err;
   const int64_t grid = static_cast<int64_t>(p.n_k_tiles) * p.batch * p.heads_kv * p.head_splits;
-  if (grid <= 0) return cudaSuccess;
-  kernel<<<static_cast<unsigned>(grid), C::kThreads, C::kSmem, stream>>>(p, maps);
+  if (grid > 0) kernel<<<static_cast<unsigned>(grid), BwdWs256::kThreads, BwdWs256::kSmem, stream>>>(p, maps);
+  if ((err = cudaGetLastError()) != cudaSuccess) return err;
+  auto dq_kernel = dense ? bwd_dq_kernel_sm90_ws256<T, true> : bwd_dq_kernel_sm90_ws256<T, false>;
+  err = cudaFuncSetAttribute(dq_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, BwdDq256::kSmem);
+  if (err != cudaSuccess) return err;
+  const dim3 dq_grid(rule::ceil_div(p.seqlen_q, BwdDq256::BQ), p.heads_q, p.batch);
+  if (p.seqlen_q > 0) dq_kernel<<<dq_grid, BwdDq256::kThreads, BwdDq256::kSmem, stream>>>(p, maps);
   return cudaGetLastError();
 }
 

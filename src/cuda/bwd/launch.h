@@ -20,6 +20,7 @@ enum class BwdKernelKind {
 // accumulator), for sm90_ws.
 struct BwdTmaMaps {
   CUtensorMap q, dout, k, v, dq, lse, bound, dsum;
+  CUtensorMap k32, v32;  // d = 256: K and V in boxes of 32 rows (the dQ kernel's key steps)
 };
 struct BwdLaunch {
   BwdKernelKind kernel = BwdKernelKind::sm80;

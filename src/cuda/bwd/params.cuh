@@ -33,10 +33,13 @@ struct BwdParams {
   // Outputs written directly by the main kernel (dk/dv when heads_per_cta == group).
   void* dk;
   void* dv;
+  void* dq;  // d = 256 on Hopper: written by the dQ kernel (bwd/dq_sm90_ws256.cuh); else via dq_acc
+  int64_t dq_b, dq_r, dq_h;
   int64_t dk_b, dk_r, dk_h;
   int64_t dv_b, dv_r, dv_h;
   int32_t* bwd_slots;   // optional, zeroed by the preprocess kernel
-  uint8_t* tile_mask;   // optional, zeroed (kTileIllegal) before the main kernel
+  uint8_t* tile_mask;   // optional, zeroed (kTileIllegal) before the main kernel; at d = 256 on Hopper
+                        // with tau > 0 always (the dQ kernel reads the decisions from it)
 
   const int32_t* cu_q;  // varlen when non-null
   const int32_t* cu_k;

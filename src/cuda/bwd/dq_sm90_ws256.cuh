@@ -1,0 +1,230 @@
+// dQ at head dim 256 on Hopper (wgmma + TMA), sm_90a: the query-major half of the d = 256 backward.
+// The key-major kernel (kernel_sm90_ws256.cuh) computes dK and dV and decides every tile; adding its
+// dQ partials into an fp32 accumulator took twice its own time (64 KB of L2 adds per 64 x 64 tile).
+// This kernel recomputes S and dP per query tile instead and keeps dQ in registers: three GEMMs more
+// than one kernel would run, no atomics, dQ written once in the output dtype, and the same bits in
+// every run (deterministic by construction).  The decisions are the key-major kernel's, read from the
+// tile mask it recorded (tau > 0), so both halves of the gradient skip exactly the same tiles.
+//
+// One CTA per (128 query rows, query head, sequence); three warpgroups:
+//   producer (warpgroup 0, 24 registers; one thread issues every TMA load): Q and dO of the CTA's rows
+//     once, then K_t and V_t of each 32-key step into rings of 2 slots (full / empty mbarriers).
+//   consumers (warpgroups 1 and 2, 240 registers, 64 rows each), per key step t:
+//     S = Q K_t^T, dP = dO V_t^T (ss m64n32k256), mask, P = exp2(S - lse) (0 on the rows of a skipped
+//     32 x 64 decision tile), dS = P (dP - D), dQ += dS K_t (rs m64n256k32, dS from registers);
+//     a step whose two decision tiles (the warpgroup's two 32-row halves) are both skipped issues
+//     nothing.  dQ's product is left in flight under the next step's S and dP.
+#pragma once
+
+#include "cuda/bwd/common.cuh"
+#include "cuda/bwd/launch.h"
+#include "cuda/core/smem_tile.cuh"
+#include "cuda/core/tma.cuh"
+#include "cuda/core/wgmma.cuh"
+#include "mala/mala.h"
+
+namespace mala {
+namespace cuda {
+
+struct BwdDq256 {
+  static constexpr int D = 256, BQ = 128, BKS = 32, BK = 64, BH = 32, kThreads = 384, kStages = 2;
+  static_assert(BwdConfig<256>::BQ == BH && BwdConfig<256>::BK == BK, "decision tile: 32 rows x 64 keys");
+  using QTile = GmmaTile<64, D>;   // a warpgroup's Q or dO rows
+  using KTile = GmmaTile<BKS, D>;  // a step's K or V
+  static constexpr int kOffQ = 0;                                   // [2] per warpgroup
+  static constexpr int kOffDO = kOffQ + 2 * QTile::kBytes;          // [2]
+  static constexpr int kOffK = kOffDO + 2 * QTile::kBytes;          // [kStages]
+  static constexpr int kOffV = kOffK + kStages * KTile::kBytes;     // [kStages]
+  // mbarriers: qdo_full, k_full[2], k_empty[2], v_full[2], v_empty[2]
+  static constexpr int kOffMbar = kOffV + kStages * KTile::kBytes;
+  static constexpr int kBytes = kOffMbar + 9 * 8;
+  static constexpr int kSmem = kBytes + 1024;
+};
+
+template <typename T, bool kDense>
+__global__ void __launch_bounds__(384, 1)
+    bwd_dq_kernel_sm90_ws256(const BwdParams p, const __grid_constant__ BwdTmaMaps maps) {
+#ifdef MALA_WGMMA_ENABLED
+  using C = BwdDq256;
+  constexpr int D = C::D, BQ = C::BQ, BKS = C::BKS, NS = C::kStages;
+  using QTile = typename C::QTile;
+  using KTile = typename C::KTile;
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  uint32_t sbase;
+  smem_align_1024(smem_raw, sbase);
+  const int tid = threadIdx.x, h = blockIdx.y, b = blockIdx.z;
+  const int qtile = p.causal ? static_cast<int>(gridDim.x) - 1 - static_cast<int>(blockIdx.x) : static_cast<int>(blockIdx.x);
+  const bool varlen = p.cu_q != nullptr;
+  const int64_t qrow0 = varlen ? p.cu_q[b] : static_cast<int64_t>(b) * p.seqlen_q;
+  const int64_t krow0 = varlen ? p.cu_k[b] : static_cast<int64_t>(b) * p.seqlen_k;
+  const int qlen = varlen ? p.cu_q[b + 1] - p.cu_q[b] : p.seqlen_q;
+  const int klen = varlen ? p.cu_k[b + 1] - p.cu_k[b] : p.seqlen_k;
+  const int row_cta = qtile * BQ;
+  if (row_cta >= qlen) return;
+  auto keys_seen = [&](int r0, int rows) {  // keys visible to the last of rows r0 .. r0 + rows - 1
+    const int last = min(r0 + rows, qlen) - 1;
+    return last >= r0 ? rule::visible_keys(last, qlen, klen, p.causal) : 0;
+  };
+  const int n_steps = rule::ceil_div(keys_seen(row_cta, BQ), BKS);
+  const int hk = h / p.group;
+  const int q_map_row = varlen ? static_cast<int>(qrow0) : 0, k_map_row = varlen ? static_cast<int>(krow0) : 0;
+  const int map_b = varlen ? 0 : b;
+
+  const uint32_t sQ = sbase + C::kOffQ, sDO = sbase + C::kOffDO, sK = sbase + C::kOffK, sV = sbase + C::kOffV;
+  const uint32_t mb_qdo = sbase + C::kOffMbar, mb_k_full = mb_qdo + 8, mb_k_empty = mb_k_full + 8 * NS,
+                 mb_v_full = mb_k_empty + 8 * NS, mb_v_empty = mb_v_full + 8 * NS;
+  if (tid == 0) {
+    mbar_init(mb_qdo, 1);
+    for (int i = 0; i < NS; ++i) {
+      mbar_init(mb_k_full + 8 * i, 1);
+      mbar_init(mb_k_empty + 8 * i, 8);  // one arrival per consumer warp
+      mbar_init(mb_v_full + 8 * i, 1);
+      mbar_init(mb_v_empty + 8 * i, 8);
+    }
+    fence_mbarrier_init();
+  }
+  __syncthreads();
+  auto parity = [](int use) { return static_cast<uint32_t>(use) & 1u; };
+
+  if (tid < 128) {
+    setmaxnreg_dec24();
+    if (tid == 0) {
+      mbar_arrive_expect_tx(mb_qdo, 4 * QTile::kBytes);
+      for (int g = 0; g < 2; ++g) {
+        tma_load_tile_boxes<64, D>(sQ + g * QTile::kBytes, &maps.q, mb_qdo, q_map_row + row_cta + 64 * g, h, map_b);
+        tma_load_tile_boxes<64, D>(sDO + g * QTile::kBytes, &maps.dout, mb_qdo, q_map_row + row_cta + 64 * g, h, map_b);
+      }
+      for (int t = 0; t < n_steps; ++t) {
+        const int s = t & 1;
+        if (t >= NS) mbar_wait<true>(mb_k_empty + 8 * s, parity((t >> 1) - 1));
+        tma_load_tile<BKS, D>(sK + s * KTile::kBytes, &maps.k32, mb_k_full + 8 * s, k_map_row + t * BKS, hk, map_b);
+        if (t >= NS) mbar_wait<true>(mb_v_empty + 8 * s, parity((t >> 1) - 1));
+        tma_load_tile<BKS, D>(sV + s * KTile::kBytes, &maps.v32, mb_v_full + 8 * s, k_map_row + t * BKS, hk, map_b);
+      }
+    }
+    return;
+  }
+
+  setmaxnreg_inc240();
+  const int ctid = tid - 128, warp = __shfl_sync(0xffffffffu, ctid >> 5, 0), lane = ctid & 31, wg = warp >> 2,
+            wl = warp & 3, gid = lane >> 2, tig = lane & 3;
+  const int row_wg = row_cta + 64 * wg;
+  const int r_lo = row_wg + 16 * wl + gid;  // this thread's rows: r_lo, r_lo + 8
+  // The warpgroup's last step with a visible key (steps after it are fully masked for its rows).
+  const int wg_steps = rule::ceil_div(keys_seen(row_wg, 64), BKS);
+  float lse[2], dsum[2];
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    const int r = r_lo + 8 * hh;
+    const int64_t at = static_cast<int64_t>(h) * p.rows_q_cap + qrow0 + min(r, qlen - 1);
+    lse[hh] = p.lse2[at];
+    dsum[hh] = p.dsum[at];
+  }
+  // The decision tiles of this warpgroup's two 32-row halves (recorded by the key-major kernel:
+  // 2 = retained; a tile no row of the half sees was not recorded, and its entries are masked).
+  const uint8_t* mask_rows =
+      kDense ? nullptr : p.tile_mask + (static_cast<int64_t>(b) * p.heads_q + h) * p.n_q_tiles * p.n_k_tiles;
+  const int i32_0 = row_wg / C::BH;
+  const int half = wl >> 1;  // this warp's rows are half `half` of the warpgroup's
+  float dq[D / 2];
+#pragma unroll
+  for (int i = 0; i < D / 2; ++i) dq[i] = 0.f;
+  wgmma_fence_operands(dq);
+  float s[16], dp[16];
+  mbar_wait<true>(mb_qdo, 0);
+  const uint32_t sQg = sQ + wg * QTile::kBytes, sDOg = sDO + wg * QTile::kBytes;
+  int pending_k = -1;  // the step whose K slot goes back once its dQ product has completed
+  for (int t = 0; t < n_steps; ++t) {
+    const int ks = t & 1;
+    bool kept0 = true, kept1 = true;
+    if constexpr (!kDense) {
+      const int j64 = (t * BKS) / C::BK;
+      const uint8_t* m = mask_rows + static_cast<int64_t>(i32_0) * p.n_k_tiles + j64;
+      kept0 = i32_0 < p.n_q_tiles && m[0] == mala::kTileRetained;
+      kept1 = i32_0 + 1 < p.n_q_tiles && m[p.n_k_tiles] == mala::kTileRetained;
+    }
+    const bool work = t < wg_steps && (kept0 || kept1);
+    mbar_wait<true>(mb_k_full + 8 * ks, parity(t >> 1));
+    mbar_wait<true>(mb_v_full + 8 * ks, parity(t >> 1));
+    if (work) {
+#pragma unroll
+      for (int e = 0; e < 16; ++e) s[e] = dp[e] = 0.f;
+      wgmma_fence_operands(s);
+      wgmma_fence_operands(dp);
+      wgmma_fence();
+      const uint32_t bk = sK + ks * KTile::kBytes, bv = sV + ks * KTile::kBytes;
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk) {
+        const uint32_t ao = (kk >> 2) * QTile::kBlockBytes + (kk & 3) * 32, bo = (kk >> 2) * KTile::kBlockBytes + (kk & 3) * 32;
+        WgmmaSS<32, 0, 0, T>::run(s, wgmma_desc(sQg + ao, 16, 1024), wgmma_desc(bk + bo, 16, 1024));
+      }
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk) {
+        const uint32_t ao = (kk >> 2) * QTile::kBlockBytes + (kk & 3) * 32, bo = (kk >> 2) * KTile::kBlockBytes + (kk & 3) * 32;
+        WgmmaSS<32, 0, 0, T>::run(dp, wgmma_desc(sDOg + ao, 16, 1024), wgmma_desc(bv + bo, 16, 1024));
+      }
+      wgmma_commit();
+      wgmma_wait<0>();  // S, dP, and the previous step's dQ product
+      wgmma_fence_operands(s);
+      wgmma_fence_operands(dp);
+      wgmma_fence_operands(dq);
+    }
+    if (pending_k >= 0) {
+      if (!work) wgmma_wait<0>();  // (on the work path the wait above covered it)
+      if (lane == 0) mbar_arrive(mb_k_empty + 8 * (pending_k & 1));  // dQ(pending_k) has read its K
+      pending_k = -1;
+    }
+    if (lane == 0) mbar_arrive(mb_v_empty + 8 * ks);  // dP has read V_t (or nothing will)
+    if (!work) {
+      if (lane == 0) mbar_arrive(mb_k_empty + 8 * ks);
+      continue;
+    }
+    // Entry 4n + 2hh + c: row r_lo + 8hh, key 32t + 8n + 2tig + c.
+    const bool kept_rows = half ? kept1 : kept0;
+    const int k0 = t * BKS;
+    uint32_t da[2][4];
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const int r = r_lo + 8 * hh;
+      const int L = r < qlen ? rule::visible_keys(r, qlen, klen, p.causal) : 0;
+#pragma unroll
+      for (int n = 0; n < 4; ++n) {
+        float v[2];
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          const int e = 4 * n + 2 * hh + c;
+          const bool live = kept_rows && k0 + 8 * n + 2 * tig + c < L;
+          const float pr = live ? exp2f(s[e] * p.scale_log2 - lse[hh]) : 0.f;
+          v[c] = pr * (dp[e] - dsum[hh]);
+        }
+        // A fragment of k16 block n / 2: a0 (row g, keys 2tig..) a1 (row g + 8) a2 / a3 (keys + 8).
+        da[n >> 1][(n & 1) * 2 + hh] = pack2<T>(v[0], v[1]);
+      }
+    }
+    wgmma_fence();
+    const uint32_t bk = sK + ks * KTile::kBytes;
+#pragma unroll
+    for (int kk = 0; kk < BKS / 16; ++kk) WgmmaRS<D, 1, T>::run(dq, da[kk], wgmma_desc(bk + kk * 2048, KTile::kBlockBytes, 1024));
+    wgmma_commit();
+    pending_k = t;
+  }
+  wgmma_wait<0>();
+  wgmma_fence_operands(dq);
+  if (pending_k >= 0 && lane == 0) mbar_arrive(mb_k_empty + 8 * (pending_k & 1));
+
+  // dQ (scaled) into the output: element 4n + 2hh + c is row r_lo + 8hh, column 8n + 2tig + c.
+  const int64_t dq_b = varlen ? 0 : static_cast<int64_t>(b) * p.dq_b;
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    const int r = r_lo + 8 * hh;
+    if (r >= qlen) continue;
+    T* out = static_cast<T*>(p.dq) + dq_b + (varlen ? qrow0 + r : r) * p.dq_r + static_cast<int64_t>(h) * p.dq_h + 2 * tig;
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n)
+      *reinterpret_cast<uint32_t*>(out + 8 * n) = pack2<T>(dq[4 * n + 2 * hh] * p.scale, dq[4 * n + 2 * hh + 1] * p.scale);
+  }
+#endif
+}
+
+}  // namespace cuda
+}  // namespace mala
