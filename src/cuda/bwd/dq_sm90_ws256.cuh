@@ -8,12 +8,15 @@
 //
 // One CTA per (128 query rows, query head, sequence); three warpgroups:
 //   producer (warpgroup 0, 24 registers; one thread issues every TMA load): Q and dO of the CTA's rows
-//     once, then K_t and V_t of each 32-key step into rings of 2 slots (full / empty mbarriers).
+//     once, then K_t and V_t of each 32-key step that one of the CTA's four decision tiles retains
+//     (read from the tile mask, 8 steps at a time) into rings of 2 slots (full / empty mbarriers),
+//     with the step and its four decisions in a word beside the slot; a word of -1 ends the loop.
 //   consumers (warpgroups 1 and 2, 240 registers, 64 rows each), per key step t:
 //     S = Q K_t^T, dP = dO V_t^T (ss m64n32k256), mask, P = exp2(S - lse) (0 on the rows of a skipped
 //     32 x 64 decision tile), dS = P (dP - D), dQ += dS K_t (rs m64n256k32, dS from registers);
 //     a step whose two decision tiles (the warpgroup's two 32-row halves) are both skipped issues
-//     nothing.  dQ's product is left in flight under the next step's S and dP.
+//     nothing, and one that the whole CTA skips is not even loaded.  dQ's product is left in flight
+//     under the next step's S and dP.
 #pragma once
 
 #include "cuda/bwd/common.cuh"
@@ -37,7 +40,8 @@ struct BwdDq256 {
   static constexpr int kOffV = kOffK + kStages * KTile::kBytes;     // [kStages]
   // mbarriers: qdo_full, k_full[2], k_empty[2], v_full[2], v_empty[2]
   static constexpr int kOffMbar = kOffV + kStages * KTile::kBytes;
-  static constexpr int kBytes = kOffMbar + 9 * 8;
+  static constexpr int kOffStep = kOffMbar + 9 * 8;  // [kStages] (step << 4) | decisions of the slot's step, or -1
+  static constexpr int kBytes = kOffStep + kStages * 4;
   static constexpr int kSmem = kBytes + 1024;
 };
 
@@ -51,7 +55,7 @@ __global__ void __launch_bounds__(384, 1)
   using KTile = typename C::KTile;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   uint32_t sbase;
-  smem_align_1024(smem_raw, sbase);
+  unsigned char* smem = smem_align_1024(smem_raw, sbase);
   const int tid = threadIdx.x, h = blockIdx.y, b = blockIdx.z;
   const int qtile = p.causal ? static_cast<int>(gridDim.x) - 1 - static_cast<int>(blockIdx.x) : static_cast<int>(blockIdx.x);
   const bool varlen = p.cu_q != nullptr;
@@ -94,13 +98,49 @@ __global__ void __launch_bounds__(384, 1)
         tma_load_tile_boxes<64, D>(sQ + g * QTile::kBytes, &maps.q, mb_qdo, q_map_row + row_cta + 64 * g, h, map_b);
         tma_load_tile_boxes<64, D>(sDO + g * QTile::kBytes, &maps.dout, mb_qdo, q_map_row + row_cta + 64 * g, h, map_b);
       }
-      for (int t = 0; t < n_steps; ++t) {
-        const int s = t & 1;
-        if (t >= NS) mbar_wait<true>(mb_k_empty + 8 * s, parity((t >> 1) - 1));
-        tma_load_tile<BKS, D>(sK + s * KTile::kBytes, &maps.k32, mb_k_full + 8 * s, k_map_row + t * BKS, hk, map_b);
-        if (t >= NS) mbar_wait<true>(mb_v_empty + 8 * s, parity((t >> 1) - 1));
-        tma_load_tile<BKS, D>(sV + s * KTile::kBytes, &maps.v32, mb_v_full + 8 * s, k_map_row + t * BKS, hk, map_b);
+      // The CTA's four 32-row decision tiles (halves k = 0..3 of its rows; warpgroup g has 2g, 2g + 1)
+      // of 64-key tile j: bit k set when half k retains it (every bit at tau = 0).
+      const int i0 = row_cta / C::BH;
+      auto halves = [&](int j) -> uint32_t {
+        if (kDense) return 0xFu;
+        uint32_t bits = 0;
+        const uint8_t* m = p.tile_mask + ((static_cast<int64_t>(b) * p.heads_q + h) * p.n_q_tiles + i0) * p.n_k_tiles + j;
+#pragma unroll
+        for (int k = 0; k < 4; ++k)
+          if (i0 + k < p.n_q_tiles && m[static_cast<int64_t>(k) * p.n_k_tiles] == mala::kTileRetained) bits |= 1u << k;
+        return bits;
+      };
+      int* step_word = reinterpret_cast<int*>(smem + C::kOffStep);
+      int u = 0;  // loaded steps so far: the rings' use count
+      auto next_slot = [&]() {
+        const int s = u & 1;
+        if (u >= NS) {
+          mbar_wait<true>(mb_k_empty + 8 * s, parity((u >> 1) - 1));
+          mbar_wait<true>(mb_v_empty + 8 * s, parity((u >> 1) - 1));
+        }
+        return s;
+      };
+      constexpr int kAhead = 4;  // 64-key tiles whose decisions are read at once (their loads overlap)
+      for (int j0 = 0; 2 * j0 < n_steps; j0 += kAhead) {
+        uint32_t bits[kAhead];
+#pragma unroll
+        for (int jj = 0; jj < kAhead; ++jj) bits[jj] = 2 * (j0 + jj) < n_steps ? halves(j0 + jj) : 0u;
+#pragma unroll
+        for (int jj = 0; jj < kAhead; ++jj)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int t = 2 * (j0 + jj) + e;
+            if (t >= n_steps || bits[jj] == 0u) continue;
+            const int s = next_slot();
+            step_word[s] = (t << 4) | static_cast<int>(bits[jj]);
+            tma_load_tile<BKS, D>(sK + s * KTile::kBytes, &maps.k32, mb_k_full + 8 * s, k_map_row + t * BKS, hk, map_b);
+            tma_load_tile<BKS, D>(sV + s * KTile::kBytes, &maps.v32, mb_v_full + 8 * s, k_map_row + t * BKS, hk, map_b);
+            ++u;
+          }
       }
+      const int s = next_slot();
+      step_word[s] = -1;  // the end: a phase of the K slot's full barrier without bytes
+      mbar_arrive(mb_k_full + 8 * s);
     }
     return;
   }
@@ -120,12 +160,8 @@ __global__ void __launch_bounds__(384, 1)
     lse[hh] = p.lse2[at];
     dsum[hh] = p.dsum[at];
   }
-  // The decision tiles of this warpgroup's two 32-row halves (recorded by the key-major kernel:
-  // 2 = retained; a tile no row of the half sees was not recorded, and its entries are masked).
-  const uint8_t* mask_rows =
-      kDense ? nullptr : p.tile_mask + (static_cast<int64_t>(b) * p.heads_q + h) * p.n_q_tiles * p.n_k_tiles;
-  const int i32_0 = row_wg / C::BH;
   const int half = wl >> 1;  // this warp's rows are half `half` of the warpgroup's
+  const int* step_word = reinterpret_cast<const int*>(smem + C::kOffStep);
   float dq[D / 2];
 #pragma unroll
   for (int i = 0; i < D / 2; ++i) dq[i] = 0.f;
@@ -133,19 +169,17 @@ __global__ void __launch_bounds__(384, 1)
   float s[16], dp[16];
   mbar_wait<true>(mb_qdo, 0);
   const uint32_t sQg = sQ + wg * QTile::kBytes, sDOg = sDO + wg * QTile::kBytes;
-  int pending_k = -1;  // the step whose K slot goes back once its dQ product has completed
-  for (int t = 0; t < n_steps; ++t) {
-    const int ks = t & 1;
-    bool kept0 = true, kept1 = true;
-    if constexpr (!kDense) {
-      const int j64 = (t * BKS) / C::BK;
-      const uint8_t* m = mask_rows + static_cast<int64_t>(i32_0) * p.n_k_tiles + j64;
-      kept0 = i32_0 < p.n_q_tiles && m[0] == mala::kTileRetained;
-      kept1 = i32_0 + 1 < p.n_q_tiles && m[p.n_k_tiles] == mala::kTileRetained;
-    }
+  int pending_k = -1;  // the slot whose K goes back once its dQ product has completed
+  for (int u = 0;; ++u) {
+    const int ks = u & 1;
+    mbar_wait<true>(mb_k_full + 8 * ks, parity(u >> 1));
+    // Read by the lane that gives the slot back (so the read is ordered before that arrival).
+    const int word = __shfl_sync(0xffffffffu, lane == 0 ? step_word[ks] : 0, 0);
+    if (word < 0) break;
+    const int t = word >> 4;
+    const bool kept0 = (word >> (2 * wg)) & 1, kept1 = (word >> (2 * wg + 1)) & 1;
     const bool work = t < wg_steps && (kept0 || kept1);
-    mbar_wait<true>(mb_k_full + 8 * ks, parity(t >> 1));
-    mbar_wait<true>(mb_v_full + 8 * ks, parity(t >> 1));
+    mbar_wait<true>(mb_v_full + 8 * ks, parity(u >> 1));
     if (work) {
 #pragma unroll
       for (int e = 0; e < 16; ++e) s[e] = dp[e] = 0.f;
@@ -171,7 +205,7 @@ __global__ void __launch_bounds__(384, 1)
     }
     if (pending_k >= 0) {
       if (!work) wgmma_wait<0>();  // (on the work path the wait above covered it)
-      if (lane == 0) mbar_arrive(mb_k_empty + 8 * (pending_k & 1));  // dQ(pending_k) has read its K
+      if (lane == 0) mbar_arrive(mb_k_empty + 8 * pending_k);  // the last dQ product has read its K
       pending_k = -1;
     }
     if (lane == 0) mbar_arrive(mb_v_empty + 8 * ks);  // dP has read V_t (or nothing will)
@@ -206,11 +240,11 @@ __global__ void __launch_bounds__(384, 1)
 #pragma unroll
     for (int kk = 0; kk < BKS / 16; ++kk) WgmmaRS<D, 1, T>::run(dq, da[kk], wgmma_desc(bk + kk * 2048, KTile::kBlockBytes, 1024));
     wgmma_commit();
-    pending_k = t;
+    pending_k = ks;
   }
   wgmma_wait<0>();
   wgmma_fence_operands(dq);
-  if (pending_k >= 0 && lane == 0) mbar_arrive(mb_k_empty + 8 * (pending_k & 1));
+  if (pending_k >= 0 && lane == 0) mbar_arrive(mb_k_empty + 8 * pending_k);
 
   // dQ (scaled) into the output: element 4n + 2hh + c is row r_lo + 8hh, column 8n + 2tig + c.
   const int64_t dq_b = varlen ? 0 : static_cast<int64_t>(b) * p.dq_b;
