@@ -125,8 +125,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tau: float = 1.
     tau = 0 is exact dense attention; tau = 1 the paper's default tolerance.  causal aligns the
     diagonal bottom-right (row i sees keys <= i + Nk - Nq).  CUDA: float16/bfloat16, head_dim 64,
     128 or 256; CPU tensors run the exact CPU implementation (float32 too).  Differentiable in q, k, v.
-    deterministic: the backward's gradients are bit-identical from run to run (CUDA: sm_90, head_dim
-    64 or 128; the CPU always is).  Returns out, then lse [B, Hq, Nq] float32 if return_lse, then an
+    deterministic: the backward's gradients are bit-identical from run to run (CUDA: sm_90; the CPU
+    always is).  Returns out, then lse [B, Hq, Nq] float32 if return_lse, then an
     AttentionStats if return_stats.
     """
     tau = _tau_arg(tau)

@@ -8,7 +8,7 @@ MALA's tolerance; tau=0.0 is exact dense attention).  Arguments MALA does not im
 sliding windows, softcapping, ALiBi, rotary embedding inside the call, cache_batch_idx,
 cache_leftpad) raise NotImplementedError naming the argument when set to anything but their
 "off" value, rather than being ignored.  `deterministic=True` gives bit-identical gradients from run
-to run (CUDA: sm_90, head dims 64 and 128, an error elsewhere; mala.attention's `deterministic`).
+to run (CUDA: sm_90, an error elsewhere; mala.attention's `deterministic`).
 
 Like flash_attn, these never synchronize with the GPU to validate cu_seqlens / cache_seqlens /
 block_table (mala.attention_varlen does by default, outside CUDA-graph capture;
