@@ -144,11 +144,13 @@ struct BackwardArgs {
   // The call as one split of a longer causal sequence (as ForwardArgs::rows_before; lse is then the
   // whole row's final lse): the offline test uses L_q = rows_before + r + 1.  -1 = off.
   int64_t rows_before = -1;
-  // dQ, dK and dV bit-identical from run to run: dQ is added in a fixed order of key tiles, dK and dV
-  // are never split over CTAs.  CUDA: the Hopper backward (sm_90, head dims 64 and 128, tensors the
-  // TMA can describe) only; the CPU backward is deterministic anyway.
+  // dQ, dK and dV bit-identical from run to run: dQ is added in a fixed order of key tiles (d = 64
+  // and 128) or computed by a query-major kernel without atomics (d = 256), and the dK / dV partials
+  // of a split query-head group are summed in split order.  CUDA: the Hopper backward (sm_90, tensors
+  // the TMA can describe) only; the CPU backward is deterministic anyway.
   bool deterministic = false;
-  // CUDA: scratch of backward_workspace_size() bytes (fp32 dQ accumulator, rowsum(dO*O), lse in log2).
+  // CUDA: scratch of backward_workspace_size() bytes (fp32 dQ accumulator, rowsum(dO*O), lse in log2;
+  // at d = 256 and tau > 0 also a tile mask for the dQ kernel when tile_mask is null).
   // Null = allocated stream-ordered inside the call.
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
