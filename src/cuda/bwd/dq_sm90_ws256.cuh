@@ -1,7 +1,8 @@
 // dQ at head dim 256 on Hopper (wgmma + TMA), sm_90a: the query-major half of the d = 256 backward.
 // The key-major kernel (kernel_sm90_ws256.cuh) computes dK and dV and decides every tile; adding its
-// dQ partials into an fp32 accumulator took twice its own time (64 KB of L2 adds per 64 x 64 tile).
-// This kernel recomputes S and dP per query tile instead and keeps dQ in registers: three GEMMs more
+// dQ partials into an fp32 accumulator took longer than all its other work (64 KB of L2 adds per
+// 64 x 64 tile).
+// This kernel recomputes S and dP per query tile instead and keeps dQ in registers: two GEMMs more
 // than one kernel would run, no atomics, dQ written once in the output dtype, and the same bits in
 // every run (deterministic by construction).  The decisions are the key-major kernel's, read from the
 // tile mask it recorded (tau > 0), so both halves of the gradient skip exactly the same tiles.
