@@ -135,6 +135,19 @@ for dtype, ctype in (("bf16", "__nv_bfloat16"), ("f16", "__half")):
         out.append(ss(n, dtype, ctype))
     for n in (64, 128, 256):
         out.append(rs(n, dtype, ctype))
+out.append(r'''
+// acc (m64 x N) += A B^T over the KD columns of two K-major GmmaTiles: A's 64 rows from a_base, B's N
+// rows from b_base, their 64-column blocks a_block and b_block bytes apart.  Issues the wgmmas only
+// (the caller fences, commits and waits).
+template <int N, int KD, typename T>
+__device__ __forceinline__ void wgmma_ss_kmajor(float (&acc)[N / 2], uint32_t a_base, uint32_t a_block,
+                                                uint32_t b_base, uint32_t b_block) {
+#pragma unroll
+  for (int kk = 0; kk < KD / 16; ++kk)
+    WgmmaSS<N, 0, 0, T>::run(acc, wgmma_desc(a_base + (kk >> 2) * a_block + (kk & 3) * 32, 16, 1024),
+                             wgmma_desc(b_base + (kk >> 2) * b_block + (kk & 3) * 32, 16, 1024));
+}
+''')
 out.append("\n}  // namespace cuda\n}  // namespace mala\n")
 path = os.path.join(os.path.dirname(__file__), "..", "src", "cuda", "core", "wgmma.cuh")
 with open(path, "w") as f:

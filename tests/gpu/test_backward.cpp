@@ -508,18 +508,20 @@ TEST_P(BackwardGpu, UnequalLengths) {
 }
 
 TEST_P(BackwardGpu, BatchStridedGqa) {
-  for (int splits : {0, 1, 2, 4}) {
-    Case c;
-    c.batch = 2;
-    c.nq = c.nk = 391;
-    c.hq = 8;
-    c.hkv = 2;
-    c.strided = true;
-    c.regime = "sharp";
-    c.head_splits = splits;
-    c.user_workspace = splits == 2;
-    run_case(c);
-  }
+  for (int64_t d : {128, 256})
+    for (int splits : {0, 1, 2, 4}) {
+      Case c;
+      c.d = d;
+      c.batch = 2;
+      c.nq = c.nk = 391;
+      c.hq = 8;
+      c.hkv = 2;
+      c.strided = true;
+      c.regime = "sharp";
+      c.head_splits = splits;
+      c.user_workspace = splits == 2;
+      run_case(c);
+    }
 }
 
 TEST_P(BackwardGpu, MhaNoOutputs) {
@@ -546,9 +548,9 @@ TEST_P(BackwardGpu, DeterministicGqaLong) {
   }
 }
 
-// Head dim 256 (its own warp-specialized kernel on Hopper: 64-key CTAs, two 32-row decision tiles per
-// query step): lengths that end inside a step or a half, bottom-right causal, batch strides, GQA with
-// head splits, varlen.
+// Head dim 256 (its own warp-specialized kernels on Hopper: 64-key CTAs, two 32-row decision tiles per
+// query step, and a query-major dQ kernel): lengths that end inside a step or a half, bottom-right
+// causal, varlen (batch strides and GQA with head splits: BatchStridedGqa).
 TEST_P(BackwardGpu, HeadDim256Layouts) {
   for (auto nn : {std::pair<int, int>{200, 517}, {517, 200}, {97, 97}})
     for (bool causal : {true, false})
@@ -563,18 +565,6 @@ TEST_P(BackwardGpu, HeadDim256Layouts) {
         c.seed = 300 + nn.first + causal + 2 * (tau > 0);
         run_case(c);
       }
-  for (int splits : {0, 2, 4}) {
-    Case c;
-    c.d = 256;
-    c.batch = 2;
-    c.nq = c.nk = 391;
-    c.hq = 8;
-    c.hkv = 2;
-    c.strided = true;
-    c.regime = "sharp";
-    c.head_splits = splits;
-    run_case(c);
-  }
   Case v;
   v.d = 256;
   v.varlen_q = {70, 0, 130, 257};

@@ -43,5 +43,23 @@ __device__ __forceinline__ void apply_mask(float (&s)[MT][NT][4], const int (&li
       }
 }
 
+// The same rule on transposed fragments (S^T = K Q^T of the key-major backward: rows are keys,
+// columns query rows): element 4n + 2h + c is key key0 + 8h, query row q0 + 8n + 2t + c; -inf where
+// the query row does not see the key or is past seqlen_q.  NT: n8 tiles of query rows.
+template <int NT>
+__device__ __forceinline__ void apply_mask_keys_x_rows(float (&s)[4 * NT], int key0, int q0, int lane, int seqlen_q,
+                                                       int seqlen_k, bool causal) {
+#pragma unroll
+  for (int n = 0; n < NT; ++n)
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      const int qr = q0 + n * 8 + 2 * (lane & 3) + c;
+      const int L = qr < seqlen_q ? rule::visible_keys(qr, seqlen_q, seqlen_k, causal) : 0;
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+        if (key0 + h * 8 >= L) s[4 * n + 2 * h + c] = -INFINITY;
+    }
+}
+
 }  // namespace cuda
 }  // namespace mala

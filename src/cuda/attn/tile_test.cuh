@@ -16,6 +16,9 @@
 //                         backward after a skipped tile): one bar.red.or
 //   cta_row_max_exchange  the CTA's warps split the tile's keys (decode): the row maxima through
 //                         shared memory, so every warp takes the same decision
+//   warpgroup_vote_words  a warpgroup owns it and the warpgroups meet at a barrier anyway (the d = 256
+//                         key-major backward, at its P^T / dS^T store barrier): each warp's verdict
+//                         in a word, every warpgroup's decision read back after the barrier
 //
 // Fragment rows: with m16n8k16 C fragments a lane holds rows g and g+8 (g = lane / 4) of each m16
 // tile, and the four lanes of a quad hold the same rows.  Arrays indexed [mt][h] refer to row
@@ -168,6 +171,19 @@ __device__ __forceinline__ uint32_t pair_vote_popc(int id, int nthreads, bool la
       : "r"((uint32_t)lane_pred), "r"(counted), "r"(id), "r"(nthreads)
       : "memory");
   return count;
+}
+
+// warpgroup_vote_words: warp `warp` publishes its verdict (whether one of its entries blocks the skip,
+// uniform over the warp) into words[warp] before the caller's barrier ...
+__device__ __forceinline__ void warpgroup_vote_publish(uint32_t* words, int warp, int lane, bool warp_retain) {
+  if (lane == 0) words[warp] = warp_retain ? 1u : 0u;
+}
+// ... and after it, warpgroup g's decision: whether one of words 4g .. 4g + 3 is set.  Through
+// __any_sync, so that ptxas knows it to be warp-uniform and compiles the branches around the wgmmas
+// that depend on it without divergence handling.
+__device__ __forceinline__ bool warpgroup_vote_result(const uint32_t* words, int g) {
+  const uint4 v = *reinterpret_cast<const uint4*>(words + 4 * g);
+  return __any_sync(0xffffffffu, (v.x | v.y | v.z | v.w) != 0u);
 }
 
 // barrier_vote_or: barrier `id` over `nthreads` threads that returns whether any passed `pred` (one

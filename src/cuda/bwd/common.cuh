@@ -7,6 +7,7 @@
 #include <stdint.h>
 
 #include "common/rule.h"
+#include "cuda/attn/mask.cuh"
 #include "cuda/attn/tile_test.cuh"
 #include "cuda/bwd/params.cuh"
 #include "cuda/core/ptx.cuh"

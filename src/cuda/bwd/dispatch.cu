@@ -146,7 +146,7 @@ Plan make_plan(const BackwardArgs& a) {
     pl.off_mask = off;
     off = align_up(off + static_cast<size_t>(a.batch * a.heads_q) * pl.n_q_tiles * pl.n_k_tiles);
   }
-  if (a.deterministic) {
+  if (a.deterministic && a.head_dim != 256) {  // (d = 256: a dQ kernel with no adds, no counters)
     pl.off_sem = off;
     off = align_up(off + sizeof(int32_t) * static_cast<size_t>(a.batch * a.heads_q) * pl.n_q_tiles);
   }
@@ -279,7 +279,7 @@ cudaError_t run_typed(const BackwardArgs& a, const Plan& pl, char* ws, cudaStrea
   const cuda::BwdLaunch launch = choose_kernel<T, D>(a, p, dense, &maps);
   if (a.deterministic) {
     if (launch.kernel != cuda::BwdKernelKind::sm90_ws) return cudaErrorNotSupported;  // backward() words it
-    p.dq_sem = reinterpret_cast<int32_t*>(ws + pl.off_sem);
+    if (D != 256) p.dq_sem = reinterpret_cast<int32_t*>(ws + pl.off_sem);
   }
   // d = 256 on Hopper: dQ is written by its own kernel, which reads the decisions from the tile mask.
   const bool dq_direct = D == 256 && launch.kernel == cuda::BwdKernelKind::sm90_ws;

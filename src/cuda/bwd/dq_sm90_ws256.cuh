@@ -187,17 +187,8 @@ __global__ void __launch_bounds__(384, 1)
       wgmma_fence_operands(s);
       wgmma_fence_operands(dp);
       wgmma_fence();
-      const uint32_t bk = sK + ks * KTile::kBytes, bv = sV + ks * KTile::kBytes;
-#pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk) {
-        const uint32_t ao = (kk >> 2) * QTile::kBlockBytes + (kk & 3) * 32, bo = (kk >> 2) * KTile::kBlockBytes + (kk & 3) * 32;
-        WgmmaSS<32, 0, 0, T>::run(s, wgmma_desc(sQg + ao, 16, 1024), wgmma_desc(bk + bo, 16, 1024));
-      }
-#pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk) {
-        const uint32_t ao = (kk >> 2) * QTile::kBlockBytes + (kk & 3) * 32, bo = (kk >> 2) * KTile::kBlockBytes + (kk & 3) * 32;
-        WgmmaSS<32, 0, 0, T>::run(dp, wgmma_desc(sDOg + ao, 16, 1024), wgmma_desc(bv + bo, 16, 1024));
-      }
+      wgmma_ss_kmajor<BKS, D, T>(s, sQg, QTile::kBlockBytes, sK + ks * KTile::kBytes, KTile::kBlockBytes);
+      wgmma_ss_kmajor<BKS, D, T>(dp, sDOg, QTile::kBlockBytes, sV + ks * KTile::kBytes, KTile::kBlockBytes);
       wgmma_commit();
       wgmma_wait<0>();  // S, dP, and the previous step's dQ product
       wgmma_fence_operands(s);

@@ -273,29 +273,14 @@ __global__ void __launch_bounds__(384, 1)
 #pragma unroll
     for (int e = 0; e < 32; ++e) acc[e] = 0.f;
     wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      const uint32_t xa = (kk >> 2) * KTile::kBlockBytes + 64 * wg * 128 + (kk & 3) * 32;
-      const uint32_t ya = (kk >> 2) * QTile::kBlockBytes + (kk & 3) * 32;
-      WgmmaSS<64, 0, 0, T>::run(acc, wgmma_desc(sX + xa, 16, 1024), wgmma_desc(sY + ya, 16, 1024));
-    }
+    wgmma_ss_kmajor<64, D, T>(acc, sX + 64 * wg * 128, KTile::kBlockBytes, sY, QTile::kBlockBytes);
     wgmma_commit();
   };
   // Masked entries of S^T -> -inf (tiles that cross the diagonal or an end).  Entry 4n + 2hh + c: key
   // krow + 8hh, query row q0 + 8n + 2tig + c.  The scores stay raw: the test takes them raw.
   auto mask_scores = [&](float(&s)[32], int q0) {
-    if ((q0 + BQ > qlen) || (kb + BK > klen) || (p.causal && kb + BK - 1 > q0 + klen - qlen)) {
-#pragma unroll
-      for (int n = 0; n < 8; ++n)
-#pragma unroll
-        for (int c = 0; c < 2; ++c) {
-          const int qr = q0 + n * 8 + 2 * tig + c;
-          const int L = qr < qlen ? rule::visible_keys(qr, qlen, klen, p.causal) : 0;
-#pragma unroll
-          for (int hh = 0; hh < 2; ++hh)
-            if (kb + krow + hh * 8 >= L) s[4 * n + 2 * hh + c] = -INFINITY;
-        }
-    }
+    if ((q0 + BQ > qlen) || (kb + BK > klen) || (p.causal && kb + BK - 1 > q0 + klen - qlen))
+      apply_mask_keys_x_rows<8>(s, kb + krow, q0, lane, qlen, klen, p.causal);
   };
   // Whether some entry of this warp blocks the skip (the offline test against each row's raw bound).
   auto warp_blocks = [&](const float(&s)[32], const float* bound_t) {

@@ -170,16 +170,8 @@ __global__ void __launch_bounds__(384, 1)
     wgmma_fence_operands(dp);
     wgmma_fence();
     const uint32_t yq = sQ + qs * QTile::kBytes + qcol * 128, yd = sDO + qs * QTile::kBytes + qcol * 128;
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      const uint32_t xo = (kk >> 2) * KTile::kBlockBytes + (kk & 3) * 32, yo = (kk >> 2) * QTile::kBlockBytes + (kk & 3) * 32;
-      WgmmaSS<32, 0, 0, T>::run(s, wgmma_desc(sK + xo, 16, 1024), wgmma_desc(yq + yo, 16, 1024));
-    }
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      const uint32_t xo = (kk >> 2) * KTile::kBlockBytes + (kk & 3) * 32, yo = (kk >> 2) * QTile::kBlockBytes + (kk & 3) * 32;
-      WgmmaSS<32, 0, 0, T>::run(dp, wgmma_desc(sV + xo, 16, 1024), wgmma_desc(yd + yo, 16, 1024));
-    }
+    wgmma_ss_kmajor<BH, D, T>(s, sK, KTile::kBlockBytes, yq, QTile::kBlockBytes);
+    wgmma_ss_kmajor<BH, D, T>(dp, sV, KTile::kBlockBytes, yd, QTile::kBlockBytes);
     wgmma_commit();
   };
   // dV += P^T dO, dK += dS^T Q over the query steps of the retained halves (k16 steps K0 .. K1 - 1).
@@ -210,18 +202,8 @@ __global__ void __launch_bounds__(384, 1)
     wgmma_fence_operands(dp);
     // Mask: entry 4n + 2hh + c is key krow + 8hh, query row qcol + 8n + 2tig + c of the tile.
     const int qw = q0 + qcol;
-    if ((qw + BH > qlen) || (kb + BK > klen) || (p.causal && kb + BK - 1 > qw + klen - qlen)) {
-#pragma unroll
-      for (int n = 0; n < 4; ++n)
-#pragma unroll
-        for (int c = 0; c < 2; ++c) {
-          const int qr = qw + n * 8 + 2 * tig + c;
-          const int L = qr < qlen ? rule::visible_keys(qr, qlen, klen, p.causal) : 0;
-#pragma unroll
-          for (int hh = 0; hh < 2; ++hh)
-            if (kb + krow + hh * 8 >= L) s[4 * n + 2 * hh + c] = -INFINITY;
-        }
-    }
+    if ((qw + BH > qlen) || (kb + BK > klen) || (p.causal && kb + BK - 1 > qw + klen - qlen))
+      apply_mask_keys_x_rows<4>(s, kb + krow, qw, lane, qlen, klen, p.causal);
     const int vec0 = vec_at(x) & 3;
     if constexpr (!kDense) {
       // The offline test: does some entry of this warp reach its row's raw-score bound?
@@ -232,8 +214,7 @@ __global__ void __launch_bounds__(384, 1)
 #pragma unroll
         for (int c = 0; c < 2; ++c)
           block |= !rule::row_allows_skip_raw(fmaxf(s[4 * n + c], s[4 * n + 2 + c]), bound_t[n * 8 + 2 * tig + c]);
-      block = __any_sync(0xffffffffu, block);
-      if (lane == 0) vote_s[8 * qs + warp] = block ? 1u : 0u;
+      warpgroup_vote_publish(vote_s + 8 * qs, warp, lane, __any_sync(0xffffffffu, block));
     }
     // P^T = exp2(S^T - lse), dS^T = P^T (dP^T - D), packed for the stores.
     const float* lse_t = lse_s + qs * C::kVecStride + vec0 + qcol;
@@ -265,10 +246,8 @@ __global__ void __launch_bounds__(384, 1)
     named_barrier_sync(C::kBarStored, C::kConsumers);
     bool kept0 = true, kept1 = true;
     if constexpr (!kDense) {
-      const uint4 v0 = *reinterpret_cast<const uint4*>(vote_s + 8 * qs), v1 = *reinterpret_cast<const uint4*>(vote_s + 8 * qs + 4);
-      // Warp-uniform to ptxas (the branches around the wgmmas below need no divergence handling).
-      kept0 = __any_sync(0xffffffffu, (v0.x | v0.y | v0.z | v0.w) != 0u);
-      kept1 = __any_sync(0xffffffffu, (v1.x | v1.y | v1.z | v1.w) != 0u);
+      kept0 = warpgroup_vote_result(vote_s + 8 * qs, 0);
+      kept1 = warpgroup_vote_result(vote_s + 8 * qs, 1);
     }
     const bool kept_own = wg ? kept1 : kept0, any = kept0 || kept1;
     if (recording) {
