@@ -74,6 +74,55 @@ int pick_q_stages(int bytes3) {
   return optin >= bytes3 ? 3 : 2;
 }
 
+RowStrides strides(const Strides& s, int64_t seqlen, int64_t heads, int64_t d) {
+  const layout::Resolved r = layout::resolve(s, seqlen, heads, d);
+  return {r.batch, r.row, r.head};
+}
+
+// The TMA's view of the call's input tensors (false where it cannot describe one): Q, dO [rows, heads,
+// d] in boxes of 64 rows, K, V in boxes of the kernel's key tile (128 rows, 64 at d = 256, and at
+// d = 256 also 32 for the dQ kernel; varlen: the packed rows as one batch entry).
+bool make_input_maps(const BackwardArgs& a, cuda::BwdTmaMaps* m) {
+  const bool varlen = a.cu_seqlens_q != nullptr, bf16 = a.dtype == DType::bf16;
+  if (varlen && (a.total_q <= 0 || a.total_k <= 0)) return false;
+  const int64_t dd = a.head_dim;
+  const RowStrides qs = strides(a.q_strides, a.seqlen_q, a.heads_q, dd), ks = strides(a.k_strides, a.seqlen_k, a.heads_kv, dd),
+                   vs = strides(a.v_strides, a.seqlen_k, a.heads_kv, dd),
+                   dos = strides(a.dout_strides, a.seqlen_q, a.heads_q, dd);
+  const int d = static_cast<int>(dd), batch = varlen ? 1 : static_cast<int>(a.batch);
+  const int hq = static_cast<int>(a.heads_q), hkv = static_cast<int>(a.heads_kv);
+  const int rq = static_cast<int>(varlen ? a.total_q : a.seqlen_q), rk = static_cast<int>(varlen ? a.total_k : a.seqlen_k);
+  const int kbox = d == 256 ? cuda::BwdConfig<256>::BK : 128;
+  return cuda::make_kv_tensor_map(&m->q, a.q, bf16, d, rq, hq, batch, qs.r, qs.h, qs.b, 64) &&
+         cuda::make_kv_tensor_map(&m->dout, a.dout, bf16, d, rq, hq, batch, dos.r, dos.h, dos.b, 64) &&
+         cuda::make_kv_tensor_map(&m->k, a.k, bf16, d, rk, hkv, batch, ks.r, ks.h, ks.b, kbox) &&
+         cuda::make_kv_tensor_map(&m->v, a.v, bf16, d, rk, hkv, batch, vs.r, vs.h, vs.b, kbox) &&
+         (d != 256 || (cuda::make_kv_tensor_map(&m->k32, a.k, bf16, d, rk, hkv, batch, ks.r, ks.h, ks.b, 32) &&
+                       cuda::make_kv_tensor_map(&m->v32, a.v, bf16, d, rk, hkv, batch, vs.r, vs.h, vs.b, 32)));
+}
+// ... and of the workspace: the fp32 dQ accumulator [heads_q * rows_q_cap, d] in boxes of 32 columns x
+// 64 rows (not at d = 256, whose kernels need none), the per-row lse, bound and D [heads_q *
+// rows_q_cap] in boxes of 68 (64 rows from the 16-byte boundary before the first).
+bool make_tma_maps(const BackwardArgs& a, const BwdParams& p, cuda::BwdTmaMaps* m) {
+  const int d = static_cast<int>(a.head_dim);
+  return make_input_maps(a, m) &&
+         (d == 256 || cuda::make_f32_tensor_map(&m->dq, p.dq_acc, d, a.heads_q * p.rows_q_cap, 64)) &&
+         cuda::make_f32_vec_tensor_map(&m->lse, p.lse2, a.heads_q * p.rows_q_cap, 68) &&
+         cuda::make_f32_vec_tensor_map(&m->bound, p.bound2, a.heads_q * p.rows_q_cap, 68) &&
+         cuda::make_f32_vec_tensor_map(&m->dsum, p.dsum, a.heads_q * p.rows_q_cap, 68);
+}
+
+// Whether a d = 256 call runs the warp-specialized kernels, which need no dQ accumulator: decided
+// with the plan (the workspace's size depends on it) and followed by choose_kernel.
+bool d256_direct(const BackwardArgs& a, int n_q_tiles) {
+  if (a.head_dim != 256 || kernel_override().bwd != BwdVariant::automatic || n_q_tiles >= 65536 || a.heads_q >= 65536)
+    return false;
+  const bool usable = a.dtype == DType::bf16 ? cuda::bwd_wgmma_usable<__nv_bfloat16, 256>()
+                                             : cuda::bwd_wgmma_usable<__half, 256>();
+  cuda::BwdTmaMaps m;
+  return usable && make_input_maps(a, &m);
+}
+
 struct Plan {
   Tiles tiles;
   int n_q_tiles = 0, n_k_tiles = 0;
@@ -81,6 +130,7 @@ struct Plan {
   int heads_per_cta = 1, head_splits = 1;
   bool kv_atomic = false;  // dK/dV through the fp32 workspace (head splits)
   int kv_slices = 0;       // > 0: one workspace slice per split (deterministic), else atomics
+  bool dq_direct = false;  // d = 256 on the warp-specialized kernels: dQ needs no fp32 accumulator
   size_t off_dsum = 0, off_lse2 = 0, off_bound2 = 0, off_dq = 0, off_dk = 0, off_dv = 0, off_sem = 0, off_mask = 0,
          bytes = 0;
 };
@@ -128,8 +178,9 @@ Plan make_plan(const BackwardArgs& a) {
   off = align_up(off + sizeof(float) * static_cast<size_t>(a.heads_q * pl.rows_q_cap));
   pl.off_lse2 = off;
   off = align_up(off + sizeof(float) * static_cast<size_t>(a.heads_q * pl.rows_q_cap));
+  pl.dq_direct = d256_direct(a, pl.n_q_tiles);
   pl.off_dq = off;
-  off = align_up(off + sizeof(float) * static_cast<size_t>(a.heads_q * pl.rows_q_cap) * d);
+  if (!pl.dq_direct) off = align_up(off + sizeof(float) * static_cast<size_t>(a.heads_q * pl.rows_q_cap) * d);
   if (pl.kv_atomic) {
     const size_t n = static_cast<size_t>(std::max(pl.kv_slices, 1)) * static_cast<size_t>(a.heads_kv * pl.rows_k_cap) * d;
     pl.off_dk = off;
@@ -154,41 +205,20 @@ Plan make_plan(const BackwardArgs& a) {
   return pl;
 }
 
-RowStrides strides(const Strides& s, int64_t seqlen, int64_t heads, int64_t d) {
-  const layout::Resolved r = layout::resolve(s, seqlen, heads, d);
-  return {r.batch, r.row, r.head};
-}
-
-// The TMA's view of the call's tensors (false where it cannot describe one): Q, dO [rows, heads, d]
-// in boxes of 64 rows, K, V in boxes of the kernel's key tile (128 rows, 64 at d = 256; varlen: the
-// packed rows as one batch entry), the fp32
-// dQ accumulator [heads_q * rows_q_cap, d] in boxes of 32 columns x 64 rows, the per-row lse, bound
-// and D [heads_q * rows_q_cap] in boxes of 68 (64 rows from the 16-byte boundary before the first).
-bool make_tma_maps(const BackwardArgs& a, const BwdParams& p, cuda::BwdTmaMaps* m) {
-  const bool varlen = a.cu_seqlens_q != nullptr, bf16 = a.dtype == DType::bf16;
-  if (varlen && (a.total_q <= 0 || a.total_k <= 0)) return false;
-  const int d = static_cast<int>(a.head_dim), batch = varlen ? 1 : p.batch;
-  const int rq = static_cast<int>(varlen ? a.total_q : a.seqlen_q), rk = static_cast<int>(varlen ? a.total_k : a.seqlen_k);
-  const int kbox = d == 256 ? cuda::BwdConfig<256>::BK : 128;
-  return cuda::make_kv_tensor_map(&m->q, a.q, bf16, d, rq, p.heads_q, batch, p.q_r, p.q_h, p.q_b, 64) &&
-         cuda::make_kv_tensor_map(&m->dout, a.dout, bf16, d, rq, p.heads_q, batch, p.do_r, p.do_h, p.do_b, 64) &&
-         cuda::make_kv_tensor_map(&m->k, a.k, bf16, d, rk, p.heads_kv, batch, p.k_r, p.k_h, p.k_b, kbox) &&
-         cuda::make_kv_tensor_map(&m->v, a.v, bf16, d, rk, p.heads_kv, batch, p.v_r, p.v_h, p.v_b, kbox) &&
-         cuda::make_f32_tensor_map(&m->dq, p.dq_acc, d, a.heads_q * p.rows_q_cap, 64) &&
-         cuda::make_f32_vec_tensor_map(&m->lse, p.lse2, a.heads_q * p.rows_q_cap, 68) &&
-         cuda::make_f32_vec_tensor_map(&m->bound, p.bound2, a.heads_q * p.rows_q_cap, 68) &&
-         cuda::make_f32_vec_tensor_map(&m->dsum, p.dsum, a.heads_q * p.rows_q_cap, 68) &&
-         (d != 256 ||
-          (cuda::make_kv_tensor_map(&m->k32, a.k, bf16, d, rk, p.heads_kv, batch, p.k_r, p.k_h, p.k_b, 32) &&
-           cuda::make_kv_tensor_map(&m->v32, a.v, bf16, d, rk, p.heads_kv, batch, p.v_r, p.v_h, p.v_b, 32)));
-}
-
 // The main kernel for this call (see the top of the file); maps is filled for sm90_ws.
 template <typename T, int D>
-cuda::BwdLaunch choose_kernel(const BackwardArgs& a, const BwdParams& p, bool dense, cuda::BwdTmaMaps* maps) {
+cuda::BwdLaunch choose_kernel(const BackwardArgs& a, const Plan& pl, const BwdParams& p, bool dense,
+                              cuda::BwdTmaMaps* maps) {
   cuda::BwdLaunch l;
   l.dense = dense;
   l.kernel = cuda::BwdKernelKind::sm80;
+  if (D == 256) {  // as the plan decided (d256_direct); a map that fails now leaves maps null
+    if (pl.dq_direct) {
+      l.kernel = cuda::BwdKernelKind::sm90_ws;
+      if (make_tma_maps(a, p, maps)) l.maps = maps;
+    }
+    return l;
+  }
   const BwdVariant v = kernel_override().bwd;
   // (BwdWork::Tile packs a head and a query tile into 16 bits each.)
   if (v == BwdVariant::mma_sync || p.n_q_tiles >= 65536 || p.heads_q >= 65536 || !cuda::bwd_wgmma_usable<T, D>())
@@ -215,7 +245,7 @@ cudaError_t run_typed(const BackwardArgs& a, const Plan& pl, char* ws, cudaStrea
   float* dsum = reinterpret_cast<float*>(ws + pl.off_dsum);
   float* lse2 = reinterpret_cast<float*>(ws + pl.off_lse2);
   float* bound2 = reinterpret_cast<float*>(ws + pl.off_bound2);
-  float* dq_acc = reinterpret_cast<float*>(ws + pl.off_dq);
+  float* dq_acc = pl.dq_direct ? nullptr : reinterpret_cast<float*>(ws + pl.off_dq);
   float* dk_acc = pl.kv_atomic ? reinterpret_cast<float*>(ws + pl.off_dk) : nullptr;
   float* dv_acc = pl.kv_atomic ? reinterpret_cast<float*>(ws + pl.off_dv) : nullptr;
   const float scale = a.softmax_scale > 0.f ? a.softmax_scale : 1.0f / std::sqrt(static_cast<float>(d));
@@ -276,13 +306,14 @@ cudaError_t run_typed(const BackwardArgs& a, const Plan& pl, char* ws, cudaStrea
   if (kernel_override().bwd_q_order == 1 || kernel_override().bwd_q_order == 2)
     p.q_desc = kernel_override().bwd_q_order == 2;
   cuda::BwdTmaMaps maps;
-  const cuda::BwdLaunch launch = choose_kernel<T, D>(a, p, dense, &maps);
+  const cuda::BwdLaunch launch = choose_kernel<T, D>(a, pl, p, dense, &maps);
+  if (launch.kernel == cuda::BwdKernelKind::sm90_ws && launch.maps == nullptr) return cudaErrorInvalidValue;
   if (a.deterministic) {
     if (launch.kernel != cuda::BwdKernelKind::sm90_ws) return cudaErrorNotSupported;  // backward() words it
     if (D != 256) p.dq_sem = reinterpret_cast<int32_t*>(ws + pl.off_sem);
   }
   // d = 256 on Hopper: dQ is written by its own kernel, which reads the decisions from the tile mask.
-  const bool dq_direct = D == 256 && launch.kernel == cuda::BwdKernelKind::sm90_ws;
+  const bool dq_direct = pl.dq_direct;
   if (dq_direct && !dense && p.tile_mask == nullptr) {
     p.tile_mask = reinterpret_cast<uint8_t*>(ws + pl.off_mask);
     err = cudaMemsetAsync(p.tile_mask, 0, static_cast<size_t>(a.batch * a.heads_q) * pl.n_q_tiles * pl.n_k_tiles, stream);
