@@ -149,8 +149,9 @@ struct BackwardArgs {
   // of a split query-head group are summed in split order.  CUDA: the Hopper backward (sm_90, tensors
   // the TMA can describe) only; the CPU backward is deterministic anyway.
   bool deterministic = false;
-  // CUDA: scratch of backward_workspace_size() bytes (fp32 dQ accumulator, rowsum(dO*O), lse in log2;
-  // at d = 256 and tau > 0 also a tile mask for the dQ kernel when tile_mask is null).
+  // CUDA: scratch of backward_workspace_size() bytes (rowsum(dO*O), lse in log2, the fp32 dQ
+  // accumulator -- none at d = 256 on Hopper, whose dQ kernel adds nothing -- and at d = 256 and
+  // tau > 0 a tile mask for the dQ kernel when tile_mask is null).
   // Null = allocated stream-ordered inside the call.
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
