@@ -43,6 +43,17 @@ __device__ __forceinline__ void apply_mask(float (&s)[MT][NT][4], const int (&li
       }
 }
 
+// Whether a key-major tile (keys [kb, kb + keys), query rows [q0, q0 + rows)) reaches past an end of
+// either sequence or crosses the causal diagonal: only such tiles need apply_mask_keys_x_rows.
+__device__ __forceinline__ bool keys_x_rows_needs_mask(int q0, int rows, int kb, int keys, int seqlen_q, int seqlen_k,
+                                                       bool causal) {
+  return q0 + rows > seqlen_q || kb + keys > seqlen_k || (causal && kb + keys - 1 > q0 + seqlen_k - seqlen_q);
+}
+// Causal launches run the longest query tiles (the last ones) first: the tile of block x of n.
+__device__ __forceinline__ int longest_first_query_tile(bool causal) {
+  return causal ? static_cast<int>(gridDim.x) - 1 - static_cast<int>(blockIdx.x) : static_cast<int>(blockIdx.x);
+}
+
 // The same rule on transposed fragments (S^T = K Q^T of the key-major backward: rows are keys,
 // columns query rows): element 4n + 2h + c is key key0 + 8h, query row q0 + 8n + 2t + c; -inf where
 // the query row does not see the key or is past seqlen_q.  NT: n8 tiles of query rows.

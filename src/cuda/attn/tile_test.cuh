@@ -173,6 +173,20 @@ __device__ __forceinline__ uint32_t pair_vote_popc(int id, int nthreads, bool la
   return count;
 }
 
+// The offline test on S^T fragments (apply_mask_keys_x_rows' layout, NT n8 tiles of query rows):
+// whether one of this thread's entries reaches its query row's raw-score bound
+// (rule::row_allows_skip_raw; bound[r] is the bound of the tile's query row r).
+template <int NT>
+__device__ __forceinline__ bool keys_x_rows_blocks_skip(const float (&s)[4 * NT], const float* bound, int lane) {
+  bool block = false;
+#pragma unroll
+  for (int n = 0; n < NT; ++n)
+#pragma unroll
+    for (int c = 0; c < 2; ++c)
+      block |= !rule::row_allows_skip_raw(fmaxf(s[4 * n + c], s[4 * n + 2 + c]), bound[n * 8 + 2 * (lane & 3) + c]);
+  return block;
+}
+
 // warpgroup_vote_words: warp `warp` publishes its verdict (whether one of its entries blocks the skip,
 // uniform over the warp) into words[warp] before the caller's barrier ...
 __device__ __forceinline__ void warpgroup_vote_publish(uint32_t* words, int warp, int lane, bool warp_retain) {

@@ -58,7 +58,7 @@ __global__ void __launch_bounds__(384, 1)
   uint32_t sbase;
   unsigned char* smem = smem_align_1024(smem_raw, sbase);
   const int tid = threadIdx.x, h = blockIdx.y, b = blockIdx.z;
-  const int qtile = p.causal ? static_cast<int>(gridDim.x) - 1 - static_cast<int>(blockIdx.x) : static_cast<int>(blockIdx.x);
+  const int qtile = longest_first_query_tile(p.causal);
   const bool varlen = p.cu_q != nullptr;
   const int64_t qrow0 = varlen ? p.cu_q[b] : static_cast<int64_t>(b) * p.seqlen_q;
   const int64_t krow0 = varlen ? p.cu_k[b] : static_cast<int64_t>(b) * p.seqlen_k;

@@ -271,7 +271,7 @@ __global__ void __launch_bounds__(256, 1) bwd_main_kernel(const BwdParams p) {
     }
 
     // ---- 2. mask + offline test -----------------------------------------------------------------
-    const bool need_mask = (q0 + BQ > qlen) || (kb + BK > klen) || (p.causal && kb + BK - 1 > q0 + klen - qlen);
+    const bool need_mask = keys_x_rows_needs_mask(q0, BQ, kb, BK, qlen, klen, p.causal);
     const float* lse_t = lse_s + qs * BQ;
     const float* thr_t = reinterpret_cast<const float*>(smem + KC::kOffThr) + qs * BQ;
     // Scale to log2 units and mask (both instances), then the test (tau > 0).

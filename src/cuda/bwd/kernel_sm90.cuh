@@ -234,23 +234,14 @@ __global__ void __launch_bounds__(256, 1) bwd_main_kernel_sm90(const BwdParams p
       }
       wgmma_fence_operands(s);
 
-      const bool need_mask = (q0 + BQ > qlen) || (kb + BK > klen) || (p.causal && kb + BK - 1 > q0 + klen - qlen);
+      const bool need_mask = keys_x_rows_needs_mask(q0, BQ, kb, BK, qlen, klen, p.causal);
       const float* lse_t = lse_s + qs * BQ;
       if (need_mask) {
         // Masked entries -inf: a branch of its own, taken only by the tiles that cross the diagonal or
         // an end (written into a loop over every tile, ptxas computed the mask for every tile).  The
         // scores stay raw: tau > 0 tests them raw, and P = exp2(S scale - lse) scales them.
         // Entry 4n + 2hh + c: key krow + 8hh, query row q0 + 8n + 2tig + c.
-#pragma unroll
-        for (int n = 0; n < 8; ++n)
-#pragma unroll
-          for (int c = 0; c < 2; ++c) {
-            const int qr = q0 + n * 8 + 2 * tig + c;
-            const int L = qr < qlen ? rule::visible_keys(qr, qlen, klen, p.causal) : 0;
-#pragma unroll
-            for (int hh = 0; hh < 2; ++hh)
-              if (kb + krow + hh * 8 >= L) s[4 * n + 2 * hh + c] = -INFINITY;
-          }
+        apply_mask_keys_x_rows<8>(s, kb + krow, q0, lane, qlen, klen, p.causal);
       }
       bool retain = true;
       if (!kDense) {

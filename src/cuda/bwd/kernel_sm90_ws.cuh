@@ -279,18 +279,12 @@ __global__ void __launch_bounds__(384, 1)
   // Masked entries of S^T -> -inf (tiles that cross the diagonal or an end).  Entry 4n + 2hh + c: key
   // krow + 8hh, query row q0 + 8n + 2tig + c.  The scores stay raw: the test takes them raw.
   auto mask_scores = [&](float(&s)[32], int q0) {
-    if ((q0 + BQ > qlen) || (kb + BK > klen) || (p.causal && kb + BK - 1 > q0 + klen - qlen))
+    if (keys_x_rows_needs_mask(q0, BQ, kb, BK, qlen, klen, p.causal))
       apply_mask_keys_x_rows<8>(s, kb + krow, q0, lane, qlen, klen, p.causal);
   };
   // Whether some entry of this warp blocks the skip (the offline test against each row's raw bound).
   auto warp_blocks = [&](const float(&s)[32], const float* bound_t) {
-    bool block = false;
-#pragma unroll
-    for (int n = 0; n < 8; ++n)
-#pragma unroll
-      for (int c = 0; c < 2; ++c)
-        block |= !rule::row_allows_skip_raw(fmaxf(s[4 * n + c], s[4 * n + 2 + c]), bound_t[n * 8 + 2 * tig + c]);
-    return __any_sync(0xffffffffu, block);
+    return __any_sync(0xffffffffu, keys_x_rows_blocks_skip<8>(s, bound_t, lane));
   };
   // After the decision on tile t: the producer's copy, the optional outputs.
   auto decided = [&](int t, int h, int qi, bool retain) {

@@ -202,19 +202,14 @@ __global__ void __launch_bounds__(384, 1)
     wgmma_fence_operands(dp);
     // Mask: entry 4n + 2hh + c is key krow + 8hh, query row qcol + 8n + 2tig + c of the tile.
     const int qw = q0 + qcol;
-    if ((qw + BH > qlen) || (kb + BK > klen) || (p.causal && kb + BK - 1 > qw + klen - qlen))
+    if (keys_x_rows_needs_mask(qw, BH, kb, BK, qlen, klen, p.causal))
       apply_mask_keys_x_rows<4>(s, kb + krow, qw, lane, qlen, klen, p.causal);
     const int vec0 = vec_at(x) & 3;
     if constexpr (!kDense) {
       // The offline test: does some entry of this warp reach its row's raw-score bound?
       const float* bound_t = bound_s + qs * C::kVecStride + vec0 + qcol;
-      bool block = false;
-#pragma unroll
-      for (int n = 0; n < 4; ++n)
-#pragma unroll
-        for (int c = 0; c < 2; ++c)
-          block |= !rule::row_allows_skip_raw(fmaxf(s[4 * n + c], s[4 * n + 2 + c]), bound_t[n * 8 + 2 * tig + c]);
-      warpgroup_vote_publish(vote_s + 8 * qs, warp, lane, __any_sync(0xffffffffu, block));
+      warpgroup_vote_publish(vote_s + 8 * qs, warp, lane,
+                             __any_sync(0xffffffffu, keys_x_rows_blocks_skip<4>(s, bound_t, lane)));
     }
     // P^T = exp2(S^T - lse), dS^T = P^T (dP^T - D), packed for the stores.
     const float* lse_t = lse_s + qs * C::kVecStride + vec0 + qcol;

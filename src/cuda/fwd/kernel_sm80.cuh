@@ -76,7 +76,7 @@ __global__ void __launch_bounds__(FwdKernelTraits<T, D>::kThreads, FwdKernelTrai
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int b = blockIdx.z, h = blockIdx.y;
   // Causal: the last query tiles see the most keys; launch them first.
-  const int qtile = p.causal ? (int)gridDim.x - 1 - (int)blockIdx.x : (int)blockIdx.x;
+  const int qtile = longest_first_query_tile(p.causal);
 
   const FwdSeq<T> sq = fwd_seq<T>(p, b, h);
   const int Nq = sq.Nq, Nk = sq.Nk;

@@ -72,7 +72,7 @@ __global__ void __launch_bounds__(FwdSm90<D>::kThreads, FwdSm90<D>::kMinBlocks)
   unsigned char* smem = smem_align_1024(smem_raw, sbase);
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, wg = warp >> 2, wl = warp & 3, pair = wl >> 1;
   const int b = blockIdx.z, h = blockIdx.y;
-  const int qtile = p.causal ? (int)gridDim.x - 1 - (int)blockIdx.x : (int)blockIdx.x;
+  const int qtile = longest_first_query_tile(p.causal);
 
   const FwdSeq<T> sq = fwd_seq<T>(p, b, h);
   const int Nq = sq.Nq, Nk = sq.Nk;

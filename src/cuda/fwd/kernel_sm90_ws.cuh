@@ -86,7 +86,7 @@ __global__ void __launch_bounds__(384, 1)
   uint32_t sbase;
   unsigned char* smem = smem_align_1024(smem_raw, sbase);
   const int tid = threadIdx.x, b = blockIdx.z, h = blockIdx.y;
-  const int qtile = p.causal ? (int)gridDim.x - 1 - (int)blockIdx.x : (int)blockIdx.x;
+  const int qtile = longest_first_query_tile(p.causal);
   const FwdSeq<T> sq = fwd_seq<T>(p, b, h);
   const int Nq = sq.Nq, Nk = sq.Nk;
   const int row_cta = qtile * BQ;
