@@ -7,8 +7,9 @@
 //     dq_sm90_ws256.cuh (dQ straight into the output: no accumulator, no convert); else at d = 64
 //     and 128 the two-warpgroup cp.async kernel (bwd/kernel_sm90.cuh);
 //   everything else: the mma.sync kernel (bwd/kernel_sm80.cuh).
-// deterministic = true runs only on the warp-specialized kernels (an error elsewhere).  Each kernel's tau = 0 instance runs at tau = 0.  The kernel override (backend.h) forces
-// another kernel, the Q stages or the head splits for tests and benchmarks.
+// deterministic = true runs only on the warp-specialized kernels (an error elsewhere).  Each kernel's
+// tau = 0 instance runs at tau = 0.  The kernel override (backend.h) forces another kernel, the Q
+// stages or the head splits for tests and benchmarks.
 //   1. preprocess kernel (bwd/rowwise.cuh): D = rowsum(dO * O) (fp32) into the workspace, lse in
 //      log2 units and (tau > 0) each row's skip bound on raw scores beside it, bwd_slots zeroed;
 //      the fp32 dQ accumulator (and the dK/dV accumulators when used) zeroed with cudaMemsetAsync.
@@ -192,8 +193,8 @@ Plan make_plan(const BackwardArgs& a) {
   // accumulator's placement).
   pl.off_bound2 = off;
   off = align_up(off + sizeof(float) * static_cast<size_t>(a.heads_q * pl.rows_q_cap));
-  // d = 256, tau > 0, no tile mask requested: the decisions the dQ kernel reads.
-  if (a.head_dim == 256 && !rule::dense(a.tau) && a.tile_mask == nullptr) {
+  // d = 256 kernels, tau > 0, no tile mask requested: the decisions the dQ kernel reads.
+  if (pl.dq_direct && !rule::dense(a.tau) && a.tile_mask == nullptr) {
     pl.off_mask = off;
     off = align_up(off + static_cast<size_t>(a.batch * a.heads_q) * pl.n_q_tiles * pl.n_k_tiles);
   }
