@@ -329,7 +329,8 @@ class CudaForwardKernels : public ::testing::TestWithParam<FwdVariant> {
 }  // namespace
 
 INSTANTIATE_TEST_SUITE_P(Kernels, CudaForwardKernels,
-                         ::testing::Values(FwdVariant::automatic, FwdVariant::mma_sync, FwdVariant::wgmma_cp_async),
+                         ::testing::Values(FwdVariant::automatic, FwdVariant::mma_sync, FwdVariant::wgmma_cp_async,
+                                           FwdVariant::wgmma_ws),
                          [](const ::testing::TestParamInfo<FwdVariant>& i) {
                            return std::string(mala::cuda_backend::variant_name(i.param));
                          });
@@ -420,6 +421,33 @@ TEST_P(CudaForwardKernels, BatchStridedVarlen) {
   }
 }
 
+// tau = 0 over the layouts the other tests run at tau = 1: on sm_90 these run the 128-key dense
+// kernel (automatic) and the warp-specialized kernel's 64-key dense instance (wgmma_ws), whose
+// tiles cross the ends, the diagonal and short rows differently.
+TEST_P(CudaForwardKernels, DenseLayouts) {
+  if (!mala::cuda_available()) GTEST_SKIP() << "no CUDA device";
+  for (int d : {64, 128}) {
+    const std::string dn = " d" + std::to_string(d);
+    run_case(mk("bf16" + dn + " causal N=1", DType::bf16, d, true, 1, 1, 8, 1, 0.f, Input::random));
+    run_case(mk("fp16" + dn + " causal Nq=77 Nk=2049", DType::f16, d, true, 77, 2049, 8, 1, 0.f, Input::local));
+    run_case(mk("bf16" + dn + " causal Nq=1000 Nk=300 (L=0 rows)", DType::bf16, d, true, 1000, 300, 4, 1, 0.f,
+                Input::local));
+    run_case(mk("bf16" + dn + " noncausal Nq=300 Nk=1000 sink", DType::bf16, d, false, 300, 1000, 4, 2, 0.f,
+                Input::sink));
+    run_case(mk("fp16" + dn + " causal N=2049 gqa4/2", DType::f16, d, true, 2049, 2049, 4, 2, 0.f, Input::random));
+    Case c = mk("bf16" + dn + " causal batch2 strided N=1000", DType::bf16, d, true, 1000, 1000, 4, 2, 0.f,
+                Input::local);
+    c.batch = 2, c.strided = true;
+    run_case(c);
+    c = mk("fp16" + dn + " noncausal varlen4 strided", DType::f16, d, false, 0, 0, 4, 2, 0.f, Input::random);
+    c.varlen_q = {130, 0, 64, 700}, c.varlen_k = {65, 1, 200, 700}, c.strided = true;
+    run_case(c);
+    c = mk("bf16" + dn + " causal varlen3", DType::bf16, d, true, 0, 0, 8, 1, 0.f, Input::local);
+    c.varlen_q = {1, 513, 2000}, c.varlen_k = {333, 513, 2000};
+    run_case(c);
+  }
+}
+
 TEST_P(CudaForwardKernels, SyntheticWorkload) {
   if (!mala::cuda_available()) GTEST_SKIP() << "no CUDA device";
   Case c = mk("bf16 d128 causal gqa8/1 N=2048 synthetic", DType::bf16, 128, true, 2048, 2048, 8, 1, 1.f, Input::workload);
@@ -480,6 +508,8 @@ TEST_P(CudaForwardKernels, SanitizerSmall) {
   run_case(mk("bf16 d128 causal N=150", DType::bf16, 128, true, 150, 150, 2, 1, 1.f, Input::local));
   run_case(mk("fp16 d64 noncausal Nq=70 Nk=130", DType::f16, 64, false, 70, 130, 2, 2, 1.f, Input::random));
   run_case(mk("bf16 d256 causal Nq=100 Nk=40", DType::bf16, 256, true, 100, 40, 2, 1, 1.f, Input::local));
+  run_case(mk("bf16 d128 causal N=300 tau0", DType::bf16, 128, true, 300, 300, 2, 1, 0.f, Input::local));
+  run_case(mk("fp16 d64 noncausal Nq=200 Nk=390 tau0", DType::f16, 64, false, 200, 390, 2, 2, 0.f, Input::random));
   Case c = mk("bf16 d128 seeded split N=150", DType::bf16, 128, true, 150, 150, 2, 1, 1.f, Input::local);
   c.rows_before = 300, c.seeded = true, c.owns_newest = true;
   run_case(c);

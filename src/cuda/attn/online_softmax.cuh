@@ -109,6 +109,12 @@ __device__ __forceinline__ void softmax_rescale(const float (&alpha)[MT][2], flo
 // with their usual relative precision; O / l and base + log2(l) (lse, the test's normaliser) are the
 // same numbers up to rounding, whatever base is.
 constexpr float kRescaleSlack = 8.f;
+// The lazy rescale's rule for one row: whether its base moves to the tile's scaled maximum cand.
+// -inf + slack is -inf: a row's first legal scores always move it.  (Bitwise & and a select: a
+// short-circuit && on keep made ptxas branch around each row's update.)
+__device__ __forceinline__ bool softmax_lazy_move(float m_old, float cand, bool keep) {
+  return (cand > m_old + kRescaleSlack) & keep;
+}
 
 // softmax_step_or_keep: one tile's update of MT m16 blocks, with the lazy rescale above: only rows
 // whose maximum grew by more than kRescaleSlack take the new maximum as their base, and alpha and
@@ -131,10 +137,8 @@ __device__ __forceinline__ void softmax_step_or_keep(float (&s)[MT][NT][4], cons
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       m_old[mt][h] = m[mt][h];
-      // -inf + slack is -inf: a row's first legal scores always move it.  (Bitwise & and a select: a
-      // short-circuit && on keep made ptxas branch around each row's update.)
       const float cand = tile_max_raw[mt][h] * scale_log2;
-      const bool move = (cand > m_old[mt][h] + kRescaleSlack) & keep;
+      const bool move = softmax_lazy_move(m_old[mt][h], cand, keep);
       m[mt][h] = move ? cand : m_old[mt][h];
       base[mt][h] = softmax_p_base(m[mt][h], keep);
       grew |= move;
@@ -157,6 +161,46 @@ __device__ __forceinline__ void softmax_step_or_keep(float (&s)[MT][NT][4], cons
 #pragma unroll
       for (int h = 0; h < 2; ++h) l[mt][h] += kQuadSum ? warp_sum_quad(sum[mt][h]) : sum[mt][h];
   }
+}
+
+// softmax_step_or_keep's update (keep = true) for kernels whose acc is still being written by the
+// previous tile's P V while this tile's exponentials run (fwd/kernel_sm90_dense.cuh): m, l and s -> P
+// as there, and the factors alpha, which the caller applies with softmax_rescale once that P V has
+// completed -- only when this returns true (some row of the warp moved its base; warp-uniform).
+template <int MT, int NT, bool kQuadSum = true>
+__device__ __forceinline__ bool softmax_step_deferred(float (&s)[MT][NT][4], const float (&tile_max_raw)[MT][2],
+                                                      float scale_log2, float (&m)[MT][2], float (&l)[MT][2],
+                                                      float (&alpha)[MT][2]) {
+  float base[MT][2], m_old[MT][2], sum[MT][2];
+  bool grew = false;
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      m_old[mt][h] = m[mt][h];
+      const float cand = tile_max_raw[mt][h] * scale_log2;
+      const bool move = softmax_lazy_move(m_old[mt][h], cand, true);
+      m[mt][h] = move ? cand : m_old[mt][h];
+      base[mt][h] = softmax_p_base(m[mt][h], true);
+      grew |= move;
+    }
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) softmax_exponentiate<NT>(s[mt], base[mt], scale_log2, sum[mt]);
+  const bool any = __any_sync(0xffffffffu, grew);
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float part = kQuadSum ? warp_sum_quad(sum[mt][h]) : sum[mt][h];
+      if (any) {
+        alpha[mt][h] = exp2f(m_old[mt][h] - base[mt][h]);
+        l[mt][h] = fmaf(l[mt][h], alpha[mt][h], part);
+      } else {
+        alpha[mt][h] = 1.f;
+        l[mt][h] += part;
+      }
+    }
+  return any;
 }
 
 // The row sums that softmax_step_or_keep<.., false> left per lane, reduced over the quad (before the

@@ -49,6 +49,19 @@ __device__ __forceinline__ float row_log2_threshold_or_inf(float log2_tau, int L
   return L > 0 ? row_log2_threshold(log2_tau, L) : INFINITY;
 }
 
+// One level of lane_row_max's tree and the levels below it: x[i] = max(x[i], x[i + W]) for i < W.
+// (Recursion on a constant W: a loop over w /= 2 stays rolled at 16 entries, and ptxas then keeps
+// the arrays in local memory.)
+template <int W, int N>
+__device__ __forceinline__ void lane_row_max_fold(float (&ra)[N], float (&rb)[N]) {
+#pragma unroll
+  for (int i = 0; i < W; ++i) {
+    ra[i] = fmaxf(ra[i], ra[i + W]);
+    rb[i] = fmaxf(rb[i], rb[i + W]);
+  }
+  if constexpr (W > 1) lane_row_max_fold<W / 2>(ra, rb);
+}
+
 // Max of this lane's entries of rows (g, g + 8) of m16 tile mt of a score fragment s[MT][NT][4]
 // (raw or scaled; masked entries -inf), before the reduction over the quad.
 // A balanced tree (depth log2(2 NT) instead of a chain of 2 NT maxes: this sits on the path from the
@@ -62,14 +75,7 @@ __device__ __forceinline__ void lane_row_max(const float (&s)[MT][NT][4], int mt
     ra[nt] = fmaxf(s[mt][nt][0], s[mt][nt][1]);
     rb[nt] = fmaxf(s[mt][nt][2], s[mt][nt][3]);
   }
-#pragma unroll
-  for (int w = NT / 2; w >= 1; w /= 2) {
-#pragma unroll
-    for (int i = 0; i < w; ++i) {
-      ra[i] = fmaxf(ra[i], ra[i + w]);
-      rb[i] = fmaxf(rb[i], rb[i + w]);
-    }
-  }
+  lane_row_max_fold<NT / 2>(ra, rb);
   a = ra[0];
   b = rb[0];
 }

@@ -1,7 +1,8 @@
 // The CUDA forward's host side: checks what the kernels need, resolves the arguments into FwdParams,
 // and chooses the kernel -- the only place where that happens:
 //   sm_90 (sm_90a build), d = 64, 128 and 256: the warp-specialized wgmma kernel where the TMA can describe
-//     K and V (fwd/kernel_sm90_ws.cuh), else at d = 128 the two-warpgroup wgmma kernel with cp.async
+//     K and V (fwd/kernel_sm90_ws.cuh; at tau = 0, d = 64 and 128, the 128-key dense kernel
+//     fwd/kernel_sm90_dense.cuh), else at d = 128 the two-warpgroup wgmma kernel with cp.async
 //     loads (fwd/kernel_sm90.cuh: varlen inputs without total_k, strides the TMA cannot take);
 //   everything else, and seeded splits the TMA cannot serve: the mma.sync kernel (fwd/kernel_sm80.cuh).
 // Each kernel's tau = 0 instance runs at tau = 0 (the mma.sync kernel's where FwdConfig has one).
@@ -44,7 +45,10 @@ cuda::FwdLaunch choose_kernel(const cuda::FwdParams& p, bool dense) {
   constexpr bool kBf16 = std::is_same<T, __nv_bfloat16>::value;
   const bool varlen = p.cu_k != nullptr;
   const int map_rows = varlen ? p.total_k : p.seqlen_k, map_batch = varlen ? 1 : p.batch;
-  const int box_rows = cuda::FwdConfig<D>::kBk;
+  // tau = 0: the 128-key dense kernel (it makes no decisions, so its tile need not be the decision
+  // tile).
+  const bool dense128 = cuda::fwd_has_sm90_dense(D) && dense && forced != FwdVariant::wgmma_ws;
+  const int box_rows = dense128 ? cuda::kFwdDenseBk : cuda::FwdConfig<D>::kBk;
   const bool tma = forced != FwdVariant::wgmma_cp_async && (!varlen || p.total_k > 0) &&
                    cuda::make_kv_tensor_map(&l.tmap_k, p.k, kBf16, D, map_rows, p.heads_kv, map_batch, p.k_sr,
                                             p.k_sh, p.k_sb, box_rows) &&
@@ -54,7 +58,7 @@ cuda::FwdLaunch choose_kernel(const cuda::FwdParams& p, bool dense) {
   // (ForwardArgs::seed_lse; that kernel has no registers left for the seed's bookkeeping), and the
   // mma.sync kernel at the head dims without a two-warpgroup kernel.
   if (tma || (cuda::fwd_has_sm90(D) && !l.seeded)) {
-    l.kernel = tma ? cuda::FwdKernelKind::sm90_ws : cuda::FwdKernelKind::sm90;
+    l.kernel = !tma ? cuda::FwdKernelKind::sm90 : dense128 ? cuda::FwdKernelKind::sm90_dense : cuda::FwdKernelKind::sm90_ws;
     l.dense = dense;  // both wgmma kernels have a dense instance at every head dim they serve
   }
   return l;

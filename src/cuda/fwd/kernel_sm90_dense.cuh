@@ -1,0 +1,261 @@
+// The dense forward on Hopper (wgmma + TMA), head dims 64 and 128, sm_90a: the tau = 0 kernel
+// wherever the warp-specialized kernel (kernel_sm90_ws.cuh) would run (fwd/dispatch.cu).  tau = 0 decides nothing, so the key tile need not be the decision tile:
+// this kernel walks 128-key tiles (FlashAttention-3's shape for these head dims), half as many
+// barriers, waits and wgmma issues per key as the 64-key tiles the skipping kernel tests on.  The
+// outputs are the dense instance's (slots and the tile mask: every legal decision tile retained).
+//
+// A CTA is three warpgroups over 128 query rows (causal: the longest query tiles first):
+//   producer (warpgroup 0, 24 registers; one thread issues every TMA load): K(t) and V(t) into rings
+//     of kStages slots (full/empty mbarriers), in the consumers' order: K(top), then K(t - 1)
+//     before V(t).
+//   consumers (warpgroups 1 and 2, 240 registers, 64 rows each; Q in registers): per key tile, from
+//     the diagonal down,
+//       issue S(t - 1) = Q K(t - 1)^T and O += P(t) V(t) (P(t) packed in registers);
+//       once S(t - 1) is complete: mask, row max, P(t - 1) = exp2(S - m) with the lazy rescale's
+//         base (its exponentials run while P V(t) is on the tensor cores);
+//       once P V(t) is complete: O rescaled where a row's base moved, P(t - 1) packed.
+//   One S accumulator and one packed P per thread (64 + 32 registers at 128 keys) instead of two S
+//   accumulators: what lets 128-key tiles fit beside O and Q.
+#pragma once
+
+#include "cuda/core/smem_tile.cuh"
+#include "cuda/core/tma.cuh"
+#include "cuda/core/wgmma.cuh"
+#include "cuda/fwd/common.cuh"
+#include "cuda/fwd/launch.h"
+
+namespace mala {
+namespace cuda {
+
+template <int D_>
+struct FwdDense {
+  static constexpr int D = D_;
+  static_assert(fwd_has_sm90_dense(D), "dense 128-key forward: head dims 64 and 128 (fwd/launch.h)");
+  static constexpr int kThreads = 384, BQ = 128, BK = kFwdDenseBk;
+  // The decision tile of the other forward kernels, for the slots this kernel reports.
+  static constexpr int kDecRows = 16 * FwdConfig<D>::kMT, kDecKeys = FwdConfig<D>::kBk;
+  static_assert(BK % kDecKeys == 0 && kDecRows == 32, "a key tile holds whole decision tiles");
+  using QTile = SmemTile<64, D>;
+  using KVTile = GmmaTile<BK, D>;
+  // K and V rings: 2 x (32 + 32) KB at d = 128, 3 x (16 + 16) KB at d = 64.
+  static constexpr int kStages = D == 128 ? 2 : 3;
+  static constexpr int kOffK = 0;
+  static constexpr int kOffV = kOffK + kStages * KVTile::kBytes;
+  static constexpr int kOffQ = kOffV + kStages * KVTile::kBytes;  // [2] one per consumer warpgroup
+  static constexpr int kOffMbar = kOffQ + 2 * QTile::kBytes;       // full_k, empty_k, full_v, empty_v [kStages]
+  static constexpr int kBytes = kOffMbar + 4 * kStages * 8;
+  static constexpr int kSmem = kBytes + 1024;
+};
+
+// A ring slot and the phase parity of its current use, stepped once per tile.
+struct RingPos {
+  int slot;
+  uint32_t phase;
+  template <int N>
+  __device__ __forceinline__ static RingPos at(int i) {
+    return {i % N, static_cast<uint32_t>(i / N) & 1u};
+  }
+  template <int N>
+  __device__ __forceinline__ void next() {
+    if (++slot == N) {
+      slot = 0;
+      phase ^= 1u;
+    }
+  }
+};
+
+template <typename T, int D>
+__global__ void __launch_bounds__(384, 1)
+    mala_fwd_kernel_sm90_dense(const FwdParams p, const __grid_constant__ CUtensorMap tmap_k,
+                               const __grid_constant__ CUtensorMap tmap_v) {
+#ifdef MALA_WGMMA_ENABLED
+  using C = FwdDense<D>;
+  constexpr int BQ = C::BQ, BK = C::BK, NT = BK / 8, DT = D / 8, KS = D / 16, NS = C::kStages;
+  using QTile = typename C::QTile;
+  using KVTile = typename C::KVTile;
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  uint32_t sbase;
+  (void)smem_align_1024(smem_raw, sbase);
+  const int tid = threadIdx.x, b = blockIdx.z, h = blockIdx.y;
+  const int qtile = longest_first_query_tile(p.causal);
+  const FwdSeq<T> sq = fwd_seq<T>(p, b, h);
+  const int Nq = sq.Nq, Nk = sq.Nk;
+  const int row_cta = qtile * BQ;
+  auto max_L = [&](int r0, int rows) {
+    int last = min(r0 + rows, Nq) - 1;
+    return last >= r0 ? rule::visible_keys(last, Nq, Nk, p.causal) : 0;
+  };
+  // Tiles are visited from `top` down; tile t is the (top - t)-th use of the rings.
+  const int n_tiles = rule::ceil_div(max_L(row_cta, BQ), BK);
+  const int top = n_tiles - 1;
+  const uint32_t sK0 = sbase + C::kOffK, sV0 = sbase + C::kOffV;
+  const uint32_t mb_full_k = sbase + C::kOffMbar, mb_empty_k = mb_full_k + 8 * NS, mb_full_v = mb_empty_k + 8 * NS,
+                 mb_empty_v = mb_full_v + 8 * NS;
+  if (tid == 0) {
+    for (int i = 0; i < NS; ++i) {
+      mbar_init(mb_full_k + 8 * i, 1);
+      mbar_init(mb_empty_k + 8 * i, 8);  // one arrival per consumer warp
+      mbar_init(mb_full_v + 8 * i, 1);
+      mbar_init(mb_empty_v + 8 * i, 8);
+    }
+    fence_mbarrier_init();
+  }
+  __syncthreads();
+  const int hk = h / p.group;
+  const int k_row0 = sq.k_off, k_batch = p.cu_k ? 0 : b;  // varlen maps the packed rows as one batch entry
+  if (tid < 128) {  // producer warpgroup: one thread issues every load
+    setmaxnreg_dec24();
+    if (tid == 0 && n_tiles > 0) {
+      auto load = [&](uint32_t s0, const CUtensorMap* map, uint32_t full, uint32_t empty, int i) {
+        const RingPos r = RingPos::at<NS>(i);
+        if (i >= NS) mbar_wait<true>(empty + 8 * r.slot, r.phase ^ 1u);
+        tma_load_tile<BK, D>(s0 + r.slot * KVTile::kBytes, map, full + 8 * r.slot, k_row0 + (top - i) * BK, hk, k_batch);
+      };
+      load(sK0, &tmap_k, mb_full_k, mb_empty_k, 0);
+      for (int i = 0; i <= top; ++i) {
+        if (i < top) load(sK0, &tmap_k, mb_full_k, mb_empty_k, i + 1);
+        load(sV0, &tmap_v, mb_full_v, mb_empty_v, i);
+      }
+    }
+    return;
+  }
+  setmaxnreg_inc240();
+  // The warp index through a shuffle, so that ptxas knows what derives from it to be warp-uniform.
+  const int ctid = tid - 128, warp = __shfl_sync(0xffffffffu, ctid >> 5, 0), lane = ctid & 31, wg = warp >> 2,
+            wl = warp & 3;
+  const int row_wg = row_cta + 64 * wg;
+  const int row_w = row_wg + 16 * wl;
+  // This warpgroup's first tile; the tiles above it (only where its rows end before the CTA's last
+  // row sees them) are passed through the rings untouched.
+  const int wg_hi = rule::ceil_div(max_L(row_wg, 64), BK) - 1;
+  const int min_L_w = row_w + 16 <= Nq ? rule::visible_keys(row_w, Nq, Nk, p.causal) : 0;
+  float m[1][2], l[1][2], acc[1][DT][4];
+  softmax_init<1, DT>(m, l, acc);
+  float(&acc_flat)[D / 2] = *reinterpret_cast<float(*)[D / 2]>(&acc[0][0][0]);
+  wgmma_fence_operands(acc_flat);  // O's zeros before the first wgmma (else ptxas sinks them: C7515)
+  const uint32_t sQ = sbase + C::kOffQ + wg * QTile::kBytes;
+  uint32_t qreg[KS][4];
+  QTile::template load_async<128>(sQ, sq.q + (int64_t)row_wg * p.q_sr, p.q_sr, Nq - row_wg, ctid & 127);
+  cp_async_commit();
+  cp_async_wait<0>();
+  warpgroup_barrier_sync(wg);
+  {
+    const uint32_t q_lane = QTile::lane_off_a(lane);
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks) ldmatrix_x4(qreg[ks], QTile::frag_addr(sQ, q_lane, 16 * wl, ks * 16));
+  }
+  using SFlat = float[BK / 2];
+  float s[1][NT][4], mx[1][2];
+  SFlat& s_flat = *reinterpret_cast<SFlat*>(&s[0][0][0]);
+  uint32_t pa[BK / 16][4];
+  RingPos kr{0, 0u}, vr{0, 0u};
+  for (int t = top; t > wg_hi; --t) {  // tiles this warpgroup's rows do not reach
+    mbar_wait<true>(mb_full_k + 8 * kr.slot, kr.phase);
+    mbar_wait<true>(mb_full_v + 8 * vr.slot, vr.phase);
+    if (lane == 0) {
+      mbar_arrive(mb_empty_k + 8 * kr.slot);
+      mbar_arrive(mb_empty_v + 8 * vr.slot);
+    }
+    kr.next<NS>();
+    vr.next<NS>();
+  }
+  // S(t) = Q K(t)^T issued (not committed).
+  auto issue_s = [&](int t) {
+#pragma unroll
+    for (int e = 0; e < BK / 2; ++e) s_flat[e] = 0.f;
+    mbar_wait<true>(mb_full_k + 8 * kr.slot, kr.phase);
+    wgmma_fence();
+    const uint64_t dK = wgmma_desc(sK0 + kr.slot * KVTile::kBytes, 16, 1024);
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks)
+      WgmmaRS<BK, 0, T>::run(s_flat, qreg[ks], wgmma_desc_advance(dK, (ks >> 2) * KVTile::kBlockBytes + (ks & 3) * 32));
+  };
+  // Once S(t) is complete: its K slot goes back.
+  auto s_done = [&]() {
+    wgmma_fence_operands(s_flat);
+    if (lane == 0) mbar_arrive(mb_empty_k + 8 * kr.slot);
+    kr.next<NS>();
+  };
+  // O += P V(t) issued (not committed).
+  auto issue_pv = [&]() {
+    mbar_wait<true>(mb_full_v + 8 * vr.slot, vr.phase);
+    wgmma_fence();
+    const uint64_t dV = wgmma_desc(sV0 + vr.slot * KVTile::kBytes, KVTile::kBlockBytes, 1024);
+#pragma unroll
+    for (int kk = 0; kk < BK / 16; ++kk) WgmmaRS<D, 1, T>::run(acc_flat, pa[kk], wgmma_desc_advance(dV, kk * 2048));
+  };
+  auto pv_done = [&]() {
+    wgmma_fence_operands(acc_flat);
+    if (lane == 0) mbar_arrive(mb_empty_v + 8 * vr.slot);
+    vr.next<NS>();
+  };
+  // Mask, row max and P of the complete S(t); true when O needs softmax_rescale(alpha) first.
+  auto scores = [&](int t, float(&alpha)[1][2]) {
+    warp_mask_max<NT>(s, mx, t * BK, min_L_w, row_w, lane, Nq, Nk, p.causal);
+    quad_row_max<1>(mx);
+    return softmax_step_deferred<1, NT, false>(s, mx, p.scale_log2, m, l, alpha);
+  };
+  auto pack_p = [&]() {
+#pragma unroll
+    for (int kk = 0; kk < BK / 16; ++kk) p_to_a<T, 1, NT>(s, 0, kk, pa[kk]);
+  };
+  if (wg_hi >= 0) {
+    int t = wg_hi;
+    issue_s(t);
+    wgmma_commit();
+    wgmma_wait<0>();
+    s_done();
+    {
+      float alpha[1][2];
+      (void)scores(t, alpha);  // O is still zero
+      pack_p();
+    }
+    for (; t > 0; --t) {
+      issue_s(t - 1);
+      wgmma_commit();
+      issue_pv();
+      wgmma_commit();
+      wgmma_wait<1>();
+      s_done();
+      float alpha[1][2];
+      const bool rescale = scores(t - 1, alpha);
+      wgmma_wait<0>();
+      pv_done();
+      if (rescale) softmax_rescale<1, DT>(alpha, acc);
+      pack_p();
+    }
+    issue_pv();
+    wgmma_commit();
+    wgmma_wait<0>();
+    pv_done();
+  }
+  softmax_quad_row_sums<1>(l);
+  // Slots and the tile mask: every legal decision tile of the warp's pair, retained at tau = 0.
+  const int row_pair = row_wg + C::kDecRows * (wl / 2);
+  const int pair_tiles = rule::ceil_div(max_L(row_pair, C::kDecRows), C::kDecKeys);
+  if (p.tile_mask != nullptr && wl % 2 == 0) {
+    uint8_t* mask_row = wgmma_fwd_mask_row(p, b, h, row_pair, C::kDecRows, pair_tiles - 1, lane);
+    if (mask_row)
+      for (int kt = lane; kt < pair_tiles; kt += 32) mask_row[kt] = kTileRetained;
+  }
+  const int slots = pair_tiles * C::kDecKeys;
+  fwd_epilogue<T, 1, DT>(p, sq, b, h, row_w, lane, m, l, acc, slots);
+#endif
+}
+
+// Launches the dense kernel (grid: query tiles of 128 rows, heads, batch).  The tensor maps' boxes
+// are FwdDense<D>::BK rows.
+template <typename T, int D>
+cudaError_t launch_fwd_sm90_dense(const FwdParams& p, const CUtensorMap& tk, const CUtensorMap& tv,
+                                  cudaStream_t stream) {
+  using C = FwdDense<D>;
+  auto kernel = mala_fwd_kernel_sm90_dense<T, D>;
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmem);
+  if (err != cudaSuccess) return err;
+  dim3 grid(rule::ceil_div(p.seqlen_q, C::BQ), p.heads_q, p.batch);
+  kernel<<<grid, C::kThreads, C::kSmem, stream>>>(p, tk, tv);
+  return cudaGetLastError();
+}
+
+}  // namespace cuda
+}  // namespace mala
