@@ -147,7 +147,7 @@ inline int64_t parse_len(const std::string& s) {  // "4096", "4K", "128k"
 //   --sharpness 1,4,16   --batch B   --hq H   --hkv H   --d D   --dtype bf16|fp16   --noncausal
 //   --iters N   --warmup N   --no-flush   --seed S   --decode-batch 1,8   --check
 //   --interleave   --real PREFIX,...   --varlen (forward, batch 1)   --deterministic (backward)
-//   --fwd-kernel auto|mma_sync|wgmma_cp_async   --bwd-kernel auto|mma_sync|wgmma_cp_async
+//   --fwd-kernel auto|mma_sync|wgmma_cp_async|wgmma_ws   --bwd-kernel auto|mma_sync|wgmma_cp_async
 //   --decode-kernel auto|small_smem   --bwd-q-stages 2|3   --bwd-head-splits S   --bwd-q-order 0|1|2
 //   (the kernel override, for comparing kernels on one device)
 inline Options parse_options(int argc, char** argv) {
