@@ -1,8 +1,11 @@
 // The dense forward on Hopper (wgmma + TMA), head dims 64 and 128, sm_90a: the tau = 0 kernel
-// wherever the warp-specialized kernel (kernel_sm90_ws.cuh) would run (fwd/dispatch.cu).  tau = 0 decides nothing, so the key tile need not be the decision tile:
-// this kernel walks 128-key tiles (FlashAttention-3's shape for these head dims), half as many
-// barriers, waits and wgmma issues per key as the 64-key tiles the skipping kernel tests on.  The
-// outputs are the dense instance's (slots and the tile mask: every legal decision tile retained).
+// wherever the warp-specialized kernel (kernel_sm90_ws.cuh) would run (fwd/dispatch.cu).  tau = 0
+// decides nothing, so the key tile need not be the decision tile: this kernel walks 128-key tiles
+// (FlashAttention-3's shape for these head dims), half as many barriers, waits and wgmma issues per
+// key as the 64-key tiles the skipping kernel tests on.  The outputs are the dense instance's (slots
+// and the tile mask: every legal decision tile retained).  The same structure at tau > 0, two 32 x
+// 64 decisions per key tile and warp pair, was slower than the 64-key kernel (docs/kernels.md,
+// "Weak spots").
 //
 // A CTA is three warpgroups over 128 query rows (causal: the longest query tiles first):
 //   producer (warpgroup 0, 24 registers; one thread issues every TMA load): K(t) and V(t) into rings
