@@ -58,8 +58,10 @@ cuda::FwdLaunch choose_kernel(const cuda::FwdParams& p, bool dense) {
   // (ForwardArgs::seed_lse; that kernel has no registers left for the seed's bookkeeping), and the
   // mma.sync kernel at the head dims without a two-warpgroup kernel.
   if (tma || (cuda::fwd_has_sm90(D) && !l.seeded)) {
-    l.kernel = !tma ? cuda::FwdKernelKind::sm90 : dense128 ? cuda::FwdKernelKind::sm90_dense : cuda::FwdKernelKind::sm90_ws;
-    l.dense = dense;  // both wgmma kernels have a dense instance at every head dim they serve
+    l.kernel = !tma       ? cuda::FwdKernelKind::sm90
+               : dense128 ? cuda::FwdKernelKind::sm90_dense
+                          : cuda::FwdKernelKind::sm90_ws;
+    l.dense = dense;  // every wgmma kernel serves tau = 0 with code of its own
   }
   return l;
 }
