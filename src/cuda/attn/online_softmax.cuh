@@ -116,20 +116,13 @@ __device__ __forceinline__ bool softmax_lazy_move(float m_old, float cand, bool 
   return (cand > m_old + kRescaleSlack) & keep;
 }
 
-// softmax_step_or_keep: one tile's update of MT m16 blocks, with the lazy rescale above: only rows
-// whose maximum grew by more than kRescaleSlack take the new maximum as their base, and alpha and
-// the rescale of acc run only when some row of the warp did (a warp-uniform branch; the other rows
-// get alpha = 1 exactly).  On long rows a maximum seldom grows that much after the first tile
-// (random scores: never after it; real models: at the attention-sink tile), so almost every tile
-// skips the 2 D / 4 multiplies per m16 block of acc and the exponentials of alpha.
-// keep = false (the warp-specialized forward's skipped pair, whose warpgroup runs P V anyway): P = 0
-// and m, l and acc stay bit for bit as they were, so one path serves both decisions.
-// kQuadSum = false (dense instances, which have no test to feed): l holds this lane's part of the
-// row sum, to be reduced over the quad (warp_sum_quad) once, before the epilogue.
-template <int MT, int NT, int DT, bool kQuadSum = true>
-__device__ __forceinline__ void softmax_step_or_keep(float (&s)[MT][NT][4], const float (&tile_max_raw)[MT][2],
-                                                     float scale_log2, bool keep, float (&m)[MT][2], float (&l)[MT][2],
-                                                     float (&acc)[MT][DT][4]) {
+// The update shared by softmax_step_or_keep and softmax_step_deferred (below): m, l and s -> P; where
+// some row of the warp moved its base (warp-uniform), the factors alpha go to on_grew(alpha) inside
+// that branch (alpha = 1 exactly for the rows that did not move) and this returns true.
+template <int MT, int NT, bool kQuadSum, typename OnGrew>
+__device__ __forceinline__ bool softmax_step_update(float (&s)[MT][NT][4], const float (&tile_max_raw)[MT][2],
+                                                    float scale_log2, bool keep, float (&m)[MT][2], float (&l)[MT][2],
+                                                    OnGrew&& on_grew) {
   float base[MT][2], m_old[MT][2], sum[MT][2];
   bool grew = false;
 #pragma unroll
@@ -154,53 +147,46 @@ __device__ __forceinline__ void softmax_step_or_keep(float (&s)[MT][NT][4], cons
         alpha[mt][h] = keep ? exp2f(m_old[mt][h] - base[mt][h]) : 1.f;
         l[mt][h] = fmaf(l[mt][h], alpha[mt][h], kQuadSum ? warp_sum_quad(sum[mt][h]) : sum[mt][h]);
       }
-    softmax_rescale<MT, DT>(alpha, acc);
-  } else {
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) l[mt][h] += kQuadSum ? warp_sum_quad(sum[mt][h]) : sum[mt][h];
+    on_grew(alpha);
+    return true;
   }
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) l[mt][h] += kQuadSum ? warp_sum_quad(sum[mt][h]) : sum[mt][h];
+  return false;
 }
 
-// softmax_step_or_keep's update (keep = true) for kernels whose acc is still being written by the
-// previous tile's P V while this tile's exponentials run (fwd/kernel_sm90_dense.cuh): m, l and s -> P
-// as there, and the factors alpha, which the caller applies with softmax_rescale once that P V has
-// completed -- only when this returns true (some row of the warp moved its base; warp-uniform).
+// softmax_step_or_keep without the rescale of acc, for kernels whose acc is still being written by the
+// previous tile's P V while this tile's exponentials run (fwd/kernel_sm90_dense.cuh): the factors go to
+// alpha, which the caller applies with softmax_rescale once that P V has completed -- only when this
+// returns true (alpha is not set otherwise).
 template <int MT, int NT, bool kQuadSum = true>
 __device__ __forceinline__ bool softmax_step_deferred(float (&s)[MT][NT][4], const float (&tile_max_raw)[MT][2],
-                                                      float scale_log2, float (&m)[MT][2], float (&l)[MT][2],
-                                                      float (&alpha)[MT][2]) {
-  float base[MT][2], m_old[MT][2], sum[MT][2];
-  bool grew = false;
+                                                      float scale_log2, bool keep, float (&m)[MT][2],
+                                                      float (&l)[MT][2], float (&alpha)[MT][2]) {
+  return softmax_step_update<MT, NT, kQuadSum>(s, tile_max_raw, scale_log2, keep, m, l, [&](const float(&a)[MT][2]) {
 #pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      m_old[mt][h] = m[mt][h];
-      const float cand = tile_max_raw[mt][h] * scale_log2;
-      const bool move = softmax_lazy_move(m_old[mt][h], cand, true);
-      m[mt][h] = move ? cand : m_old[mt][h];
-      base[mt][h] = softmax_p_base(m[mt][h], true);
-      grew |= move;
-    }
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt) softmax_exponentiate<NT>(s[mt], base[mt], scale_log2, sum[mt]);
-  const bool any = __any_sync(0xffffffffu, grew);
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const float part = kQuadSum ? warp_sum_quad(sum[mt][h]) : sum[mt][h];
-      if (any) {
-        alpha[mt][h] = exp2f(m_old[mt][h] - base[mt][h]);
-        l[mt][h] = fmaf(l[mt][h], alpha[mt][h], part);
-      } else {
-        alpha[mt][h] = 1.f;
-        l[mt][h] += part;
-      }
-    }
-  return any;
+    for (int mt = 0; mt < MT; ++mt) alpha[mt][0] = a[mt][0], alpha[mt][1] = a[mt][1];
+  });
+}
+
+// softmax_step_or_keep: one tile's update of MT m16 blocks, with the lazy rescale above: only rows
+// whose maximum grew by more than kRescaleSlack take the new maximum as their base, and alpha and
+// the rescale of acc run only when some row of the warp did (a warp-uniform branch; the other rows
+// get alpha = 1 exactly).  On long rows a maximum seldom grows that much after the first tile
+// (random scores: never after it; real models: at the attention-sink tile), so almost every tile
+// skips the 2 D / 4 multiplies per m16 block of acc and the exponentials of alpha.
+// keep = false (the warp-specialized forward's skipped pair, whose warpgroup runs P V anyway): P = 0
+// and m, l and acc stay bit for bit as they were, so one path serves both decisions.
+// kQuadSum = false (dense instances, which have no test to feed): l holds this lane's part of the
+// row sum, to be reduced over the quad (warp_sum_quad) once, before the epilogue.
+template <int MT, int NT, int DT, bool kQuadSum = true>
+__device__ __forceinline__ void softmax_step_or_keep(float (&s)[MT][NT][4], const float (&tile_max_raw)[MT][2],
+                                                     float scale_log2, bool keep, float (&m)[MT][2], float (&l)[MT][2],
+                                                     float (&acc)[MT][DT][4]) {
+  softmax_step_update<MT, NT, kQuadSum>(s, tile_max_raw, scale_log2, keep, m, l,
+                                       [&](const float(&alpha)[MT][2]) { softmax_rescale<MT, DT>(alpha, acc); });
 }
 
 // The row sums that softmax_step_or_keep<.., false> left per lane, reduced over the quad (before the

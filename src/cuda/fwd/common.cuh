@@ -12,6 +12,7 @@
 #include "cuda/attn/online_softmax.cuh"
 #include "cuda/attn/tile_test.cuh"
 #include "cuda/core/ptx.cuh"
+#include "cuda/core/wgmma.cuh"
 #include "cuda/fwd/params.h"
 #include "mala/mala.h"
 
@@ -24,6 +25,12 @@ struct FwdSeq {
   int Nq, Nk, q_off, k_off;  // k_off: the sequence's first row in the packed k and v (varlen)
   const T *q, *k, *v;
   T* o;
+  // The most keys any of the rows [r0, r0 + rows) sees: its last row inside the sequence's (L is
+  // non-decreasing in the row); 0 when no row is inside.
+  __device__ __forceinline__ int max_visible(int r0, int rows, bool causal) const {
+    const int last = min(r0 + rows, Nq) - 1;
+    return last >= r0 ? rule::visible_keys(last, Nq, Nk, causal) : 0;
+  }
 };
 template <typename T>
 __device__ __forceinline__ FwdSeq<T> fwd_seq(const FwdParams& p, int b, int h) {
@@ -146,6 +153,24 @@ __device__ __forceinline__ void wgmma_fwd_test_inputs(float (&log_thr)[1][2], fl
     log_norm[0][hh] = fwd_row_seed(p, b, h, r, Nq);
   }
 }
+// The wgmma forwards' Q: a consumer warpgroup's 64 query rows from row_wg into its shared tile at sQ
+// (cp.async; rows past the sequence are zeros), then, kRegs, warp wl's 16 rows as the A fragments of
+// the KS k-steps of Q K^T; otherwise (Q an ss-wgmma operand) the writes made visible to wgmma.
+template <typename QTile, int KS, bool kRegs, typename T>
+__device__ __forceinline__ void wgmma_fwd_load_q(uint32_t sQ, const FwdSeq<T>& sq, const FwdParams& p, int row_wg,
+                                                 int wg, int wl, int lane, uint32_t (&qreg)[kRegs ? KS : 1][4]) {
+  QTile::template load_async<128>(sQ, sq.q + (int64_t)row_wg * p.q_sr, p.q_sr, sq.Nq - row_wg, 32 * (wl & 3) + lane);
+  cp_async_commit();
+  cp_async_wait<0>();
+  if constexpr (!kRegs) fence_proxy_async_smem();
+  warpgroup_barrier_sync(wg);
+  if constexpr (kRegs) {
+    const uint32_t q_lane = QTile::lane_off_a(lane);
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks) ldmatrix_x4(qreg[ks], QTile::frag_addr(sQ, q_lane, 16 * wl, ks * 16));
+  }
+}
+
 // The tile-mask row of the decision tile (`rows` rows from row_pair: a warp pair's 32, or one
 // warp's 16 at d = 256) when the caller records decisions, with its tiles past pair_hi marked
 // illegal (the warp's 32 lanes write them); nullptr otherwise.

@@ -84,13 +84,8 @@ __global__ void __launch_bounds__(FwdKernelTraits<T, D>::kThreads, FwdKernelTrai
 
   const int row_cta = qtile * BQ;
   const int row_w = row_cta + warp * RW;
-  // L is non-decreasing in the row, so a block's largest L is its last valid row's.
-  auto max_L = [&](int r0, int rows) {
-    int last = min(r0 + rows, Nq) - 1;
-    return last >= r0 ? rule::visible_keys(last, Nq, Nk, p.causal) : 0;
-  };
-  const int n_tiles = rule::ceil_div(max_L(row_cta, BQ), BK);
-  const int warp_hi = rule::ceil_div(max_L(row_w, RW), BK) - 1;
+  const int n_tiles = rule::ceil_div(sq.max_visible(row_cta, BQ, p.causal), BK);
+  const int warp_hi = rule::ceil_div(sq.max_visible(row_w, RW, p.causal), BK) - 1;
   // Smallest L over the warp's rows (0 when some row is past the end): tiles reaching it need masking.
   const int min_L_w = row_w + RW <= Nq ? rule::visible_keys(row_w, Nq, Nk, p.causal) : 0;
 

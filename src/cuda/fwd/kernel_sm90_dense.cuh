@@ -85,12 +85,8 @@ __global__ void __launch_bounds__(384, 1)
   const FwdSeq<T> sq = fwd_seq<T>(p, b, h);
   const int Nq = sq.Nq, Nk = sq.Nk;
   const int row_cta = qtile * BQ;
-  auto max_L = [&](int r0, int rows) {
-    int last = min(r0 + rows, Nq) - 1;
-    return last >= r0 ? rule::visible_keys(last, Nq, Nk, p.causal) : 0;
-  };
   // Tiles are visited from `top` down; tile t is the (top - t)-th use of the rings.
-  const int n_tiles = rule::ceil_div(max_L(row_cta, BQ), BK);
+  const int n_tiles = rule::ceil_div(sq.max_visible(row_cta, BQ, p.causal), BK);
   const int top = n_tiles - 1;
   const uint32_t sK0 = sbase + C::kOffK, sV0 = sbase + C::kOffV;
   const uint32_t mb_full_k = sbase + C::kOffMbar, mb_empty_k = mb_full_k + 8 * NS, mb_full_v = mb_empty_k + 8 * NS,
@@ -131,7 +127,7 @@ __global__ void __launch_bounds__(384, 1)
   const int row_w = row_wg + 16 * wl;
   // This warpgroup's first tile; the tiles above it (only where its rows end before the CTA's last
   // row sees them) are passed through the rings untouched.
-  const int wg_hi = rule::ceil_div(max_L(row_wg, 64), BK) - 1;
+  const int wg_hi = rule::ceil_div(sq.max_visible(row_wg, 64, p.causal), BK) - 1;
   const int min_L_w = row_w + 16 <= Nq ? rule::visible_keys(row_w, Nq, Nk, p.causal) : 0;
   float m[1][2], l[1][2], acc[1][DT][4];
   softmax_init<1, DT>(m, l, acc);
@@ -139,15 +135,7 @@ __global__ void __launch_bounds__(384, 1)
   wgmma_fence_operands(acc_flat);  // O's zeros before the first wgmma (else ptxas sinks them: C7515)
   const uint32_t sQ = sbase + C::kOffQ + wg * QTile::kBytes;
   uint32_t qreg[KS][4];
-  QTile::template load_async<128>(sQ, sq.q + (int64_t)row_wg * p.q_sr, p.q_sr, Nq - row_wg, ctid & 127);
-  cp_async_commit();
-  cp_async_wait<0>();
-  warpgroup_barrier_sync(wg);
-  {
-    const uint32_t q_lane = QTile::lane_off_a(lane);
-#pragma unroll
-    for (int ks = 0; ks < KS; ++ks) ldmatrix_x4(qreg[ks], QTile::frag_addr(sQ, q_lane, 16 * wl, ks * 16));
-  }
+  wgmma_fwd_load_q<QTile, KS, true>(sQ, sq, p, row_wg, wg, wl, lane, qreg);
   using SFlat = float[BK / 2];
   float s[1][NT][4], mx[1][2];
   SFlat& s_flat = *reinterpret_cast<SFlat*>(&s[0][0][0]);
@@ -197,7 +185,7 @@ __global__ void __launch_bounds__(384, 1)
   auto scores = [&](int t, float(&alpha)[1][2]) {
     warp_mask_max<NT>(s, mx, t * BK, min_L_w, row_w, lane, Nq, Nk, p.causal);
     quad_row_max<1>(mx);
-    return softmax_step_deferred<1, NT, false>(s, mx, p.scale_log2, m, l, alpha);
+    return softmax_step_deferred<1, NT, false>(s, mx, p.scale_log2, true, m, l, alpha);
   };
   auto pack_p = [&]() {
 #pragma unroll
@@ -236,7 +224,7 @@ __global__ void __launch_bounds__(384, 1)
   softmax_quad_row_sums<1>(l);
   // Slots and the tile mask: every legal decision tile of the warp's pair, retained at tau = 0.
   const int row_pair = row_wg + C::kDecRows * (wl / 2);
-  const int pair_tiles = rule::ceil_div(max_L(row_pair, C::kDecRows), C::kDecKeys);
+  const int pair_tiles = rule::ceil_div(sq.max_visible(row_pair, C::kDecRows, p.causal), C::kDecKeys);
   if (p.tile_mask != nullptr && wl % 2 == 0) {
     uint8_t* mask_row = wgmma_fwd_mask_row(p, b, h, row_pair, C::kDecRows, pair_tiles - 1, lane);
     if (mask_row)

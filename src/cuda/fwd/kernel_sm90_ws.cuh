@@ -90,11 +90,7 @@ __global__ void __launch_bounds__(384, 1)
   const FwdSeq<T> sq = fwd_seq<T>(p, b, h);
   const int Nq = sq.Nq, Nk = sq.Nk;
   const int row_cta = qtile * BQ;
-  auto max_L = [&](int r0, int rows) {
-    int last = min(r0 + rows, Nq) - 1;
-    return last >= r0 ? rule::visible_keys(last, Nq, Nk, p.causal) : 0;
-  };
-  const int n_tiles = rule::ceil_div(max_L(row_cta, BQ), BK);
+  const int n_tiles = rule::ceil_div(sq.max_visible(row_cta, BQ, p.causal), BK);
   const int top = n_tiles - 1;
   const uint32_t sK0 = sbase + C::kOffK, sV0 = sbase + C::kOffV;
   const uint32_t mb_full_k = sbase + C::kOffMbar, mb_empty_k = mb_full_k + 8 * NKB;
@@ -182,8 +178,8 @@ __global__ void __launch_bounds__(384, 1)
   const int row_wg = row_cta + 64 * wg;
   const int row_pair = row_wg + DR * pair;
   const int row_w = row_wg + 16 * wl;
-  const int wg_hi = rule::ceil_div(max_L(row_wg, 64), BK) - 1;
-  const int pair_hi = rule::ceil_div(max_L(row_pair, DR), BK) - 1;
+  const int wg_hi = rule::ceil_div(sq.max_visible(row_wg, 64, p.causal), BK) - 1;
+  const int pair_hi = rule::ceil_div(sq.max_visible(row_pair, DR, p.causal), BK) - 1;
   const int min_L_w = row_w + 16 <= Nq ? rule::visible_keys(row_w, Nq, Nk, p.causal) : 0;
   const FwdAnchors anchors = fwd_held_anchors<BK>(p, row_pair, pair_hi, Nq, Nk);  // kSeeded only
   // The test compares each lane's part of the raw row max with a bound per row (rule::skip_bound_raw),
@@ -210,16 +206,7 @@ __global__ void __launch_bounds__(384, 1)
   int retained = 0;
   const uint32_t sQ = sbase + C::kOffQ + wg * QTile::kBytes;
   uint32_t qreg[C::kQSmem ? 1 : KS][4];
-  QTile::template load_async<128>(sQ, sq.q + (int64_t)row_wg * p.q_sr, p.q_sr, Nq - row_wg, ctid & 127);
-  cp_async_commit();
-  cp_async_wait<0>();
-  if constexpr (C::kQSmem) fence_proxy_async_smem();  // cp.async's writes, read by wgmma
-  warpgroup_barrier_sync(wg);
-  if constexpr (!C::kQSmem) {
-    const uint32_t q_lane = QTile::lane_off_a(lane);
-#pragma unroll
-    for (int ks = 0; ks < KS; ++ks) ldmatrix_x4(qreg[ks], QTile::frag_addr(sQ, q_lane, 16 * wl, ks * 16));
-  }
+  wgmma_fwd_load_q<QTile, KS, !C::kQSmem>(sQ, sq, p, row_wg, wg, wl, lane, qreg);
   using STile = float[1][NT][4];
   using SFlat = float[BK / 2];
   float sA[1][NT][4], sB[1][NT][4], mx[1][2];
