@@ -421,9 +421,9 @@ TEST_P(CudaForwardKernels, BatchStridedVarlen) {
   }
 }
 
-// tau = 0 over the layouts the other tests run at tau = 1: on sm_90 these run the 128-key dense
-// kernel (automatic) and the warp-specialized kernel's 64-key dense instance (wgmma_ws), whose
-// tiles cross the ends, the diagonal and short rows differently.
+// tau = 0 over the layouts the other tests run at tau = 1: on sm_90 these run the 128-key kernel's
+// dense instance (automatic) and the warp-specialized kernel's 64-key one (wgmma_ws), whose tiles
+// cross the ends, the diagonal and short rows differently.
 TEST_P(CudaForwardKernels, DenseLayouts) {
   if (!mala::cuda_available()) GTEST_SKIP() << "no CUDA device";
   for (int d : {64, 128}) {

@@ -158,7 +158,7 @@ __device__ __forceinline__ bool softmax_step_update(float (&s)[MT][NT][4], const
 }
 
 // softmax_step_or_keep without the rescale of acc, for kernels whose acc is still being written by the
-// previous tile's P V while this tile's exponentials run (fwd/kernel_sm90_dense.cuh): the factors go to
+// previous tile's P V while this tile's exponentials run (fwd/kernel_sm90_k128.cuh): the factors go to
 // alpha, which the caller applies with softmax_rescale once that P V has completed -- only when this
 // returns true (alpha is not set otherwise).
 template <int MT, int NT, bool kQuadSum = true>

@@ -1,18 +1,20 @@
 // The CUDA forward's host side: checks what the kernels need, resolves the arguments into FwdParams,
 // and chooses the kernel -- the only place where that happens:
-//   sm_90 (sm_90a build), d = 64, 128 and 256: the warp-specialized wgmma kernel where the TMA can describe
-//     K and V (fwd/kernel_sm90_ws.cuh; at tau = 0, d = 64 and 128, the 128-key dense kernel
-//     fwd/kernel_sm90_dense.cuh), else at d = 128 the two-warpgroup wgmma kernel with cp.async
-//     loads (fwd/kernel_sm90.cuh: varlen inputs without total_k, strides the TMA cannot take);
+//   sm_90 (sm_90a build), d = 64 and 128: the 128-key kernel where the TMA can describe K and V
+//     (fwd/kernel_sm90_k128.cuh, every tau); d = 256: the warp-specialized wgmma kernel there
+//     (fwd/kernel_sm90_ws.cuh); where the TMA cannot serve (varlen calls without total_k), at d = 128
+//     the two-warpgroup wgmma kernel with cp.async loads (fwd/kernel_sm90.cuh);
 //   everything else, and seeded splits the TMA cannot serve: the mma.sync kernel (fwd/kernel_sm80.cuh).
-// Each kernel's tau = 0 instance runs at tau = 0 (the mma.sync kernel's where FwdConfig has one).
-// All of them make the same decisions (tiles of FwdConfig), so the choice changes no result beyond
-// rounding.  The kernel override (backend.h) forces another kernel for tests and benchmarks.
+// The decision tile is the chosen kernel's (forward_tiles asks the same choice): 32 x 128 for the
+// 128-key kernel, FwdConfig's for the others.  Each kernel's tau = 0 instance runs at tau = 0 (the
+// mma.sync kernel's where FwdConfig has one).  The kernel override (backend.h) forces another kernel
+// for tests and benchmarks.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <cmath>
+#include <cstdint>
 #include <type_traits>
 #include <string>
 
@@ -45,10 +47,8 @@ cuda::FwdLaunch choose_kernel(const cuda::FwdParams& p, bool dense) {
   constexpr bool kBf16 = std::is_same<T, __nv_bfloat16>::value;
   const bool varlen = p.cu_k != nullptr;
   const int map_rows = varlen ? p.total_k : p.seqlen_k, map_batch = varlen ? 1 : p.batch;
-  // tau = 0: the 128-key dense kernel (it makes no decisions, so its tile need not be the decision
-  // tile).
-  const bool dense128 = cuda::fwd_has_sm90_dense(D) && dense && forced != FwdVariant::wgmma_ws;
-  const int box_rows = dense128 ? cuda::kFwdDenseBk : cuda::FwdConfig<D>::kBk;
+  const bool k128 = cuda::fwd_has_sm90_k128(D) && forced != FwdVariant::wgmma_ws;
+  const int box_rows = k128 ? cuda::kFwdK128Bk : cuda::FwdConfig<D>::kBk;
   const bool tma = forced != FwdVariant::wgmma_cp_async && (!varlen || p.total_k > 0) &&
                    cuda::make_kv_tensor_map(&l.tmap_k, p.k, kBf16, D, map_rows, p.heads_kv, map_batch, p.k_sr,
                                             p.k_sh, p.k_sb, box_rows) &&
@@ -58,44 +58,74 @@ cuda::FwdLaunch choose_kernel(const cuda::FwdParams& p, bool dense) {
   // (ForwardArgs::seed_lse; that kernel has no registers left for the seed's bookkeeping), and the
   // mma.sync kernel at the head dims without a two-warpgroup kernel.
   if (tma || (cuda::fwd_has_sm90(D) && !l.seeded)) {
-    l.kernel = !tma       ? cuda::FwdKernelKind::sm90
-               : dense128 ? cuda::FwdKernelKind::sm90_dense
-                          : cuda::FwdKernelKind::sm90_ws;
+    l.kernel = !tma   ? cuda::FwdKernelKind::sm90
+               : k128 ? cuda::FwdKernelKind::sm90_k128
+                      : cuda::FwdKernelKind::sm90_ws;
     l.dense = dense;  // every wgmma kernel serves tau = 0 with code of its own
   }
   return l;
 }
 
-template <typename T, int D>
-cudaError_t run(const cuda::FwdParams& p, bool dense, cudaStream_t stream) {
-  return cuda::launch_fwd<T, D>(p, choose_kernel<T, D>(p, dense), stream);
-}
-
 bool supported_head_dim(int64_t d) { return d == 64 || d == 128 || d == 256; }
 
-Tiles native_tiles(int64_t d) {
+// The decision tile of the kernel l names.
+Tiles launch_tiles(const cuda::FwdLaunch& l, int64_t d) {
+  if (l.kernel == cuda::FwdKernelKind::sm90_k128) return {cuda::kFwdK128DecRows, cuda::kFwdK128Bk};
   switch (d) {
     case 64: return {16 * cuda::FwdConfig<64>::kMT, cuda::FwdConfig<64>::kBk};
     case 256: return {16 * cuda::FwdConfig<256>::kMT, cuda::FwdConfig<256>::kBk};
     default: return {16 * cuda::FwdConfig<128>::kMT, cuda::FwdConfig<128>::kBk};
   }
 }
-}  // namespace
 
-Tiles forward_tiles(const ForwardArgs& a) { return native_tiles(a.head_dim); }
+// f(T{}, std::integral_constant<int, D>{}) for the call's dtype and head dim (both supported).
+template <typename F>
+auto with_type_and_dim(DType dtype, int64_t d, F&& f) {
+  const bool bf16 = dtype == DType::bf16;
+  using I64 = std::integral_constant<int, 64>;
+  using I128 = std::integral_constant<int, 128>;
+  using I256 = std::integral_constant<int, 256>;
+  if (d == 64) return bf16 ? f(__nv_bfloat16{}, I64{}) : f(__half{}, I64{});
+  if (d == 256) return bf16 ? f(__nv_bfloat16{}, I256{}) : f(__half{}, I256{});
+  return bf16 ? f(__nv_bfloat16{}, I128{}) : f(__half{}, I128{});
+}
 
-Status forward(const ForwardArgs& a) {
+Status check_type_and_dim(const ForwardArgs& a) {
   if (a.dtype != DType::bf16 && a.dtype != DType::f16)
     return Status::error(std::string("dtype: the CUDA forward supports bfloat16 and float16 (got ") +
                          dtype_name(a.dtype) + ")");
   if (!supported_head_dim(a.head_dim))
     return Status::error("head_dim: the CUDA forward supports 64, 128 and 256 (got " + std::to_string(a.head_dim) +
                          ")");
-  const Tiles t = native_tiles(a.head_dim);
-  if ((a.block_q != 0 && a.block_q != t.block_q) || (a.block_k != 0 && a.block_k != t.block_k))
-    return Status::error("block_q/block_k: the CUDA forward for head_dim " + std::to_string(a.head_dim) +
-                         " uses " + std::to_string(t.block_q) + "x" + std::to_string(t.block_k) + " (got " +
-                         std::to_string(a.block_q) + "x" + std::to_string(a.block_k) + "); pass 0");
+  return Status::success();
+}
+
+Status make_params(const ForwardArgs& a, cuda::FwdParams& p);
+
+// The kernel this call runs (choose_kernel for its dtype and head dim).
+cuda::FwdLaunch plan(const ForwardArgs& a, const cuda::FwdParams& p) {
+  const bool dense = rule::dense(a.tau);
+  return with_type_and_dim(a.dtype, a.head_dim, [&](auto t, auto d) {
+    return choose_kernel<decltype(t), decltype(d)::value>(p, dense);
+  });
+}
+}  // namespace
+
+Tiles forward_tiles(const ForwardArgs& a) {
+  cuda::FwdParams p{};
+  if (!check_type_and_dim(a) || !make_params(a, p)) return launch_tiles(cuda::FwdLaunch{}, a.head_dim);
+  // The tensor maps need only an aligned address: callers that ask before they have tensors
+  // (tile_sizes) get the tiles of tensors with the given (or contiguous) strides.
+  const void* any_aligned = reinterpret_cast<const void*>(uintptr_t{256});
+  if (p.k == nullptr) p.k = any_aligned;
+  if (p.v == nullptr) p.v = any_aligned;
+  return launch_tiles(plan(a, p), a.head_dim);
+}
+
+namespace {
+// Everything of FwdParams but the tile mask's dimensions (they follow the kernel's tiles), after the
+// checks the kernels need.
+Status make_params(const ForwardArgs& a, cuda::FwdParams& p) {
   if (a.heads_kv <= 0 || a.heads_q % a.heads_kv != 0)
     return Status::error("heads_kv: must divide heads_q");
   if (a.seqlen_q > INT32_MAX / 2 || a.seqlen_k > INT32_MAX / 2 || a.batch > 65535 || a.heads_q > 65535)
@@ -115,7 +145,6 @@ Status forward(const ForwardArgs& a) {
     if (reinterpret_cast<uintptr_t>(ptr) % 16 != 0) return Status::error("q/k/v: must be 16-byte aligned for the CUDA forward");
   if (reinterpret_cast<uintptr_t>(a.o) % 4 != 0) return Status::error("o: must be 4-byte aligned");
 
-  cuda::FwdParams p{};
   p.q = a.q;
   p.k = a.k;
   p.v = a.v;
@@ -136,8 +165,6 @@ Status forward(const ForwardArgs& a) {
   p.heads_q = static_cast<int>(a.heads_q);
   p.heads_kv = static_cast<int>(a.heads_kv);
   p.group = static_cast<int>(a.heads_q / a.heads_kv);
-  p.n_q_tiles_mask = static_cast<int>((a.seqlen_q + t.block_q - 1) / t.block_q);
-  p.n_k_tiles_mask = static_cast<int>((a.seqlen_k + t.block_k - 1) / t.block_k);
   p.causal = a.causal;
   const float scale = a.softmax_scale > 0.f ? a.softmax_scale : 1.0f / std::sqrt(static_cast<float>(d));
   p.scale_log2 = rule::scale_log2(scale);
@@ -146,17 +173,29 @@ Status forward(const ForwardArgs& a) {
   p.seed_lse = a.seed_lse;
   p.owns_tile0 = a.owns_tile0;
   p.owns_newest = a.owns_newest;
+  return Status::success();
+}
+}  // namespace
 
+Status forward(const ForwardArgs& a) {
+  Status st = check_type_and_dim(a);
+  if (!st) return st;
+  cuda::FwdParams p{};
+  st = make_params(a, p);
+  if (!st) return st;
+  const cuda::FwdLaunch l = plan(a, p);
+  const Tiles t = launch_tiles(l, a.head_dim);
+  if ((a.block_q != 0 && a.block_q != t.block_q) || (a.block_k != 0 && a.block_k != t.block_k))
+    return Status::error("block_q/block_k: the CUDA forward for these inputs uses " + std::to_string(t.block_q) +
+                         "x" + std::to_string(t.block_k) + " (got " + std::to_string(a.block_q) + "x" +
+                         std::to_string(a.block_k) + "); pass 0 (forward_tiles reports the tiles)");
+  p.n_q_tiles_mask = static_cast<int>((a.seqlen_q + t.block_q - 1) / t.block_q);
+  p.n_k_tiles_mask = static_cast<int>((a.seqlen_k + t.block_k - 1) / t.block_k);
   if (a.batch == 0 || a.seqlen_q == 0) return Status::success();
   cudaStream_t stream = static_cast<cudaStream_t>(a.stream);
-  cudaError_t err = cudaSuccess;
-  const bool bf16 = a.dtype == DType::bf16;
-  const bool dense = rule::dense(a.tau);
-  switch (d) {
-    case 64: err = bf16 ? run<__nv_bfloat16, 64>(p, dense, stream) : run<__half, 64>(p, dense, stream); break;
-    case 128: err = bf16 ? run<__nv_bfloat16, 128>(p, dense, stream) : run<__half, 128>(p, dense, stream); break;
-    case 256: err = bf16 ? run<__nv_bfloat16, 256>(p, dense, stream) : run<__half, 256>(p, dense, stream); break;
-  }
+  const cudaError_t err = with_type_and_dim(a.dtype, a.head_dim, [&](auto tt, auto d) {
+    return cuda::launch_fwd<decltype(tt), decltype(d)::value>(p, l, stream);
+  });
   if (err != cudaSuccess)
     return Status::error(std::string("device: CUDA forward launch failed: ") + cudaGetErrorString(err));
   return Status::success();

@@ -5,7 +5,7 @@
 #include "cuda/core/arch.cuh"
 #include "cuda/fwd/kernel_sm80.cuh"
 #include "cuda/fwd/kernel_sm90.cuh"
-#include "cuda/fwd/kernel_sm90_dense.cuh"
+#include "cuda/fwd/kernel_sm90_k128.cuh"
 #include "cuda/fwd/kernel_sm90_ws.cuh"
 #include "cuda/fwd/launch.h"
 
@@ -27,8 +27,9 @@ bool fwd_wgmma_usable() {
 
 template <typename T, int D>
 cudaError_t launch_fwd(const FwdParams& p, const FwdLaunch& l, cudaStream_t stream) {
-  if constexpr (fwd_has_sm90_dense(D)) {
-    if (l.kernel == FwdKernelKind::sm90_dense) return launch_fwd_sm90_dense<T, D>(p, l.tmap_k, l.tmap_v, stream);
+  if constexpr (fwd_has_sm90_k128(D)) {
+    if (l.kernel == FwdKernelKind::sm90_k128)
+      return launch_fwd_sm90_k128<T, D>(p, l.dense, l.seeded, l.tmap_k, l.tmap_v, stream);
   }
   if constexpr (fwd_has_sm90_ws(D)) {
     if (l.kernel == FwdKernelKind::sm90_ws)

@@ -14,14 +14,15 @@ enum class FwdKernelKind {
   sm80,     // mma.sync (fwd/kernel_sm80.cuh): every device, every head dim
   sm90,     // two-warpgroup wgmma, cp.async loads (fwd/kernel_sm90.cuh): sm_90a, d = 128
   sm90_ws,  // warp-specialized wgmma, TMA loads (fwd/kernel_sm90_ws.cuh): sm_90a, d = 64, 128 and 256
-  sm90_dense,  // tau = 0 only, 128-key tiles, TMA loads (fwd/kernel_sm90_dense.cuh): sm_90a, d = 64 and 128
+  sm90_k128,  // 128-key tiles, TMA loads (fwd/kernel_sm90_k128.cuh): sm_90a, d = 64 and 128
 };
 // The head dims each wgmma kernel is built for.
 constexpr bool fwd_has_sm90(int d) { return d == 128; }
 constexpr bool fwd_has_sm90_ws(int d) { return d == 64 || d == 128 || d == 256; }
-constexpr bool fwd_has_sm90_dense(int d) { return d == 64 || d == 128; }
-// The dense kernel's key tile (its K and V tensor maps' box rows).
-constexpr int kFwdDenseBk = 128;
+constexpr bool fwd_has_sm90_k128(int d) { return d == 64 || d == 128; }
+// The 128-key kernel's key tile (its K and V tensor maps' box rows, and its decision tile's keys).
+constexpr int kFwdK128Bk = 128;
+constexpr int kFwdK128DecRows = 32;  // its decision tile's rows (a warp pair)
 struct FwdLaunch {
   FwdKernelKind kernel = FwdKernelKind::sm80;
   bool dense = false;   // tau = 0: the kernel's dense instance (sm80: where FwdConfig has one)
@@ -29,7 +30,7 @@ struct FwdLaunch {
   // A seeded split (FwdParams::seed_lse, tau > 0): the sm90_ws and sm80 instances with the seed's
   // bookkeeping (its code in the loop cost the unseeded instances 6-7% at tau = 1 when shared).
   bool seeded = false;
-  CUtensorMap tmap_k{}, tmap_v{};  // sm90_ws, sm90_dense: K and V described to the TMA (core/tma.cuh)
+  CUtensorMap tmap_k{}, tmap_v{};  // sm90_ws, sm90_k128: K and V described to the TMA (core/tma.cuh)
 };
 
 // Launches the kernel l names; every choice is the caller's (dispatch.cu).

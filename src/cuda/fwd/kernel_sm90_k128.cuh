@@ -1,21 +1,23 @@
-// The dense forward on Hopper (wgmma + TMA), head dims 64 and 128, sm_90a: the tau = 0 kernel
-// wherever the warp-specialized kernel (kernel_sm90_ws.cuh) would run (fwd/dispatch.cu).  tau = 0
-// decides nothing, so the key tile need not be the decision tile: this kernel walks 128-key tiles
-// (FlashAttention-3's shape for these head dims), half as many barriers, waits and wgmma issues per
-// key as the 64-key tiles the skipping kernel tests on.  The outputs are the dense instance's (slots
-// and the tile mask: every legal decision tile retained).  The same structure at tau > 0, two 32 x
-// 64 decisions per key tile and warp pair, was slower than the 64-key kernel (docs/kernels.md,
-// "Weak spots").
+// The 128-key forward on Hopper (wgmma + TMA), head dims 64 and 128, sm_90a: every tau wherever the
+// TMA can describe K and V (fwd/dispatch.cu).  Its decision tile is 32 query rows (a warp pair) x 128
+// keys, one test and one vote per key tile (forward_tiles reports it).  Two 32 x 64 decisions per
+// 128-key tile cost more than 64-key tiles save: the second test waits for the first half's
+// exponentials (docs/kernels.md, "Weak spots").
 //
 // A CTA is three warpgroups over 128 query rows (causal: the longest query tiles first):
 //   producer (warpgroup 0, 24 registers; one thread issues every TMA load): K(t) and V(t) into rings
 //     of kStages slots (full/empty mbarriers), in the consumers' order: K(top), then K(t - 1)
-//     before V(t).
+//     before V(t).  V is loaded for skipped tiles too: waiting for the decision before loading V
+//     costs more on inputs that keep most tiles than the loads cost where they skip.
 //   consumers (warpgroups 1 and 2, 240 registers, 64 rows each; Q in registers): per key tile, from
 //     the diagonal down,
-//       issue S(t - 1) = Q K(t - 1)^T and O += P(t) V(t) (P(t) packed in registers);
-//       once S(t - 1) is complete: mask, row max, P(t - 1) = exp2(S - m) with the lazy rescale's
-//         base (its exponentials run while P V(t) is on the tensor cores);
+//       issue S(t - 1) = Q K(t - 1)^T and, where tile t is retained, O += P(t) V(t) (P(t) packed in
+//         registers);
+//       once S(t - 1) is complete: mask, row max, at tau > 0 the test (each lane's part of the raw
+//         row max against a bound per row) and the pair vote (one bar.red.popc per warpgroup), then
+//         P(t - 1) = exp2(S - m) with the lazy rescale's base where the warpgroup retains the tile
+//         (its exponentials run while P V(t) is on the tensor cores; a skipping pair's rows get
+//         P = 0 and keep m and l);
 //       once P V(t) is complete: O rescaled where a row's base moved, P(t - 1) packed.
 //   One S accumulator and one packed P per thread (64 + 32 registers at 128 keys) instead of two S
 //   accumulators: what lets 128-key tiles fit beside O and Q.
@@ -31,13 +33,11 @@ namespace mala {
 namespace cuda {
 
 template <int D_>
-struct FwdDense {
+struct FwdK128 {
   static constexpr int D = D_;
-  static_assert(fwd_has_sm90_dense(D), "dense 128-key forward: head dims 64 and 128 (fwd/launch.h)");
-  static constexpr int kThreads = 384, BQ = 128, BK = kFwdDenseBk;
-  // The decision tile of the other forward kernels, for the slots this kernel reports.
-  static constexpr int kDecRows = 16 * FwdConfig<D>::kMT, kDecKeys = FwdConfig<D>::kBk;
-  static_assert(BK % kDecKeys == 0 && kDecRows == 32, "a key tile holds whole decision tiles");
+  static_assert(fwd_has_sm90_k128(D), "128-key forward: head dims 64 and 128 (fwd/launch.h)");
+  static constexpr int kThreads = 384, BQ = 128, BK = kFwdK128Bk;
+  static constexpr int kDecRows = 32;  // the decision tile: a warp pair's rows x BK keys
   using QTile = SmemTile<64, D>;
   using KVTile = GmmaTile<BK, D>;
   // K and V rings: 3 x (32 + 32) KB at d = 128 (224 KB with Q), 4 x (16 + 16) KB at d = 64.  One slot
@@ -68,12 +68,16 @@ struct RingPos {
   }
 };
 
-template <typename T, int D>
+// kDense: tau = 0 (no test, no vote; every legal tile retained).  kSeeded: a seeded split
+// (FwdParams::seed_lse, fwd/common.cuh): the test's denominator starts from the anchor mass and the
+// anchor tiles the split holds are retained untested.
+template <typename T, int D, bool kDense, bool kSeeded>
 __global__ void __launch_bounds__(384, 1)
-    mala_fwd_kernel_sm90_dense(const FwdParams p, const __grid_constant__ CUtensorMap tmap_k,
-                               const __grid_constant__ CUtensorMap tmap_v) {
+    mala_fwd_kernel_sm90_k128(const FwdParams p, const __grid_constant__ CUtensorMap tmap_k,
+                              const __grid_constant__ CUtensorMap tmap_v) {
 #ifdef MALA_WGMMA_ENABLED
-  using C = FwdDense<D>;
+  static_assert(!(kDense && kSeeded), "a seeded split tests");
+  using C = FwdK128<D>;
   constexpr int BQ = C::BQ, BK = C::BK, NT = BK / 8, DT = D / 8, KS = D / 16, NS = C::kStages;
   using QTile = typename C::QTile;
   using KVTile = typename C::KVTile;
@@ -122,13 +126,31 @@ __global__ void __launch_bounds__(384, 1)
   setmaxnreg_inc240();
   // The warp index through a shuffle, so that ptxas knows what derives from it to be warp-uniform.
   const int ctid = tid - 128, warp = __shfl_sync(0xffffffffu, ctid >> 5, 0), lane = ctid & 31, wg = warp >> 2,
-            wl = warp & 3;
+            wl = warp & 3, pair = wl >> 1;
   const int row_wg = row_cta + 64 * wg;
+  const int row_pair = row_wg + C::kDecRows * pair;
   const int row_w = row_wg + 16 * wl;
   // This warpgroup's first tile; the tiles above it (only where its rows end before the CTA's last
-  // row sees them) are passed through the rings untouched.
+  // row sees them) are passed through the rings untouched.  pair_hi: the pair's newest legal tile.
   const int wg_hi = rule::ceil_div(sq.max_visible(row_wg, 64, p.causal), BK) - 1;
+  const int pair_hi = rule::ceil_div(sq.max_visible(row_pair, C::kDecRows, p.causal), BK) - 1;
   const int min_L_w = row_w + 16 <= Nq ? rule::visible_keys(row_w, Nq, Nk, p.causal) : 0;
+  // The test compares each lane's part of the raw row max with a bound per row (rule::skip_bound_raw),
+  // recomputed after each tile the warpgroup retains: one comparison per row before the vote.
+  float log_thr[1][2], bound[1][2];
+  const float inv_scale = 1.f / p.scale_log2;
+  FwdAnchors anchors{false, 1, 0};
+  if constexpr (!kDense) {
+    float log_norm[1][2];
+    wgmma_fwd_test_inputs(log_thr, log_norm, b, h, row_w, lane, Nq, Nk, p);
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) bound[0][hh] = rule::skip_bound_raw(log_norm[0][hh], log_thr[0][hh], inv_scale);
+    if constexpr (kSeeded) anchors = fwd_held_anchors<BK>(p, row_pair, pair_hi, Nq, Nk);
+  }
+  // The vote's count (tile_test.cuh, pair_vote_popc): every lane of a retaining pair-0 warp, lane 0
+  // of a retaining pair-1 warp.
+  const uint32_t vote_counted = wl < 2 || lane == 0;
+  uint8_t* mask_row = wl % 2 == 0 ? wgmma_fwd_mask_row(p, b, h, row_pair, C::kDecRows, pair_hi, lane) : nullptr;
   float m[1][2], l[1][2], acc[1][DT][4];
   softmax_init<1, DT>(m, l, acc);
   float(&acc_flat)[D / 2] = *reinterpret_cast<float(*)[D / 2]>(&acc[0][0][0]);
@@ -168,24 +190,53 @@ __global__ void __launch_bounds__(384, 1)
     if (lane == 0) mbar_arrive(mb_empty_k + 8 * kr.slot);
     kr.next<NS>();
   };
-  // O += P V(t) issued (not committed).
-  auto issue_pv = [&]() {
+  // O += P V(t) issued (not committed) where the warpgroup retains tile t; its V slot is waited for
+  // either way, so that pv_done gives back a slot whose load has completed.
+  auto issue_pv = [&](bool run) {
     mbar_wait<true>(mb_full_v + 8 * vr.slot, vr.phase);
-    wgmma_fence();
-    const uint64_t dV = wgmma_desc(sV0 + vr.slot * KVTile::kBytes, KVTile::kBlockBytes, 1024);
+    if (run) {
+      wgmma_fence();
+      const uint64_t dV = wgmma_desc(sV0 + vr.slot * KVTile::kBytes, KVTile::kBlockBytes, 1024);
 #pragma unroll
-    for (int kk = 0; kk < BK / 16; ++kk) WgmmaRS<D, 1, T>::run(acc_flat, pa[kk], wgmma_desc_advance(dV, kk * 2048));
+      for (int kk = 0; kk < BK / 16; ++kk) WgmmaRS<D, 1, T>::run(acc_flat, pa[kk], wgmma_desc_advance(dV, kk * 2048));
+    }
   };
   auto pv_done = [&]() {
     wgmma_fence_operands(acc_flat);
     if (lane == 0) mbar_arrive(mb_empty_v + 8 * vr.slot);
     vr.next<NS>();
   };
-  // Mask, row max and P of the complete S(t); true when O needs softmax_rescale(alpha) first.
-  auto scores = [&](int t, float(&alpha)[1][2]) {
+  // The complete S(t): mask, row max, (tau > 0) the test and the pair vote, and, where the
+  // warpgroup retains the tile (returned in `run`), P.  Returns true when O needs
+  // softmax_rescale(alpha) first.
+  int retained = 0;
+  auto scores = [&](int t, float(&alpha)[1][2], bool& run) {
     warp_mask_max<NT>(s, mx, t * BK, min_L_w, row_w, lane, Nq, Nk, p.causal);
-    quad_row_max<1>(mx);
-    return softmax_step_deferred<1, NT, false>(s, mx, p.scale_log2, true, m, l, alpha);
+    if constexpr (kDense) {
+      quad_row_max<1>(mx);
+      run = true;
+      return softmax_step_deferred<1, NT, false>(s, mx, p.scale_log2, true, m, l, alpha);
+    } else {
+      bool lane_retain = lane_rows_block_skip_raw<1>(mx, bound);  // false for rows without legal keys
+      if constexpr (kSeeded) lane_retain = lane_retain || (t <= pair_hi && fwd_forced_tile(anchors, t));
+      const uint32_t cnt = pair_vote_popc(wg + 1, 128, lane_retain, vote_counted);
+      // The row max reduced over the quad while the barrier resolves (bar.red blocks only where its
+      // result is read).
+      quad_row_max<1>(mx);
+      const bool pair_retain = (cnt & (pair ? 31u : ~31u)) != 0u;
+      run = __any_sync(0xffffffffu, cnt != 0u);  // warp-uniform for ptxas: no divergence handling
+      if (mask_row && lane == 0 && t <= pair_hi) mask_row[t] = pair_retain ? kTileRetained : kTileSkipped;
+      if (!run) return false;
+      retained += pair_retain ? 1 : 0;
+      const bool grew = softmax_step_deferred<1, NT, true>(s, mx, p.scale_log2, pair_retain, m, l, alpha);
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh)
+        bound[0][hh] = rule::skip_bound_raw(
+            kSeeded ? fwd_log2_norm(p, b, h, row_w + (lane >> 2) + 8 * hh, Nq, m[0][hh], l[0][hh])
+                    : log2_norm(m[0][hh], l[0][hh]),
+            log_thr[0][hh], inv_scale);
+      return grew;
+    }
   };
   auto pack_p = [&]() {
 #pragma unroll
@@ -197,51 +248,54 @@ __global__ void __launch_bounds__(384, 1)
     wgmma_commit();
     wgmma_wait<0>();
     s_done();
+    bool run;
     {
       float alpha[1][2];
-      (void)scores(t, alpha);  // O is still zero
-      pack_p();
+      (void)scores(t, alpha, run);  // O is still zero
+      if (run) pack_p();
     }
     for (; t > 0; --t) {
       issue_s(t - 1);
       wgmma_commit();
-      issue_pv();
+      issue_pv(run);
       wgmma_commit();
       wgmma_wait<1>();
       s_done();
       float alpha[1][2];
-      const bool rescale = scores(t - 1, alpha);
+      const bool rescale = scores(t - 1, alpha, run);
       wgmma_wait<0>();
       pv_done();
       if (rescale) softmax_rescale<1, DT>(alpha, acc);
-      pack_p();
+      if (run) pack_p();
     }
-    issue_pv();
+    issue_pv(run);
     wgmma_commit();
     wgmma_wait<0>();
     pv_done();
   }
-  softmax_quad_row_sums<1>(l);
-  // Slots and the tile mask: every legal decision tile of the warp's pair, retained at tau = 0.
-  const int row_pair = row_wg + C::kDecRows * (wl / 2);
-  const int pair_tiles = rule::ceil_div(sq.max_visible(row_pair, C::kDecRows, p.causal), C::kDecKeys);
-  if (p.tile_mask != nullptr && wl % 2 == 0) {
-    uint8_t* mask_row = wgmma_fwd_mask_row(p, b, h, row_pair, C::kDecRows, pair_tiles - 1, lane);
+  int slots;
+  if constexpr (kDense) {
+    softmax_quad_row_sums<1>(l);
+    // Every legal tile of the pair retained.
     if (mask_row)
-      for (int kt = lane; kt < pair_tiles; kt += 32) mask_row[kt] = kTileRetained;
+      for (int kt = lane; kt <= pair_hi; kt += 32) mask_row[kt] = kTileRetained;
+    slots = (pair_hi + 1) * BK;
+  } else {
+    slots = retained * BK;
   }
-  const int slots = pair_tiles * C::kDecKeys;
   fwd_epilogue<T, 1, DT>(p, sq, b, h, row_w, lane, m, l, acc, slots);
 #endif
 }
 
-// Launches the dense kernel (grid: query tiles of 128 rows, heads, batch).  The tensor maps' boxes
-// are FwdDense<D>::BK rows.
+// Launches the instance for (dense, seeded) (grid: query tiles of 128 rows, heads, batch).  The
+// tensor maps' boxes are FwdK128<D>::BK rows.
 template <typename T, int D>
-cudaError_t launch_fwd_sm90_dense(const FwdParams& p, const CUtensorMap& tk, const CUtensorMap& tv,
-                                  cudaStream_t stream) {
-  using C = FwdDense<D>;
-  auto kernel = mala_fwd_kernel_sm90_dense<T, D>;
+cudaError_t launch_fwd_sm90_k128(const FwdParams& p, bool dense, bool seeded, const CUtensorMap& tk,
+                                 const CUtensorMap& tv, cudaStream_t stream) {
+  using C = FwdK128<D>;
+  auto kernel = dense    ? mala_fwd_kernel_sm90_k128<T, D, true, false>
+                : seeded ? mala_fwd_kernel_sm90_k128<T, D, false, true>
+                         : mala_fwd_kernel_sm90_k128<T, D, false, false>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmem);
   if (err != cudaSuccess) return err;
   dim3 grid(rule::ceil_div(p.seqlen_q, C::BQ), p.heads_q, p.batch);
