@@ -257,9 +257,16 @@ __global__ void __launch_bounds__(384, 1)
     for (; t > 0; --t) {
       issue_s(t - 1);
       wgmma_commit();
+      // No empty commit group for a skipped tile: ptxas closes one with a dummy wgmma placed after
+      // the join, on both paths, and wait<1> then waits for P V(t) too (the exponentials below no
+      // longer overlap it).
       issue_pv(run);
-      wgmma_commit();
-      wgmma_wait<1>();
+      if (run) {
+        wgmma_commit();
+        wgmma_wait<1>();
+      } else {
+        wgmma_wait<0>();
+      }
       s_done();
       float alpha[1][2];
       const bool rescale = scores(t - 1, alpha, run);
@@ -269,7 +276,7 @@ __global__ void __launch_bounds__(384, 1)
       if (run) pack_p();
     }
     issue_pv(run);
-    wgmma_commit();
+    if (run) wgmma_commit();
     wgmma_wait<0>();
     pv_done();
   }

@@ -238,8 +238,10 @@ __global__ void __launch_bounds__(384, 1)
   //   decide(t, s, between): its scores complete in s: mask, row max, the test and the pair vote
   //     (tau > 0), with between() run after the vote's barrier and before its result is read (the
   //     tau > 0 loop issues the next S and waits for the previous P V there);
-  //   finish(t, s): P and O += P V issued, committed and left in flight (an empty group committed
-  //     for a skipped tile, so that the loops' waits count the same groups either way).
+  //   finish(t, s): P and O += P V issued, committed and left in flight; nothing for a tile the
+  //     warpgroup skips (no empty group: ptxas closes one with a dummy wgmma after the join, on
+  //     both paths, and the wait for the next S then waits for P V too).  wait_s() then waits for
+  //     the S in flight alone either way.
   bool pair_retain = false, wg_any = false;
   auto no_op = [] {};
   auto decide = [&](int t, STile& s, auto&& between) {
@@ -313,8 +315,13 @@ __global__ void __launch_bounds__(384, 1)
 #pragma unroll
       for (int kk = 0; kk < BK / 16; ++kk) WgmmaRS<D, 1, T>::run(acc_flat, pa[kk], wgmma_desc_advance(dV, kk * 2048));
       wgmma_commit();
+    }
+  };
+  auto wait_s = [&]() {
+    if (wg_any) {
+      wgmma_wait<1>();
     } else {
-      wgmma_commit();  // the empty group
+      wgmma_wait<0>();
     }
   };
   // Once finish(t)'s group has completed: O is final for the tile, and the V slot of tile t + 2 is
@@ -339,7 +346,7 @@ __global__ void __launch_bounds__(384, 1)
     // before S(t - 2) is issued leaves the tensor cores idle in between, at every tau.)
     auto step = [&](int t, STile& s_t, STile& s_n) {  // t >= 2
       finish(t, s_t);
-      wgmma_wait<1>();
+      wait_s();
       s_done(s_n);
       release_k(t - 1);
       decide(t - 1, s_n, [&] {
@@ -351,7 +358,7 @@ __global__ void __launch_bounds__(384, 1)
     };
     auto step_to_0 = [&](STile& s_1, STile& s_0) {  // t = 1
       finish(1, s_1);
-      wgmma_wait<1>();
+      wait_s();
       s_done(s_0);
       release_k(0);
       decide(0, s_0, [&] {
