@@ -2,13 +2,14 @@
 // TMA can describe K and V (fwd/dispatch.cu).  Its decision tile is 32 query rows (a warp pair) x 128
 // keys, one test and one vote per key tile (forward_tiles reports it).  Two 32 x 64 decisions per
 // 128-key tile cost more than 64-key tiles save: the second test waits for the first half's
-// exponentials (docs/kernels.md, "Weak spots").
+// exponentials (docs/kernels.md, "128-key forward").
 //
 // A CTA is three warpgroups over 128 query rows (causal: the longest query tiles first):
 //   producer (warpgroup 0, 24 registers; one thread issues every TMA load): K(t) and V(t) into rings
 //     of kStages slots (full/empty mbarriers), in the consumers' order: K(top), then K(t - 1)
-//     before V(t).  V is loaded for skipped tiles too: waiting for the decision before loading V
-//     costs more on inputs that keep most tiles than the loads cost where they skip.
+//     before V(t).  V is loaded for skipped tiles too: a producer that waited for the decision
+//     before loading V was 4-5% slower where every tile is kept (bench/results/
+//     mala_bench_fwd_k128_tau_h100.log, item 7).
 //   consumers (warpgroups 1 and 2, 240 registers, 64 rows each; Q in registers): per key tile, from
 //     the diagonal down,
 //       issue S(t - 1) = Q K(t - 1)^T and, where tile t is retained, O += P(t) V(t) (P(t) packed in
@@ -37,7 +38,7 @@ struct FwdK128 {
   static constexpr int D = D_;
   static_assert(fwd_has_sm90_k128(D), "128-key forward: head dims 64 and 128 (fwd/launch.h)");
   static constexpr int kThreads = 384, BQ = 128, BK = kFwdK128Bk;
-  static constexpr int kDecRows = 32;  // the decision tile: a warp pair's rows x BK keys
+  static constexpr int kDecRows = kFwdK128DecRows;  // the decision tile: a warp pair's rows x BK keys
   using QTile = SmemTile<64, D>;
   using KVTile = GmmaTile<BK, D>;
   // K and V rings: 3 x (32 + 32) KB at d = 128 (224 KB with Q), 4 x (16 + 16) KB at d = 64.  One slot
