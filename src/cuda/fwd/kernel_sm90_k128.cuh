@@ -221,8 +221,8 @@ __global__ void __launch_bounds__(384, 1)
       bool lane_retain = lane_rows_block_skip_raw<1>(mx, bound);  // false for rows without legal keys
       if constexpr (kSeeded) lane_retain = lane_retain || (t <= pair_hi && fwd_forced_tile(anchors, t));
       const uint32_t cnt = pair_vote_popc(wg + 1, 128, lane_retain, vote_counted);
-      // The row max reduced over the quad while the barrier resolves (bar.red blocks only where its
-      // result is read).
+      // (The quad reduction sits after the barrier in the source, but ptxas reads the barrier's
+      // result right after issuing it, so the wait is not hidden: docs/kernels.md.)
       quad_row_max<1>(mx);
       const bool pair_retain = (cnt & (pair ? 31u : ~31u)) != 0u;
       run = __any_sync(0xffffffffu, cnt != 0u);  // warp-uniform for ptxas: no divergence handling
