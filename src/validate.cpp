@@ -330,7 +330,8 @@ Status check_overlap(const ForwardArgs& a) {
   int64_t rk = varlen ? total_rows(a.device, a.cu_seqlens_k, a.batch, a.seqlen_k) : a.seqlen_k;
   if (varlen && a.total_k > 0) rk = a.total_k;
   const int64_t rows = a.heads_q * (varlen ? rq : a.batch * a.seqlen_q);
-  const Tiles t = forward_tiles(a);
+  // The tiles only for a tile mask: on the GPU they are the dispatch's kernel choice (tensor maps).
+  const Tiles t = a.tile_mask ? forward_tiles(a) : Tiles{};
   const Region in[] = {
       strided(a.q, "q", es, a.q_strides, nb, rq, a.heads_q, a.head_dim),
       strided(a.k, "k", es, a.k_strides, nb, rk, a.heads_kv, a.head_dim),
@@ -428,7 +429,9 @@ Status check_arguments(const ForwardArgs& a) {
         {a.tile_mask, "tile_mask"}, {a.cu_seqlens_q, "cu_seqlens_q"}, {a.cu_seqlens_k, "cu_seqlens_k"},
         {a.seed_lse, "seed_lse"}};
     for (const auto& p : ptrs) MALA_TRY(check_cuda_pointer(a.device, p.first, p.second));
-    MALA_TRY(check_blocks(s, cuda_backend::forward_tiles(a)));
+    // The kernel's tiles only where the caller names tiles (0 accepts the kernel's): asking is the
+    // dispatch's kernel choice, tensor maps included.
+    MALA_TRY(check_blocks(s, a.block_q || a.block_k ? cuda_backend::forward_tiles(a) : Tiles{}));
   } else {
     MALA_TRY(check_blocks(s, Tiles{}));
   }

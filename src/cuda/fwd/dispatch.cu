@@ -100,8 +100,6 @@ Status check_type_and_dim(const ForwardArgs& a) {
   return Status::success();
 }
 
-Status make_params(const ForwardArgs& a, cuda::FwdParams& p);
-
 // The kernel this call runs (choose_kernel for its dtype and head dim).
 cuda::FwdLaunch plan(const ForwardArgs& a, const cuda::FwdParams& p) {
   const bool dense = rule::dense(a.tau);
@@ -109,20 +107,7 @@ cuda::FwdLaunch plan(const ForwardArgs& a, const cuda::FwdParams& p) {
     return choose_kernel<decltype(t), decltype(d)::value>(p, dense);
   });
 }
-}  // namespace
 
-Tiles forward_tiles(const ForwardArgs& a) {
-  cuda::FwdParams p{};
-  if (!check_type_and_dim(a) || !make_params(a, p)) return launch_tiles(cuda::FwdLaunch{}, a.head_dim);
-  // The tensor maps need only an aligned address: callers that ask before they have tensors
-  // (tile_sizes) get the tiles of tensors with the given (or contiguous) strides.
-  const void* any_aligned = reinterpret_cast<const void*>(uintptr_t{256});
-  if (p.k == nullptr) p.k = any_aligned;
-  if (p.v == nullptr) p.v = any_aligned;
-  return launch_tiles(plan(a, p), a.head_dim);
-}
-
-namespace {
 // Everything of FwdParams but the tile mask's dimensions (they follow the kernel's tiles), after the
 // checks the kernels need.
 Status make_params(const ForwardArgs& a, cuda::FwdParams& p) {
@@ -176,6 +161,17 @@ Status make_params(const ForwardArgs& a, cuda::FwdParams& p) {
   return Status::success();
 }
 }  // namespace
+
+Tiles forward_tiles(const ForwardArgs& a) {
+  cuda::FwdParams p{};
+  if (!check_type_and_dim(a) || !make_params(a, p)) return launch_tiles(cuda::FwdLaunch{}, a.head_dim);
+  // The tensor maps need only an aligned address: callers that ask before they have tensors
+  // (tile_sizes) get the tiles of tensors with the given (or contiguous) strides.
+  const void* any_aligned = reinterpret_cast<const void*>(uintptr_t{256});
+  if (p.k == nullptr) p.k = any_aligned;
+  if (p.v == nullptr) p.v = any_aligned;
+  return launch_tiles(plan(a, p), a.head_dim);
+}
 
 Status forward(const ForwardArgs& a) {
   Status st = check_type_and_dim(a);
