@@ -516,6 +516,10 @@ TEST_P(CudaForwardKernels, SanitizerSmall) {
   c = mk("fp16 d64 seeded split Nq=70 Nk=130", DType::f16, 64, false, 70, 130, 2, 2, 1.f, Input::local);
   c.rows_before = 500, c.seeded = true, c.owns_tile0 = true;
   run_case(c);
+  run_case(mk("fp16 d256 noncausal Nq=90 Nk=200 tau0", DType::f16, 256, false, 90, 200, 2, 2, 0.f, Input::random));
+  c = mk("bf16 d256 seeded split N=150", DType::bf16, 256, true, 150, 150, 2, 1, 1.f, Input::local);
+  c.rows_before = 300, c.seeded = true, c.owns_newest = true;
+  run_case(c);
 }
 
 // ---- fuzz (issue #35): random shapes against the CPU, the dispatch's own kernels ---------------

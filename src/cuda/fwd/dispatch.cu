@@ -48,7 +48,7 @@ cuda::FwdLaunch choose_kernel(const cuda::FwdParams& p, bool dense) {
   const bool varlen = p.cu_k != nullptr;
   const int map_rows = varlen ? p.total_k : p.seqlen_k, map_batch = varlen ? 1 : p.batch;
   const bool k128 = cuda::fwd_has_sm90_k128(D) && forced != FwdVariant::wgmma_ws;
-  const int box_rows = k128 ? cuda::kFwdK128Bk : cuda::FwdConfig<D>::kBk;
+  const int box_rows = k128 ? cuda::fwd_k128_bk(D) : cuda::FwdConfig<D>::kBk;
   const bool tma = forced != FwdVariant::wgmma_cp_async && (!varlen || p.total_k > 0) &&
                    cuda::make_kv_tensor_map(&l.tmap_k, p.k, kBf16, D, map_rows, p.heads_kv, map_batch, p.k_sr,
                                             p.k_sh, p.k_sb, box_rows) &&
@@ -70,7 +70,8 @@ bool supported_head_dim(int64_t d) { return d == 64 || d == 128 || d == 256; }
 
 // The decision tile of the kernel l names.
 Tiles launch_tiles(const cuda::FwdLaunch& l, int64_t d) {
-  if (l.kernel == cuda::FwdKernelKind::sm90_k128) return {cuda::kFwdK128DecRows, cuda::kFwdK128Bk};
+  if (l.kernel == cuda::FwdKernelKind::sm90_k128)
+    return {cuda::kFwdK128DecRows, cuda::fwd_k128_bk(static_cast<int>(d))};
   switch (d) {
     case 64: return {16 * cuda::FwdConfig<64>::kMT, cuda::FwdConfig<64>::kBk};
     case 256: return {16 * cuda::FwdConfig<256>::kMT, cuda::FwdConfig<256>::kBk};

@@ -24,6 +24,8 @@
 //   accumulators: what lets 128-key tiles fit beside O and Q.
 #pragma once
 
+#include <type_traits>
+
 #include "cuda/core/smem_tile.cuh"
 #include "cuda/core/tma.cuh"
 #include "cuda/core/wgmma.cuh"
@@ -36,14 +38,17 @@ namespace cuda {
 template <int D_>
 struct FwdK128 {
   static constexpr int D = D_;
-  static_assert(fwd_has_sm90_k128(D), "128-key forward: head dims 64 and 128 (fwd/launch.h)");
-  static constexpr int kThreads = 384, BQ = 128, BK = kFwdK128Bk;
+  static_assert(fwd_has_sm90_k128(D), "128-key forward: head dims 64, 128 and 256 (fwd/launch.h)");
+  static constexpr int kThreads = 384, BQ = 128, BK = fwd_k128_bk(D);
+  // d = 256: O takes 128 registers a thread, which leaves none for Q's 64; Q stays in shared memory
+  // (an operand of an ss wgmma).
+  static constexpr bool kQSmem = D == 256;
   static constexpr int kDecRows = kFwdK128DecRows;  // the decision tile: a warp pair's rows x BK keys
-  using QTile = SmemTile<64, D>;
+  using QTile = std::conditional_t<kQSmem, GmmaTile<64, D>, SmemTile<64, D>>;
   using KVTile = GmmaTile<BK, D>;
   // K and V rings: 3 x (32 + 32) KB at d = 128 (224 KB with Q), 4 x (16 + 16) KB at d = 64.  One slot
   // fewer was 3-4% slower at 32K with 12 query heads (d = 128) and 1-2% at d = 64.
-  static constexpr int kStages = D == 128 ? 3 : 4;
+  static constexpr int kStages = D == 256 ? 2 : D == 128 ? 3 : 4;
   static constexpr int kOffK = 0;
   static constexpr int kOffV = kOffK + kStages * KVTile::kBytes;
   static constexpr int kOffQ = kOffV + kStages * KVTile::kBytes;  // [2] one per consumer warpgroup
@@ -157,8 +162,8 @@ __global__ void __launch_bounds__(384, 1)
   float(&acc_flat)[D / 2] = *reinterpret_cast<float(*)[D / 2]>(&acc[0][0][0]);
   wgmma_fence_operands(acc_flat);  // O's zeros before the first wgmma (else ptxas sinks them: C7515)
   const uint32_t sQ = sbase + C::kOffQ + wg * QTile::kBytes;
-  uint32_t qreg[KS][4];
-  wgmma_fwd_load_q<QTile, KS, true>(sQ, sq, p, row_wg, wg, wl, lane, qreg);
+  uint32_t qreg[C::kQSmem ? 1 : KS][4];
+  wgmma_fwd_load_q<QTile, KS, !C::kQSmem>(sQ, sq, p, row_wg, wg, wl, lane, qreg);
   using SFlat = float[BK / 2];
   float s[1][NT][4], mx[1][2];
   SFlat& s_flat = *reinterpret_cast<SFlat*>(&s[0][0][0]);
@@ -181,9 +186,17 @@ __global__ void __launch_bounds__(384, 1)
     mbar_wait<true>(mb_full_k + 8 * kr.slot, kr.phase);
     wgmma_fence();
     const uint64_t dK = wgmma_desc(sK0 + kr.slot * KVTile::kBytes, 16, 1024);
+    if constexpr (C::kQSmem) {
+      const uint64_t dQ = wgmma_desc(sQ, 16, 1024);
 #pragma unroll
-    for (int ks = 0; ks < KS; ++ks)
-      WgmmaRS<BK, 0, T>::run(s_flat, qreg[ks], wgmma_desc_advance(dK, (ks >> 2) * KVTile::kBlockBytes + (ks & 3) * 32));
+      for (int ks = 0; ks < KS; ++ks)
+        WgmmaSS<BK, 0, 0, T>::run(s_flat, wgmma_desc_advance(dQ, (ks >> 2) * QTile::kBlockBytes + (ks & 3) * 32),
+                                  wgmma_desc_advance(dK, (ks >> 2) * KVTile::kBlockBytes + (ks & 3) * 32));
+    } else {
+#pragma unroll
+      for (int ks = 0; ks < KS; ++ks)
+        WgmmaRS<BK, 0, T>::run(s_flat, qreg[ks], wgmma_desc_advance(dK, (ks >> 2) * KVTile::kBlockBytes + (ks & 3) * 32));
+    }
   };
   // Once S(t) is complete: its K slot goes back.
   auto s_done = [&]() {

@@ -19,9 +19,10 @@ enum class FwdKernelKind {
 // The head dims each wgmma kernel is built for.
 constexpr bool fwd_has_sm90(int d) { return d == 128; }
 constexpr bool fwd_has_sm90_ws(int d) { return d == 64 || d == 128 || d == 256; }
-constexpr bool fwd_has_sm90_k128(int d) { return d == 64 || d == 128; }
-// The 128-key kernel's key tile (its K and V tensor maps' box rows, and its decision tile's keys).
-constexpr int kFwdK128Bk = 128;
+constexpr bool fwd_has_sm90_k128(int d) { return d == 64 || d == 128 || d == 256; }
+// The kernel's key tile (its K and V tensor maps' box rows, and its decision tile's keys): 128 keys,
+// 64 at d = 256 (where O's 128 registers a thread leave room for a 64-key S only).
+constexpr int fwd_k128_bk(int d) { return d == 256 ? 64 : 128; }
 constexpr int kFwdK128DecRows = 32;  // its decision tile's rows (a warp pair)
 struct FwdLaunch {
   FwdKernelKind kernel = FwdKernelKind::sm80;
