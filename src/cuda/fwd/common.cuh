@@ -171,6 +171,26 @@ __device__ __forceinline__ void wgmma_fwd_load_q(uint32_t sQ, const FwdSeq<T>& s
   }
 }
 
+// S = Q K^T for one warpgroup's 64 rows over a key tile of BK keys (KS k-steps of 16 dims): issued,
+// not committed; the caller has zeroed s_flat and called wgmma_fence.  Q from registers (qreg, as
+// wgmma_fwd_load_q leaves them) or, kQSmem, from shared memory at sQ (at d = 256, where O leaves no
+// registers for Q); dK is the K tile's descriptor.
+template <int BK, int KS, bool kQSmem, typename T, typename QTile, typename KVTile>
+__device__ __forceinline__ void wgmma_fwd_issue_s(float (&s_flat)[BK / 2], const uint32_t (&qreg)[kQSmem ? 1 : KS][4],
+                                                  uint32_t sQ, uint64_t dK) {
+  if constexpr (kQSmem) {
+    const uint64_t dQ = wgmma_desc(sQ, 16, 1024);
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks)
+      WgmmaSS<BK, 0, 0, T>::run(s_flat, wgmma_desc_advance(dQ, (ks >> 2) * QTile::kBlockBytes + (ks & 3) * 32),
+                                wgmma_desc_advance(dK, (ks >> 2) * KVTile::kBlockBytes + (ks & 3) * 32));
+  } else {
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks)
+      WgmmaRS<BK, 0, T>::run(s_flat, qreg[ks], wgmma_desc_advance(dK, (ks >> 2) * KVTile::kBlockBytes + (ks & 3) * 32));
+  }
+}
+
 // The tile-mask row of the decision tile (`rows` rows from row_pair: a warp pair's 32, or one
 // warp's 16 at d = 256) when the caller records decisions, with its tiles past pair_hi marked
 // illegal (the warp's 32 lanes write them); nullptr otherwise.

@@ -218,18 +218,8 @@ __global__ void __launch_bounds__(384, 1)
     const uint32_t slot = ring(t, NKB);
     mbar_wait<true>(mb_full_k + 8 * slot, phase(t, NKB));
     wgmma_fence();
-    const uint64_t dK = wgmma_desc(sK0 + slot * KVTile::kBytes, 16, 1024);
-    if constexpr (C::kQSmem) {
-      const uint64_t dQ = wgmma_desc(sQ, 16, 1024);
-#pragma unroll
-      for (int ks = 0; ks < KS; ++ks)
-        WgmmaSS<BK, 0, 0, T>::run(s_flat, wgmma_desc_advance(dQ, (ks >> 2) * QTile::kBlockBytes + (ks & 3) * 32),
-                                  wgmma_desc_advance(dK, (ks >> 2) * KVTile::kBlockBytes + (ks & 3) * 32));
-    } else {
-#pragma unroll
-      for (int ks = 0; ks < KS; ++ks)
-        WgmmaRS<BK, 0, T>::run(s_flat, qreg[ks], wgmma_desc_advance(dK, (ks >> 2) * KVTile::kBlockBytes + (ks & 3) * 32));
-    }
+    wgmma_fwd_issue_s<BK, KS, C::kQSmem, T, QTile, KVTile>(s_flat, qreg, sQ,
+                                                           wgmma_desc(sK0 + slot * KVTile::kBytes, 16, 1024));
   };
   auto release_k = [&](int t) {
     if (lane == 0) mbar_arrive(mb_empty_k + 8 * ring(t, NKB));
