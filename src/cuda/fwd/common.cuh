@@ -31,6 +31,13 @@ struct FwdSeq {
     const int last = min(r0 + rows, Nq) - 1;
     return last >= r0 ? rule::visible_keys(last, Nq, Nk, causal) : 0;
   }
+  // How many key tiles (of bk keys) the rows [r0, r0 + rows) reach, and the last of them (-1: none).
+  __device__ __forceinline__ int key_tiles(int r0, int rows, int bk, bool causal) const {
+    return rule::ceil_div(max_visible(r0, rows, causal), bk);
+  }
+  __device__ __forceinline__ int last_tile(int r0, int rows, int bk, bool causal) const {
+    return key_tiles(r0, rows, bk, causal) - 1;
+  }
 };
 template <typename T>
 __device__ __forceinline__ FwdSeq<T> fwd_seq(const FwdParams& p, int b, int h) {

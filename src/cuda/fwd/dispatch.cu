@@ -1,12 +1,13 @@
 // The CUDA forward's host side: checks what the kernels need, resolves the arguments into FwdParams,
 // and chooses the kernel -- the only place where that happens:
-//   sm_90 (sm_90a build), d = 64 and 128: the 128-key kernel where the TMA can describe K and V
-//     (fwd/kernel_sm90_k128.cuh, every tau); d = 256: the warp-specialized wgmma kernel there
-//     (fwd/kernel_sm90_ws.cuh); where the TMA cannot serve (varlen calls without total_k), at d = 128
-//     the two-warpgroup wgmma kernel with cp.async loads (fwd/kernel_sm90.cuh);
+//   sm_90 (sm_90a build), every head dim: the 128-key kernel where the TMA can describe K and V
+//     (fwd/kernel_sm90_k128.cuh, every tau; 64-key tiles at d = 256); where the TMA cannot serve
+//     (varlen calls without total_k), at d = 128 the two-warpgroup wgmma kernel with cp.async loads
+//     (fwd/kernel_sm90.cuh);
 //   everything else, and seeded splits the TMA cannot serve: the mma.sync kernel (fwd/kernel_sm80.cuh).
-// The decision tile is the chosen kernel's (forward_tiles asks the same choice): 32 x 128 for the
-// 128-key kernel, FwdConfig's for the others.  Each kernel's tau = 0 instance runs at tau = 0 (the
+// The decision tile is the chosen kernel's (forward_tiles asks the same choice): 32 x fwd_k128_bk(d)
+// for the 128-key kernel, FwdConfig's for the others (the warp-specialized kernel runs only under
+// the override).  Each kernel's tau = 0 instance runs at tau = 0 (the
 // mma.sync kernel's where FwdConfig has one).  The kernel override (backend.h) forces another kernel
 // for tests and benchmarks.
 #include <cuda_bf16.h>

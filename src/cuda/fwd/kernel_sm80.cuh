@@ -84,8 +84,8 @@ __global__ void __launch_bounds__(FwdKernelTraits<T, D>::kThreads, FwdKernelTrai
 
   const int row_cta = qtile * BQ;
   const int row_w = row_cta + warp * RW;
-  const int n_tiles = rule::ceil_div(sq.max_visible(row_cta, BQ, p.causal), BK);
-  const int warp_hi = rule::ceil_div(sq.max_visible(row_w, RW, p.causal), BK) - 1;
+  const int n_tiles = sq.key_tiles(row_cta, BQ, BK, p.causal);
+  const int warp_hi = sq.last_tile(row_w, RW, BK, p.causal);
   // Smallest L over the warp's rows (0 when some row is past the end): tiles reaching it need masking.
   const int min_L_w = row_w + RW <= Nq ? rule::visible_keys(row_w, Nq, Nk, p.causal) : 0;
 

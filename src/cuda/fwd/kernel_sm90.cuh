@@ -81,9 +81,9 @@ __global__ void __launch_bounds__(FwdSm90<D>::kThreads, FwdSm90<D>::kMinBlocks)
   const int row_wg = row_cta + 64 * wg;
   const int row_pair = row_wg + 32 * pair;
   const int row_w = row_wg + 16 * wl;
-  const int n_tiles = rule::ceil_div(sq.max_visible(row_cta, BQ, p.causal), BK);
-  const int wg_hi = rule::ceil_div(sq.max_visible(row_wg, 64, p.causal), BK) - 1;     // last tile with a legal key for the warpgroup
-  const int pair_hi = rule::ceil_div(sq.max_visible(row_pair, 32, p.causal), BK) - 1; // ... for the decision tile
+  const int n_tiles = sq.key_tiles(row_cta, BQ, BK, p.causal);
+  const int wg_hi = sq.last_tile(row_wg, 64, BK, p.causal);     // last tile with a legal key for the warpgroup
+  const int pair_hi = sq.last_tile(row_pair, 32, BK, p.causal); // ... for the decision tile
   const int min_L_w = row_w + 16 <= Nq ? rule::visible_keys(row_w, Nq, Nk, p.causal) : 0;
 
   const bool test_on = !kDense && p.log2_tau > -INFINITY;

@@ -1,6 +1,7 @@
-// The 128-key forward on Hopper (wgmma + TMA), head dims 64 and 128, sm_90a: every tau wherever the
-// TMA can describe K and V (fwd/dispatch.cu).  Its decision tile is 32 query rows (a warp pair) x 128
-// keys, one test and one vote per key tile (forward_tiles reports it).  Two 32 x 64 decisions per
+// The 128-key forward on Hopper (wgmma + TMA), every head dim, sm_90a: every tau wherever the TMA
+// can describe K and V (fwd/dispatch.cu).  Its decision tile is 32 query rows (a warp pair) x BK keys
+// (128; 64 at d = 256, where Q stays in shared memory), one test and one vote per key tile
+// (forward_tiles reports it).  Two 32 x 64 decisions per
 // 128-key tile cost more than 64-key tiles save: the second test waits for the first half's
 // exponentials (docs/kernels.md, "128-key forward").
 //
@@ -10,7 +11,8 @@
 //     before V(t).  V is loaded for skipped tiles too: a producer that waited for the decision
 //     before loading V was 4-5% slower where every tile is kept (bench/results/
 //     mala_bench_fwd_k128_tau_h100.log, item 7).
-//   consumers (warpgroups 1 and 2, 240 registers, 64 rows each; Q in registers): per key tile, from
+//   consumers (warpgroups 1 and 2, 240 registers, 64 rows each; Q in registers, at d = 256 in shared
+//     memory): per key tile, from
 //     the diagonal down,
 //       issue S(t - 1) = Q K(t - 1)^T and, where tile t is retained, O += P(t) V(t) (P(t) packed in
 //         registers);
@@ -96,7 +98,7 @@ __global__ void __launch_bounds__(384, 1)
   const int Nq = sq.Nq, Nk = sq.Nk;
   const int row_cta = qtile * BQ;
   // Tiles are visited from `top` down; tile t is the (top - t)-th use of the rings.
-  const int n_tiles = rule::ceil_div(sq.max_visible(row_cta, BQ, p.causal), BK);
+  const int n_tiles = sq.key_tiles(row_cta, BQ, BK, p.causal);
   const int top = n_tiles - 1;
   const uint32_t sK0 = sbase + C::kOffK, sV0 = sbase + C::kOffV;
   const uint32_t mb_full_k = sbase + C::kOffMbar, mb_empty_k = mb_full_k + 8 * NS, mb_full_v = mb_empty_k + 8 * NS,
@@ -138,8 +140,8 @@ __global__ void __launch_bounds__(384, 1)
   const int row_w = row_wg + 16 * wl;
   // This warpgroup's first tile; the tiles above it (only where its rows end before the CTA's last
   // row sees them) are passed through the rings untouched.  pair_hi: the pair's newest legal tile.
-  const int wg_hi = rule::ceil_div(sq.max_visible(row_wg, 64, p.causal), BK) - 1;
-  const int pair_hi = rule::ceil_div(sq.max_visible(row_pair, C::kDecRows, p.causal), BK) - 1;
+  const int wg_hi = sq.last_tile(row_wg, 64, BK, p.causal);
+  const int pair_hi = sq.last_tile(row_pair, C::kDecRows, BK, p.causal);
   const int min_L_w = row_w + 16 <= Nq ? rule::visible_keys(row_w, Nq, Nk, p.causal) : 0;
   // The test compares each lane's part of the raw row max with a bound per row (rule::skip_bound_raw),
   // recomputed after each tile the warpgroup retains: one comparison per row before the vote.

@@ -1,7 +1,7 @@
-// The warp-specialized forward on Hopper (wgmma + TMA), head dims 64, 128 and 256, sm_90a: the kernel for
-// every tau whenever the TMA can describe K and V (fwd/dispatch.cu: varlen inputs too when the call
-// gives total_k; without it they run the cp.async mala_fwd_kernel_sm90 at d = 128, mma.sync at
-// d = 64 and 256).  kDense: the tau = 0 instance (no test, no vote, every V).
+// The warp-specialized forward on Hopper (wgmma + TMA, two S accumulators), head dims 64, 128 and
+// 256, sm_90a: run only under the kernel override (FwdVariant::wgmma_ws), for tests and A/B timing
+// against the 128-key kernel that the dispatch picks (fwd/kernel_sm90_k128.cuh).  It needs the TMA
+// (varlen calls must give total_k).  kDense: the tau = 0 instance (no test, no vote, every V).
 //
 // Same decisions as the other forward kernels (decision tile 32 query rows x 64 keys, at d = 256 16
 // x 32; key tiles from the diagonal down, the online test against the running normaliser), so the
@@ -90,7 +90,7 @@ __global__ void __launch_bounds__(384, 1)
   const FwdSeq<T> sq = fwd_seq<T>(p, b, h);
   const int Nq = sq.Nq, Nk = sq.Nk;
   const int row_cta = qtile * BQ;
-  const int n_tiles = rule::ceil_div(sq.max_visible(row_cta, BQ, p.causal), BK);
+  const int n_tiles = sq.key_tiles(row_cta, BQ, BK, p.causal);
   const int top = n_tiles - 1;
   const uint32_t sK0 = sbase + C::kOffK, sV0 = sbase + C::kOffV;
   const uint32_t mb_full_k = sbase + C::kOffMbar, mb_empty_k = mb_full_k + 8 * NKB;
@@ -178,8 +178,8 @@ __global__ void __launch_bounds__(384, 1)
   const int row_wg = row_cta + 64 * wg;
   const int row_pair = row_wg + DR * pair;
   const int row_w = row_wg + 16 * wl;
-  const int wg_hi = rule::ceil_div(sq.max_visible(row_wg, 64, p.causal), BK) - 1;
-  const int pair_hi = rule::ceil_div(sq.max_visible(row_pair, DR, p.causal), BK) - 1;
+  const int wg_hi = sq.last_tile(row_wg, 64, BK, p.causal);
+  const int pair_hi = sq.last_tile(row_pair, DR, BK, p.causal);
   const int min_L_w = row_w + 16 <= Nq ? rule::visible_keys(row_w, Nq, Nk, p.causal) : 0;
   const FwdAnchors anchors = fwd_held_anchors<BK>(p, row_pair, pair_hi, Nq, Nk);  // kSeeded only
   // The test compares each lane's part of the raw row max with a bound per row (rule::skip_bound_raw),

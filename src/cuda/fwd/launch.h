@@ -13,8 +13,10 @@ namespace cuda {
 enum class FwdKernelKind {
   sm80,     // mma.sync (fwd/kernel_sm80.cuh): every device, every head dim
   sm90,     // two-warpgroup wgmma, cp.async loads (fwd/kernel_sm90.cuh): sm_90a, d = 128
-  sm90_ws,  // warp-specialized wgmma, TMA loads (fwd/kernel_sm90_ws.cuh): sm_90a, d = 64, 128 and 256
-  sm90_k128,  // 128-key tiles, TMA loads (fwd/kernel_sm90_k128.cuh): sm_90a, d = 64 and 128
+  sm90_ws,  // warp-specialized wgmma, two S accumulators, TMA loads (fwd/kernel_sm90_ws.cuh): sm_90a,
+            // d = 64, 128 and 256; only under the kernel override (FwdVariant::wgmma_ws)
+  sm90_k128,  // one S accumulator, TMA loads (fwd/kernel_sm90_k128.cuh): sm_90a, every head dim (128-key
+              // tiles, 64 at d = 256)
 };
 // The head dims each wgmma kernel is built for.
 constexpr bool fwd_has_sm90(int d) { return d == 128; }
@@ -28,8 +30,8 @@ struct FwdLaunch {
   FwdKernelKind kernel = FwdKernelKind::sm80;
   bool dense = false;   // tau = 0: the kernel's dense instance (sm80: where FwdConfig has one)
   bool record = false;  // the call records the tile mask (sm90_ws has an instance without that code)
-  // A seeded split (FwdParams::seed_lse, tau > 0): the sm90_ws and sm80 instances with the seed's
-  // bookkeeping (its code in the loop cost the unseeded instances 6-7% at tau = 1 when shared).
+  // A seeded split (FwdParams::seed_lse, tau > 0): the sm90_k128, sm90_ws and sm80 instances with the
+  // seed's bookkeeping (its code in the loop cost the unseeded instances 6-7% at tau = 1 when shared).
   bool seeded = false;
   CUtensorMap tmap_k{}, tmap_v{};  // sm90_ws, sm90_k128: K and V described to the TMA (core/tma.cuh)
 };
