@@ -8,8 +8,9 @@ burst's kernels fit the launch queue, so the host never waits for the GPU, wheth
 shorter or longer than the host's work), synchronizing between bursts; the median burst.  Printed
 for: an empty torch op (torch.empty), the operator alone (torch.ops.mala.kvcache; at 128 keys the
 call is one key tile, one split, so one kernel and no split-KV scratch: the difference to the
-default row is the combine's launch and the scratch), mala.attention_with_kvcache, and the same
-under cProfile (the Python-level breakdown).
+default row is the combine's launch and the scratch), the eager entry point without the dispatcher
+(mala._C.kvcache_direct, what mala.attention_with_kvcache calls in eager mode),
+mala.attention_with_kvcache, and the same under cProfile (the Python-level breakdown).
 """
 
 import argparse
@@ -60,6 +61,8 @@ def main():
                                                                        0.0, 0, False, "seeded"),
         "torch.ops.mala.kvcache, tau=1, 128 keys": lambda: torch.ops.mala.kvcache(
             q, kc1, vc1, lens1, None, None, None, 1.0, True, 0.0, 0, False, "seeded"),
+        "mala._C.kvcache_direct, tau=1": lambda: mala._C.kvcache_direct(q, kc, vc, lens, None, None, None, 1.0, True,
+                                                                       0.0, 0, "seeded", False),
         "mala.attention_with_kvcache, tau=1": lambda: mala.attention_with_kvcache(q, kc, vc, lens, tau=1.0),
     }
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}: batch 1, Hq=8, Hkv=1, d=128, bf16, "

@@ -9,11 +9,14 @@ Hq = 8, Hkv = 1, d = 128, bf16.  The cache holds the suite's workloads (bench/su
 "random" (nothing can be skipped) and "synthetic" at --sharpness (default 16), and with --real a real
 model's captured K, V and last query row (its own head counts); every sequence of the batch is the
 same sequence, the query its last row.  --num-splits times each row at several split counts.  Per row: median microseconds over --reps calls
-(CUDA events; eager: one call per timing with the host check off, as the default call runs; graph:
-one replay of a captured call), the split count, the realized slots per query and the retained
+(CUDA events; eager: one call per timing with the host check off, as the default call runs, and
+"(op)" the same call through torch.ops.mala.kvcache, the dispatcher's path; graph: one replay of a
+captured call), the split count, the realized slots per query and the retained
 fraction (the returned stats), and the byte floor: the K bytes plus the retained V bytes of the
 cache, at the device-to-device copy bandwidth measured in the same run (bytes read + written per
-second of a 1 GiB copy).  No L2 flush: a 1K-8K cache fits in L2, so the small rows are L2-resident
+second of a 1 GiB copy); and "1-kernel graph", what this timer reads for a graph of one kernel on
+one element, replayed right after the row's own replays (the GPU's clocks as warm as the row's): the
+launch's share of every graph row, which the floor does not include.  No L2 flush: a 1K-8K cache fits in L2, so the small rows are L2-resident
 (as in decoding, where the cache was just written), the 128K rows are not.
 """
 
@@ -77,6 +80,8 @@ def rows_for(n, batch, regime, args, bw, num_splits=0):
     lens = torch.full((batch,), n, dtype=torch.int32, device="cuda")
     kv_bytes = k_cache.numel() * k_cache.element_size()  # K alone; V is the same size
     out = []
+    tiny = torch.zeros(1, device="cuda")
+    tiny_graph = capture_graph(lambda: tiny.add_(1))
     for tau, rule in ((0.0, "seeded"), (1.0, "seeded"), (1.0, "per_split")):
         def call():
             return mala.attention_with_kvcache(q, k_cache, v_cache, lens, tau=tau, split_rule=rule,
@@ -85,14 +90,20 @@ def rows_for(n, batch, regime, args, bw, num_splits=0):
         _, _, stats = mala.attention_with_kvcache(q, k_cache, v_cache, lens, tau=tau, split_rule=rule,
                                                   num_splits=num_splits, return_lse=True, return_stats=True)
         retained = stats.fwd_retained_fraction
+        def call_op():  # the same call through the dispatcher (torch.ops), as before the direct path
+            return torch.ops.mala.kvcache(q, k_cache, v_cache, lens, None, None, None, tau, True, 0.0, num_splits,
+                                          False, rule)
+
         eager = median_us(call, args.reps)
+        eager_op = median_us(call_op, args.reps)
         graph = capture_graph(call)
         replay = median_us(graph.replay, args.reps)
+        tiny_us = median_us(tiny_graph.replay, args.reps)
         floor = (kv_bytes + retained * kv_bytes) / bw * 1e6
         out.append({"n": n, "batch": batch, "regime": regime, "tau": tau,
                     "split_rule": rule if tau > 0 else None, "num_splits": stats.num_splits,
                     "slots_per_query": stats.mean_fwd_slots, "retained": retained,
-                    "eager_us": eager, "graph_us": replay, "byte_floor_us": floor,
+                    "eager_us": eager, "eager_op_us": eager_op, "graph_us": replay, "tiny_graph_us": tiny_us, "byte_floor_us": floor,
                     "graph_over_floor": replay / floor})
         del graph
     return out
@@ -121,7 +132,7 @@ def main():
            "rows": []}
     print(f"{res['device']}: copy bandwidth {bw / 1e9:.0f} GB/s (read + write)")
     print(f"{'N':>7} {'B':>2} {'input':>9} {'rule':>14} {'splits':>6} {'slots/q':>9} {'kept':>7} "
-          f"{'eager us':>9} {'graph us':>9} {'floor us':>9} {'graph/floor':>11}")
+          f"{'eager us':>9} {'(op)':>6} {'graph us':>9} {'1-kernel graph':>14} {'floor us':>9} {'graph/floor':>11}")
     for n in args.seqlens:
         for batch in args.batches:
             for regime, splits in [(r, s) for r in args.regimes + [f"real:{x}" for x in args.real]
@@ -130,7 +141,7 @@ def main():
                     res["rows"].append(r)
                     rule = "tau=0" if r["tau"] == 0 else f"tau=1 {r['split_rule']}"
                     print(f"{n:>7} {batch:>2} {os.path.basename(regime):>9} {rule:>14} {r['num_splits']:>6} {r['slots_per_query']:>9.1f} "
-                          f"{100 * r['retained']:>6.2f}% {r['eager_us']:>9.1f} {r['graph_us']:>9.1f} "
+                          f"{100 * r['retained']:>6.2f}% {r['eager_us']:>9.1f} {r['eager_op_us']:>6.1f} {r['graph_us']:>9.1f} {r['tiny_graph_us']:>14.1f} "
                           f"{r['byte_floor_us']:>9.1f} {r['graph_over_floor']:>10.2f}x", flush=True)
     if args.out:
         with open(args.out, "w") as f:

@@ -27,7 +27,12 @@
 #include <Python.h>
 
 #include <ATen/ATen.h>
+#include <ATen/PythonTorchFunctionTLS.h>
 #include <c10/core/DeviceGuard.h>
+#include <c10/core/impl/TorchDispatchModeTLS.h>
+#include <torch/csrc/Exceptions.h>
+#include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/autograd/variable.h>
 #include <torch/library.h>
 
 #include <cmath>
@@ -508,12 +513,14 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bwd_varlen(
 
 // ---- decode against a KV cache ------------------------------------------------------------
 
-std::tuple<Tensor, Tensor, Tensor> kvcache(const Tensor& q_in, const Tensor& k_cache, const Tensor& v_cache,
-                                           const Tensor& cache_seqlens, const std::optional<Tensor>& k_new_in,
-                                           const std::optional<Tensor>& v_new_in,
-                                           const std::optional<Tensor>& block_table, double tau, bool causal,
-                                           double softmax_scale, int64_t num_splits, bool return_stats,
-                                           c10::string_view split_rule) {
+// The decode call behind both entry points: the operator (every output) and kvcache_direct (the eager
+// fast path: no lse unless asked for, no stats).  Undefined outputs are those not wanted.
+std::tuple<Tensor, Tensor, Tensor> kvcache_core(const Tensor& q_in, const Tensor& k_cache, const Tensor& v_cache,
+                                                const Tensor& cache_seqlens, const std::optional<Tensor>& k_new_in,
+                                                const std::optional<Tensor>& v_new_in,
+                                                const std::optional<Tensor>& block_table, double tau, bool causal,
+                                                double softmax_scale, int64_t num_splits, bool want_lse,
+                                                bool return_stats, c10::string_view split_rule) {
   check_dim(q_in, 4, "q", "[batch, seqlen, heads, head_dim]");
   const bool paged = block_table.has_value();
   check_dim(k_cache, 4, "k_cache",
@@ -604,10 +611,15 @@ std::tuple<Tensor, Tensor, Tensor> kvcache(const Tensor& q_in, const Tensor& k_c
   Tensor out = new_empty(q.sizes(), q.scalar_type(), q);
   a.o = out.data_ptr();
   a.o_strides = strides_bnhd(out);
-  Tensor lse = new_empty({batch, hq, a.seqlen_q}, at::kFloat, q);
-  a.lse = lse.data_ptr<float>();
-  Tensor slots = empty_or(return_stats, lse.sizes(), q, at::kInt);
-  if (return_stats) a.fwd_slots = slots.data_ptr<int32_t>();
+  Tensor lse, slots;
+  if (want_lse) {
+    lse = new_empty({batch, hq, a.seqlen_q}, at::kFloat, q);
+    a.lse = lse.data_ptr<float>();
+  }
+  if (return_stats) {
+    slots = at::zeros({batch, hq, a.seqlen_q}, q.options().dtype(at::kInt));
+    a.fwd_slots = slots.data_ptr<int32_t>();
+  }
   if (q.numel() == 0) return {out, lse, slots};
   const size_t ws_bytes = mala::decode_workspace_size(a);
   c10::DataPtr ws = scratch(ws_bytes, q);
@@ -617,6 +629,18 @@ std::tuple<Tensor, Tensor, Tensor> kvcache(const Tensor& q_in, const Tensor& k_c
   }
   check_status(mala::decode(a), "kvcache");
   return {out, lse, slots};
+}
+
+std::tuple<Tensor, Tensor, Tensor> kvcache(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
+                                           const Tensor& cache_seqlens, const std::optional<Tensor>& k_new,
+                                           const std::optional<Tensor>& v_new,
+                                           const std::optional<Tensor>& block_table, double tau, bool causal,
+                                           double softmax_scale, int64_t num_splits, bool return_stats,
+                                           c10::string_view split_rule) {
+  auto r = kvcache_core(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, tau, causal, softmax_scale,
+                        num_splits, /*want_lse=*/true, return_stats, split_rule);
+  if (!return_stats) std::get<2>(r) = new_empty({0}, at::kInt, q);
+  return r;
 }
 
 // ---- tile sizes (no tensors: answered from shapes alone) ------------------------------------
@@ -660,6 +684,86 @@ std::vector<int64_t> tile_sizes(c10::string_view kernel, c10::Device device, c10
   a.num_splits = static_cast<int>(num_splits);
   mala::Tiles t = mala::decode_tiles(a);
   return {t.block_q, t.block_k, mala::decode_num_splits(a)};
+}
+
+// ---- the eager decode call without the dispatcher ------------------------------------------
+
+// A tensor the direct path may take: exactly torch.Tensor (no subclass, so no __torch_function__),
+// strided, and none of the dispatch keys through which PyTorch reroutes an operator (Python
+// subclasses and FakeTensor, functorch's vmap and grad wrappers, functionalization).
+bool plain_tensor(PyObject* obj, const Tensor** out) {
+  if (!THPVariable_CheckExact(obj)) return false;
+  const Tensor& t = THPVariable_Unpack(obj);
+  constexpr c10::DispatchKeySet rerouted({c10::DispatchKey::Python, c10::DispatchKey::PythonTLSSnapshot,
+                                          c10::DispatchKey::FuncTorchBatched, c10::DispatchKey::FuncTorchGradWrapper,
+                                          c10::DispatchKey::Functionalize, c10::DispatchKey::BatchedNestedTensor});
+  if (!t.defined() || t.layout() != at::kStrided || t.key_set().has_any(rerouted)) return false;
+  *out = &t;
+  return true;
+}
+
+// mala._C.kvcache_direct(q, k_cache, v_cache, cache_seqlens, k, v, block_table, tau, causal,
+//                        softmax_scale, num_splits, split_rule, return_lse)
+//     -> out, or (out, lse) with return_lse; NotImplemented where the operator must run instead.
+// mala.attention_with_kvcache's eager call.  A decode step's host time adds to its latency, and
+// torch.ops' argument parsing and dispatch cost about 4 us of a 17 us call (H100 host,
+// decode_host_overhead.py); this entry point parses 13 positional arguments and runs the operator's
+// own checks and launches (kvcache_core), without allocating the lse and stats outputs nobody asked
+// for.  It declines (NotImplemented) whatever the dispatcher would treat differently: a tensor that
+// is not a plain torch.Tensor (plain_tensor), an active TorchDispatchMode or torch function mode.
+// The caller routes torch.compile's tracing to the operator itself.
+PyObject* kvcache_direct(PyObject* /*self*/, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  if (nargs != 13) {
+    PyErr_Format(PyExc_TypeError, "kvcache_direct: takes 13 positional arguments (%zd given)", nargs);
+    return nullptr;
+  }
+  if (c10::impl::TorchDispatchModeTLS::stack_len() > 0 || at::impl::torch_function_mode_enabled())
+    Py_RETURN_NOTIMPLEMENTED;
+  const Tensor *q, *k_cache, *v_cache, *lens;
+  if (!plain_tensor(args[0], &q) || !plain_tensor(args[1], &k_cache) || !plain_tensor(args[2], &v_cache) ||
+      !plain_tensor(args[3], &lens))
+    Py_RETURN_NOTIMPLEMENTED;
+  std::optional<Tensor> opt[3];
+  for (int i = 0; i < 3; ++i) {
+    if (args[4 + i] == Py_None) continue;
+    const Tensor* t;
+    if (!plain_tensor(args[4 + i], &t)) Py_RETURN_NOTIMPLEMENTED;
+    opt[i] = *t;
+  }
+  const double tau = PyFloat_AsDouble(args[7]);
+  const int causal = PyObject_IsTrue(args[8]);
+  const double scale = PyFloat_AsDouble(args[9]);
+  const long long num_splits = PyLong_AsLongLong(args[10]);
+  Py_ssize_t rule_len = 0;
+  const char* rule = PyUnicode_Check(args[11]) ? PyUnicode_AsUTF8AndSize(args[11], &rule_len) : nullptr;
+  const int want_lse = PyObject_IsTrue(args[12]);
+  if (PyErr_Occurred()) return nullptr;
+  if (rule == nullptr) {
+    PyErr_SetString(PyExc_TypeError, "split_rule: must be a str");
+    return nullptr;
+  }
+  auto r = kvcache_core(*q, *k_cache, *v_cache, *lens, opt[0], opt[1], opt[2], tau, causal != 0, scale, num_splits,
+                        want_lse != 0, /*return_stats=*/false, c10::string_view(rule, rule_len));
+  // The append wrote into the caches in place: bump their versions as the operator's mutation
+  // annotations (Tensor(a!)) would, so that autograd notices a saved cache was modified.
+  if (opt[0].has_value()) {
+    torch::autograd::impl::bump_version(*k_cache);
+    torch::autograd::impl::bump_version(*v_cache);
+  }
+  if (!want_lse) return THPVariable_Wrap(std::move(std::get<0>(r)));
+  PyObject* out = THPVariable_Wrap(std::move(std::get<0>(r)));
+  if (out == nullptr) return nullptr;
+  PyObject* lse = THPVariable_Wrap(std::move(std::get<1>(r)));
+  if (lse == nullptr) {
+    Py_DECREF(out);
+    return nullptr;
+  }
+  PyObject* tup = PyTuple_Pack(2, out, lse);  // (its own references: null on failure, error set)
+  Py_DECREF(out);
+  Py_DECREF(lse);
+  return tup;
+  END_HANDLE_TH_ERRORS
 }
 
 }  // namespace
@@ -716,6 +820,10 @@ TORCH_LIBRARY_IMPL(mala, CUDA, m) {
 #endif
 
 // `import mala._C` loads this library, which registers the operators above.
+static PyMethodDef mala_c_methods[] = {
+    {"kvcache_direct", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&mala_torch::kvcache_direct)),
+     METH_FASTCALL, "mala.attention_with_kvcache's eager call without the dispatcher (see ops.cpp)"},
+    {nullptr, nullptr, 0, nullptr}};
 static PyModuleDef mala_c_module = {PyModuleDef_HEAD_INIT, "_C",
-                                    "mala's PyTorch operators (torch.ops.mala)", -1, nullptr};
+                                    "mala's PyTorch operators (torch.ops.mala)", -1, mala_c_methods};
 extern "C" PyMODINIT_FUNC PyInit__C() { return PyModule_Create(&mala_c_module); }

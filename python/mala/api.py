@@ -12,6 +12,7 @@ from typing import Optional, Union
 
 import torch
 
+from . import _C
 from .stats import AttentionStats, visible_keys_decode, visible_keys_dense, visible_keys_varlen
 
 
@@ -228,6 +229,14 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             lo, hi = int(block_table.min()), int(block_table.max())
             if lo < 0 or hi >= k_cache.shape[0]:
                 raise ValueError(f"block_table: entries must lie in [0, {k_cache.shape[0]}) (got {lo}..{hi})")
+    if not (return_stats or torch.compiler.is_compiling()):
+        # The eager call skips the dispatcher (about 4 us of host time, which a decode step waits
+        # for); the extension hands back NotImplemented where the dispatcher would do something
+        # else (tensor subclasses, dispatch or torch-function modes), and the operator runs then.
+        r = _C.kvcache_direct(q, k_cache, v_cache, cache_seqlens, k, v, block_table, tau, bool(causal), scale, splits,
+                              split_rule, bool(return_lse))
+        if r is not NotImplemented:
+            return r
     out, lse, slots = torch.ops.mala.kvcache(q, k_cache, v_cache, cache_seqlens, k, v, block_table, tau, causal,
                                              scale, splits, bool(return_stats), split_rule)
     if not (return_lse or return_stats):

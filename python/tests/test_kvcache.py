@@ -336,3 +336,77 @@ def test_check_inputs_true_still_validates(device):
     with pytest.raises(ValueError, match="^block_table:"):
         f(q, k_cache, v_cache, lens, block_table=torch.tensor([[0], [5]], dtype=torch.int32, device=device),
           check_inputs=True)
+
+
+# ---- the eager call's direct path (mala._C.kvcache_direct) -----------------------------------------
+
+def _direct_args(q, k_cache, v_cache, lens, k=None, v=None, tau=1.0, num_splits=0, return_lse=True):
+    return (q, k_cache, v_cache, lens, k, v, None, tau, True, 0.0, num_splits, "seeded", return_lse)
+
+
+@pytest.mark.parametrize("device", device_params())
+@pytest.mark.parametrize("num_splits", [0, 3])
+def test_direct_path_matches_the_operator(device, num_splits):
+    """The eager path without the dispatcher returns what torch.ops.mala.kvcache returns, bit for bit,
+    appends the same keys, and bumps the caches' versions as the operator's mutation annotation does."""
+    q, k_cache, v_cache, lens, k_new, v_new = _cache_case(device, seqlen_q=2, seqlen_new=2, seed=5)
+    k2, v2 = k_cache.clone(), v_cache.clone()
+    version = k_cache._version
+    out, lse = mala._C.kvcache_direct(*_direct_args(q, k_cache, v_cache, lens, k_new, v_new, num_splits=num_splits))
+    assert k_cache._version > version and v_cache._version > 0
+    ref_out, ref_lse, slots = torch.ops.mala.kvcache(q, k2, v2, lens, k_new, v_new, None, 1.0, True, 0.0, num_splits,
+                                                     False, "seeded")
+    assert torch.equal(k_cache, k2) and torch.equal(v_cache, v2)
+    assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse) and slots.numel() == 0
+    only_out = mala._C.kvcache_direct(*_direct_args(q, k_cache, v_cache, lens, num_splits=num_splits,
+                                                    return_lse=False))
+    assert isinstance(only_out, torch.Tensor) and only_out.shape == q.shape
+    # The public call takes this path and returns the same.
+    pub = mala.attention_with_kvcache(q, k_cache, v_cache, lens, num_splits=num_splits)
+    assert torch.equal(pub, only_out)
+
+
+class _CountingMode(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+class _Subclass(torch.Tensor):
+    pass
+
+
+@pytest.mark.parametrize("device", device_params())
+def test_direct_path_defers_to_the_dispatcher(device):
+    """Where the dispatcher would act (a dispatch mode, a tensor subclass) the direct path declines
+    and the public call runs the operator, which the mode then sees."""
+    q, k_cache, v_cache, lens, _, _ = _cache_case(device, seqlen_new=0, seed=6)
+    expected = mala.attention_with_kvcache(q, k_cache, v_cache, lens)
+    mode = _CountingMode()
+    with mode:
+        assert mala._C.kvcache_direct(*_direct_args(q, k_cache, v_cache, lens)) is NotImplemented
+        out = mala.attention_with_kvcache(q, k_cache, v_cache, lens)
+    assert any("mala.kvcache" in op for op in mode.ops)
+    assert torch.equal(out, expected)
+    sub = q.as_subclass(_Subclass)
+    assert mala._C.kvcache_direct(*_direct_args(sub, k_cache, v_cache, lens)) is NotImplemented
+
+
+@pytest.mark.parametrize("device", device_params())
+def test_direct_path_errors_name_the_argument(device):
+    """The direct path runs the operator's checks: the same errors, and nothing written."""
+    q, k_cache, v_cache, lens, k_new, v_new = _cache_case(device, seqlen_new=1, seed=7)
+    before = k_cache.clone()
+    with pytest.raises(TypeError, match="cache_seqlens: dtype must be int32"):
+        mala.attention_with_kvcache(q, k_cache, v_cache, lens.long(), k=k_new, v=v_new)
+    with pytest.raises(ValueError, match="k_cache: head_dim"):
+        mala.attention_with_kvcache(q, k_cache[..., :64].contiguous(), v_cache[..., :64].contiguous(), lens)
+    with pytest.raises(TypeError, match="split_rule"):
+        mala._C.kvcache_direct(q, k_cache, v_cache, lens, None, None, None, 1.0, True, 0.0, 0, 7, False)
+    with pytest.raises(TypeError, match="13 positional"):
+        mala._C.kvcache_direct(q, k_cache)
+    assert torch.equal(k_cache, before)
