@@ -433,14 +433,12 @@ __global__ void __launch_bounds__(384, 1)
       *reinterpret_cast<uint32_t*>(dsb + STile::offset(krow + 8, c + 8)) = da[kq][3];
     }
     fence_proxy_async_smem();
-    // dV += P^T dO, dK += dS^T Q.
+    // dV += P^T dO (while the warpgroups meet), then dQ, then dK += dS^T Q: dQ goes to the writer's
+    // buffer while dK still runs (FlashAttention-3's order), instead of after it.
     wgmma_fence();
 #pragma unroll
     for (int kq = 0; kq < 4; ++kq)
       WgmmaRS<D, 1, T>::run(dv, pa[kq], wgmma_desc(sDOs + kq * 2048, QTile::kBlockBytes, 1024));
-#pragma unroll
-    for (int kq = 0; kq < 4; ++kq)
-      WgmmaRS<D, 1, T>::run(dk, da[kq], wgmma_desc(sQs + kq * 2048, QTile::kBlockBytes, 1024));
     wgmma_commit();
     // dQ once both warpgroups' dS^T are in shared memory.
     named_barrier_sync(C::kBarDs, C::kConsumers);
@@ -456,15 +454,14 @@ __global__ void __launch_bounds__(384, 1)
       WgmmaSS<64, 1, 1, T>::run(dq, a, b);
     }
     wgmma_commit();
-    wgmma_wait<1>();  // dV, dK: Q_t and dO_t are free
+#pragma unroll
+    for (int kq = 0; kq < 4; ++kq)
+      WgmmaRS<D, 1, T>::run(dk, da[kq], wgmma_desc(sQs + kq * 2048, QTile::kBlockBytes, 1024));
+    wgmma_commit();
+    wgmma_wait<1>();  // dV and dQ (groups complete in order): dO_t is free, dQ is ready
     wgmma_fence_operands(dv);
-    wgmma_fence_operands(dk);
-    if (lane == 0) {
-      mbar_arrive(mb_q_empty + 8 * qs);
-      mbar_arrive(mb_do_empty + 8 * ds);
-    }
-    wgmma_wait<0>();
     wgmma_fence_operands(dq);
+    if (lane == 0) mbar_arrive(mb_do_empty + 8 * ds);
     // dQ -> the writer's buffer: 4 boxes of 32 columns x 64 rows, 128-byte swizzle (chunk c of row r
     // at c ^ (r % 8)); warpgroup g writes boxes 2g, 2g + 1.  Accumulator element 4n + 2hh + c: row
     // 16 wl + gid + 8 hh, column 8n + 2 tig + c of the warpgroup's 64.
@@ -483,6 +480,9 @@ __global__ void __launch_bounds__(384, 1)
     }
     fence_proxy_async_smem();
     post_dq(static_cast<int>(h * p.rows_q_cap + w.qrow0 + q0), h, x.qi());
+    wgmma_wait<0>();  // dK: Q_t is free
+    wgmma_fence_operands(dk);
+    if (lane == 0) mbar_arrive(mb_q_empty + 8 * qs);
   };
   for (; t < n_iter; advance()) {
     if (kDense || retain_2)
