@@ -746,10 +746,11 @@ PyObject* kvcache_direct(PyObject* /*self*/, PyObject* const* args, Py_ssize_t n
   auto r = kvcache_core(*q, *k_cache, *v_cache, *lens, opt[0], opt[1], opt[2], tau, causal != 0, scale, num_splits,
                         want_lse != 0, /*return_stats=*/false, c10::string_view(rule, rule_len));
   // The append wrote into the caches in place: bump their versions as the operator's mutation
-  // annotations (Tensor(a!)) would, so that autograd notices a saved cache was modified.
+  // annotations (Tensor(a!)) would, so that autograd notices a saved cache was modified.  Inference
+  // tensors have no version counter.
   if (opt[0].has_value()) {
-    torch::autograd::impl::bump_version(*k_cache);
-    torch::autograd::impl::bump_version(*v_cache);
+    if (!k_cache->is_inference()) torch::autograd::impl::bump_version(*k_cache);
+    if (!v_cache->is_inference()) torch::autograd::impl::bump_version(*v_cache);
   }
   if (!want_lse) return THPVariable_Wrap(std::move(std::get<0>(r)));
   PyObject* out = THPVariable_Wrap(std::move(std::get<0>(r)));

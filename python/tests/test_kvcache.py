@@ -397,6 +397,17 @@ def test_direct_path_defers_to_the_dispatcher(device):
 
 
 @pytest.mark.parametrize("device", device_params())
+def test_direct_path_appends_to_inference_tensors(device):
+    """Caches made under torch.inference_mode (no version counter) take the appended keys too."""
+    with torch.inference_mode():
+        q, k_cache, v_cache, lens, k_new, v_new = _cache_case(device, seqlen_new=1, seed=8)
+        out = mala.attention_with_kvcache(q, k_cache, v_cache, lens, k=k_new, v=v_new, tau=0.0)
+    n = int(lens[0])
+    assert torch.equal(k_cache[0, n], k_new[0, 0]) and torch.equal(v_cache[0, n], v_new[0, 0])
+    assert out.shape == q.shape and torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("device", device_params())
 def test_direct_path_errors_name_the_argument(device):
     """The direct path runs the operator's checks: the same errors, and nothing written."""
     q, k_cache, v_cache, lens, k_new, v_new = _cache_case(device, seqlen_new=1, seed=7)
