@@ -21,7 +21,8 @@
 //     mask, offline test against each row's raw-score bound, CTA vote (tau > 0)
 //     P^T = exp2(S^T - lse), dS^T = P^T (dP^T - D)      in registers
 //     dS^T -> shared memory;  dV_g += P^T dO,  dK_g += dS^T Q    (A from registers)
-//     both warpgroups' dS^T stored (named barrier): dQ[:, 64g..] = dS K  (d = 64: dQ over own keys)
+//     both warpgroups' dS^T stored (named barrier): dQ[:, (D/2)g..] = dS K, then dK
+//     (dQ goes to the writer while dK runs)
 //     dQ -> shared memory (swizzled, conflict-free) for the writer.
 //   A skipped tile stops after S^T: it releases its Q slot and issues no dP^T, dV, dK or dQ work.
 #pragma once
@@ -187,8 +188,7 @@ __global__ void __launch_bounds__(384, 1)
     } else if (warp == 2) {
       // Deterministic mode: the tile's adds wait until the counter says that every key tile before
       // this one has added (or skipped) it, and complete before the counter moves on (the buffer goes
-      // back to the consumers as soon as it has been read); at d = 64 the two warpgroups' halves,
-      // which add to the same elements, go one after the other.
+      // back to the consumers as soon as it has been read).
       for (int k = 0;; ++k) {
         mbar_wait<true>(mb_dq_full, parity(k));
         // Read by the lane that gives the buffer back (so the read is ordered before that arrival).
@@ -208,13 +208,7 @@ __global__ void __launch_bounds__(384, 1)
           }
           if (row >= 0) {
 #pragma unroll
-            for (int b = 0; b < 4; ++b) {
-              tma_reduce_add_2d(&maps.dq, sDQ + b * (BQ * 128), 32 * (b % (D / 32)), row);
-              if (det && D == 64 && b == 1) {
-                bulk_commit_group();
-                bulk_wait_group0();
-              }
-            }
+            for (int b = 0; b < D / 32; ++b) tma_reduce_add_2d(&maps.dq, sDQ + b * (BQ * 128), 32 * b, row);
             bulk_commit_group();
             bulk_wait_group_read0();
           }
@@ -244,12 +238,11 @@ __global__ void __launch_bounds__(384, 1)
 #pragma unroll
   for (int i = 0; i < D / 2; ++i) dk[i] = dv[i] = 0.f;
 
-  // dQ of the tile whose dS^T is in buffer `buf` (m64n64 per warpgroup).  d = 128: warpgroup g takes
-  // dims 64g.. over all 128 keys.  d = 64: warpgroup g takes all 64 dims over its own keys 64g..,
-  // into its own half of the buffer; the writer adds both halves.
-  constexpr bool kDqSplitKeys = D == 64;
-  constexpr int kDqKeys = kDqSplitKeys ? 64 : BK;
-  const int dq_key0 = kDqSplitKeys ? 64 * wg : 0, dq_col0 = kDqSplitKeys ? 0 : 64 * wg;
+  // dQ of the tile (m64 x D/2 per warpgroup): warpgroup g takes dims (D/2) g.. over all 128 keys, so
+  // that the writer adds each element once per tile (at d = 64 the B operand starts half-way into
+  // K's 128-byte swizzle rows).
+  constexpr int kDqCols = D / 2;
+  const int dq_col0 = kDqCols * wg;
   const bool recording = p.tile_mask != nullptr || p.bwd_slots != nullptr;
 
   mbar_wait<true>(mb_kv, 0);
@@ -442,16 +435,17 @@ __global__ void __launch_bounds__(384, 1)
     wgmma_commit();
     // dQ once both warpgroups' dS^T are in shared memory.
     named_barrier_sync(C::kBarDs, C::kConsumers);
-    float dq[32];
+    float dq[kDqCols / 2];
 #pragma unroll
-    for (int i = 0; i < 32; ++i) dq[i] = 0.f;
+    for (int i = 0; i < kDqCols / 2; ++i) dq[i] = 0.f;
     wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < kDqKeys / 16; ++kk) {
-      const uint32_t krow_off = (dq_key0 + kk * 16) * 128;
+    for (int kk = 0; kk < BK / 16; ++kk) {
+      const uint32_t krow_off = kk * 16 * 128;
       const uint64_t a = wgmma_desc(sDS + krow_off, STile::kBlockBytes, 1024);
-      const uint64_t b = wgmma_desc(sK + (dq_col0 / 64) * KTile::kBlockBytes + krow_off, KTile::kBlockBytes, 1024);
-      WgmmaSS<64, 1, 1, T>::run(dq, a, b);
+      const uint64_t b = wgmma_desc(sK + (dq_col0 / 64) * KTile::kBlockBytes + (dq_col0 % 64) * 2 + krow_off,
+                                    KTile::kBlockBytes, 1024);
+      WgmmaSS<kDqCols, 1, 1, T>::run(dq, a, b);
     }
     wgmma_commit();
 #pragma unroll
@@ -462,17 +456,18 @@ __global__ void __launch_bounds__(384, 1)
     wgmma_fence_operands(dv);
     wgmma_fence_operands(dq);
     if (lane == 0) mbar_arrive(mb_do_empty + 8 * ds);
-    // dQ -> the writer's buffer: 4 boxes of 32 columns x 64 rows, 128-byte swizzle (chunk c of row r
-    // at c ^ (r % 8)); warpgroup g writes boxes 2g, 2g + 1.  Accumulator element 4n + 2hh + c: row
-    // 16 wl + gid + 8 hh, column 8n + 2 tig + c of the warpgroup's 64.
+    // dQ -> the writer's buffer: D / 32 boxes of 32 columns x 64 rows, 128-byte swizzle (chunk c of
+    // row r at c ^ (r % 8)); warpgroup g writes boxes (D / 64) g ...  Accumulator element 4n + 2hh +
+    // c: row 16 wl + gid + 8 hh, column 8n + 2 tig + c of the warpgroup's D / 2.
     wait_dq_buffer();
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
       const int r = wl * 16 + gid + hh * 8;
 #pragma unroll
-      for (int n = 0; n < 8; ++n) {
+      for (int n = 0; n < kDqCols / 8; ++n) {
         const uint32_t chunk = static_cast<uint32_t>(((n & 3) << 1) | (tig >> 1)) ^ static_cast<uint32_t>(r & 7);
-        const uint32_t addr = sDQ + (2 * wg + (n >> 2)) * (BQ * 128) + r * 128 + (chunk << 4) + ((tig & 1) << 3);
+        const uint32_t addr =
+            sDQ + (dq_col0 / 32 + (n >> 2)) * (BQ * 128) + r * 128 + (chunk << 4) + ((tig & 1) << 3);
         asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(dq[4 * n + 2 * hh]),
                      "f"(dq[4 * n + 2 * hh + 1])
                      : "memory");
