@@ -45,7 +45,7 @@ struct BwdWs {
   using KTile = GmmaTile<BK, D>;
   using QTile = GmmaTile<BQ, D>;
   using STile = GmmaTile<BK, BQ>;            // dS^T [key][query]
-  static constexpr int kDqBytes = BQ * 128 * 4;  // 4 boxes of 32 fp32 columns x 64 rows
+  static constexpr int kDqBytes = BQ * 128 * 4;  // D / 32 boxes of 32 fp32 columns x 64 rows (room for 4)
   static constexpr int kOffK = 0;
   static constexpr int kOffV = kOffK + KTile::kBytes;
   static constexpr int kOffQ = kOffV + KTile::kBytes;
