@@ -617,7 +617,7 @@ std::tuple<Tensor, Tensor, Tensor> kvcache_core(const Tensor& q_in, const Tensor
     a.lse = lse.data_ptr<float>();
   }
   if (return_stats) {
-    slots = at::zeros({batch, hq, a.seqlen_q}, q.options().dtype(at::kInt));
+    slots = empty_or(true, {batch, hq, a.seqlen_q}, q, at::kInt);
     a.fwd_slots = slots.data_ptr<int32_t>();
   }
   if (q.numel() == 0) return {out, lse, slots};
@@ -639,7 +639,7 @@ std::tuple<Tensor, Tensor, Tensor> kvcache(const Tensor& q, const Tensor& k_cach
                                            c10::string_view split_rule) {
   auto r = kvcache_core(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, tau, causal, softmax_scale,
                         num_splits, /*want_lse=*/true, return_stats, split_rule);
-  if (!return_stats) std::get<2>(r) = new_empty({0}, at::kInt, q);
+  if (!return_stats) std::get<2>(r) = empty_or(false, {0}, q, at::kInt);
   return r;
 }
 
