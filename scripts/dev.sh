@@ -48,7 +48,18 @@ configure_and_build() {
 # without CUDA kernels into a temporary folder, then pytest (the CUDA tests skip without a GPU).
 python_tests() {
   [ -x .venv-py/bin/python ] || python3 -m venv .venv-py
-  .venv-py/bin/pip install -q --disable-pip-version-check -r python/requirements-ci.txt
+  # PyPI's torch brings its CUDA libraries: about 5 GiB installed, 3 GiB more while pip unpacks.
+  # Warn up front, so that a pip failing half-way with ENOSPC is explained.
+  if ! .venv-py/bin/python -c "import torch" 2>/dev/null; then
+    local free_kib
+    free_kib=$(df -Pk . | awk 'NR == 2 { print $4 }')
+    if [ "${free_kib:-0}" -lt $((8 * 1024 * 1024)) ]; then
+      echo "dev.sh: warning: the Python test environment (.venv-py: torch and its CUDA wheels) needs" \
+           "about 8 GiB free while it installs; $((free_kib / 1024 / 1024)) GiB is free on" \
+           "$(df -P . | awk 'NR == 2 { print $6 }')" >&2
+    fi
+  fi
+  .venv-py/bin/pip install -q --disable-pip-version-check --no-cache-dir -r python/requirements-ci.txt
   PYTHON=.venv-py/bin/python CMAKE_ARGS="-DMALA_CUDA=OFF" JOBS="$JOBS" \
     bash scripts/python_check.sh -q python/tests tools/real/tests
 }
