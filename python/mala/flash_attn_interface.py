@@ -2,6 +2,12 @@
 
     from mala.flash_attn_interface import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
 
+and the packed forms, flash_attn_qkvpacked_func, flash_attn_kvpacked_func,
+flash_attn_varlen_qkvpacked_func and flash_attn_varlen_kvpacked_func: qkv [B, N, 3, H, d] (varlen
+[total, 3, H, d]), kv [B, Nk, 2, Hkv, d] (varlen [total_k, 2, Hkv, d]).  q, k and v are views of
+the packed tensor (no copy; the kernels take the strides), and the gradient arrives as one tensor of
+the packed shape.
+
 The positional and keyword arguments are flash_attn's (2.x), so switching is an import change; the
 defaults are flash_attn's too (causal=False), plus one keyword-only argument, `tau` (default 1.0,
 MALA's tolerance; tau=0.0 is exact dense attention).  Arguments MALA does not implement (dropout,
@@ -30,7 +36,8 @@ import torch
 
 from .api import attention, attention_varlen, attention_with_kvcache
 
-__all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache"]
+__all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "flash_attn_qkvpacked_func",
+           "flash_attn_kvpacked_func", "flash_attn_varlen_qkvpacked_func", "flash_attn_varlen_kvpacked_func"]
 
 
 def _common_checks(dropout_p, window_size, softcap, alibi_slopes):
@@ -97,3 +104,62 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     return attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k=k, v=v, block_table=block_table, tau=tau,
                                   causal=causal, softmax_scale=softmax_scale, num_splits=num_splits,
                                   return_lse=return_softmax_lse, check_inputs=check_inputs, split_rule=split_rule)
+
+
+def _unpack(t, name: str, layout: str, dim: int, parts: int):
+    """The views q, k, v (or k, v) of a packed tensor; its shape checked against `layout`."""
+    rank = layout.count(",") + 1
+    if not isinstance(t, torch.Tensor) or t.dim() != rank or t.shape[dim] != parts:
+        got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+        raise ValueError(f"{name}: must have shape {layout} (got {got})")
+    # unbind: autograd stacks the parts' gradients into one tensor of the packed shape.
+    return t.unbind(dim=dim)
+
+
+def flash_attn_qkvpacked_func(qkv: torch.Tensor, dropout_p: float = 0.0, softmax_scale: Optional[float] = None,
+                              causal: bool = False, window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                              alibi_slopes=None, deterministic: bool = False, return_attn_probs: bool = False, *,
+                              tau: float = 1.0):
+    """flash_attn.flash_attn_qkvpacked_func: qkv [B, N, 3, H, d] -> out [B, N, H, d] (one head count for
+    q, k and v, as in flash_attn; GQA: flash_attn_kvpacked_func)."""
+    q, k, v = _unpack(qkv, "qkv", "[batch, seqlen, 3, heads, head_dim]", 2, 3)
+    return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                           deterministic, return_attn_probs, tau=tau)
+
+
+def flash_attn_kvpacked_func(q: torch.Tensor, kv: torch.Tensor, dropout_p: float = 0.0,
+                             softmax_scale: Optional[float] = None, causal: bool = False,
+                             window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0, alibi_slopes=None,
+                             deterministic: bool = False, return_attn_probs: bool = False, *, tau: float = 1.0):
+    """flash_attn.flash_attn_kvpacked_func: q [B, Nq, Hq, d], kv [B, Nk, 2, Hkv, d] -> out [B, Nq, Hq, d]."""
+    k, v = _unpack(kv, "kv", "[batch, seqlen_k, 2, heads_kv, head_dim]", 2, 2)
+    return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                           deterministic, return_attn_probs, tau=tau)
+
+
+def flash_attn_varlen_qkvpacked_func(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
+                                     dropout_p: float = 0.0, softmax_scale: Optional[float] = None,
+                                     causal: bool = False, window_size: Tuple[int, int] = (-1, -1),
+                                     softcap: float = 0.0, alibi_slopes=None, deterministic: bool = False,
+                                     return_attn_probs: bool = False, *, tau: float = 1.0,
+                                     check_inputs: bool = False):
+    """flash_attn.flash_attn_varlen_qkvpacked_func: qkv [total, 3, H, d] -> out [total, H, d]."""
+    q, k, v = _unpack(qkv, "qkv", "[total, 3, heads, head_dim]", 1, 3)
+    return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p, softmax_scale,
+                                  causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs,
+                                  tau=tau, check_inputs=check_inputs)
+
+
+def flash_attn_varlen_kvpacked_func(q: torch.Tensor, kv: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                                    cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
+                                    dropout_p: float = 0.0, softmax_scale: Optional[float] = None,
+                                    causal: bool = False, window_size: Tuple[int, int] = (-1, -1),
+                                    softcap: float = 0.0, alibi_slopes=None, deterministic: bool = False,
+                                    return_attn_probs: bool = False, *, tau: float = 1.0,
+                                    check_inputs: bool = False):
+    """flash_attn.flash_attn_varlen_kvpacked_func: q [total_q, Hq, d], kv [total_k, 2, Hkv, d] -> out
+    [total_q, Hq, d]."""
+    k, v = _unpack(kv, "kv", "[total_k, 2, heads_kv, head_dim]", 1, 2)
+    return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                                  softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                                  return_attn_probs, tau=tau, check_inputs=check_inputs)

@@ -5,7 +5,9 @@ import torch
 
 import mala
 from conftest import device_params, dtype_for, local_inputs, rand, reference_attention, rel_l2
-from mala.flash_attn_interface import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
+from mala.flash_attn_interface import (flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func,
+                                      flash_attn_varlen_func, flash_attn_varlen_kvpacked_func,
+                                      flash_attn_varlen_qkvpacked_func, flash_attn_with_kvcache)
 
 
 @pytest.mark.parametrize("device", device_params())
@@ -135,3 +137,65 @@ def test_kvcache_checks_only_on_request(device):
     assert out.shape == q.shape
     with pytest.raises(ValueError, match="cache_seqlens"):
         flash_attn_with_kvcache(q, kc, vc, cache_seqlens=bad, causal=True, check_inputs=True)
+
+
+@pytest.mark.parametrize("device", device_params())
+def test_packed_forms_are_the_unpacked_calls(device):
+    """The packed forms read views of the packed tensor: the same outputs as the unpacked functions on
+    those views, bit for bit, and one gradient of the packed shape equal to the unpacked gradients."""
+    dtype = dtype_for(device)
+    qkv = rand((2, 150, 3, 4, 64), device, dtype).requires_grad_()
+    q, k, v = qkv.unbind(2)
+    out = flash_attn_qkvpacked_func(qkv, 0.0, None, True, tau=0.0)
+    assert torch.equal(out, flash_attn_func(q, k, v, causal=True, tau=0.0))
+    out1, lse, probs = flash_attn_qkvpacked_func(qkv, causal=True, return_attn_probs=True)  # tau = 1
+    assert probs is None and lse.shape == (2, 4, 150)
+    assert torch.equal(out1, flash_attn_func(q, k, v, causal=True))
+    # The gradient: one tensor shaped like qkv, holding dq, dk, dv of separate leaves.
+    (dqkv,) = torch.autograd.grad(out.float().square().sum(), qkv)
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    ref_grads = torch.autograd.grad(flash_attn_func(*leaves, causal=True, tau=0.0).float().square().sum(), leaves)
+    assert dqkv.shape == qkv.shape
+    for i, g in enumerate(ref_grads):
+        assert rel_l2(dqkv[:, :, i], g) < 1e-3, "dqkv[:, :, %d]" % i
+
+    # kv packed, GQA (8 query heads on 2 KV heads).
+    qg = rand((2, 150, 8, 64), device, dtype)
+    kv = rand((2, 190, 2, 2, 64), device, dtype)
+    assert torch.equal(flash_attn_kvpacked_func(qg, kv, causal=True, tau=0.0),
+                       flash_attn_func(qg, kv[:, :, 0], kv[:, :, 1], causal=True, tau=0.0))
+
+
+@pytest.mark.parametrize("device", device_params())
+def test_varlen_packed_forms_are_the_unpacked_calls(device):
+    dtype = dtype_for(device)
+    cu = torch.tensor([0, 70, 71, 201], dtype=torch.int32, device=device)
+    qkv = rand((201, 3, 4, 64), device, dtype)
+    out, lse, probs = flash_attn_varlen_qkvpacked_func(qkv, cu, 130, causal=True, return_attn_probs=True, tau=0.0)
+    assert probs is None and lse.shape == (4, 201)
+    assert torch.equal(out, flash_attn_varlen_func(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu, cu, 130, 130, causal=True,
+                                                   tau=0.0))
+    q = rand((201, 8, 64), device, dtype)
+    cu_k = torch.tensor([0, 90, 100, 300], dtype=torch.int32, device=device)
+    kv = rand((300, 2, 2, 64), device, dtype)
+    assert torch.equal(flash_attn_varlen_kvpacked_func(q, kv, cu, cu_k, 130, 200, causal=True),
+                       flash_attn_varlen_func(q, kv[:, 0], kv[:, 1], cu, cu_k, 130, 200, causal=True))
+
+
+def test_packed_forms_check_the_packing_and_the_flags():
+    q = rand((1, 8, 4, 64), "cpu", torch.float32)
+    for call, name in [(lambda: flash_attn_qkvpacked_func(rand((1, 8, 2, 4, 64), "cpu", torch.float32)), "qkv"),
+                       (lambda: flash_attn_qkvpacked_func(q), "qkv"),
+                       (lambda: flash_attn_kvpacked_func(q, rand((1, 8, 3, 4, 64), "cpu", torch.float32)), "kv"),
+                       (lambda: flash_attn_varlen_qkvpacked_func(q[0], torch.tensor([0, 8], dtype=torch.int32), 8),
+                        "qkv"),
+                       (lambda: flash_attn_varlen_kvpacked_func(q[0], q[0], torch.tensor([0, 8], dtype=torch.int32),
+                                                                torch.tensor([0, 8], dtype=torch.int32), 8, 8), "kv")]:
+        with pytest.raises(ValueError, match=name + ": must have shape"):
+            call()
+    with pytest.raises(NotImplementedError, match="dropout_p"):
+        flash_attn_qkvpacked_func(rand((1, 8, 3, 4, 64), "cpu", torch.float32), dropout_p=0.1)
+    with pytest.raises(NotImplementedError, match="window_size"):
+        flash_attn_varlen_kvpacked_func(q[0], rand((8, 2, 4, 64), "cpu", torch.float32),
+                                        torch.tensor([0, 8], dtype=torch.int32), torch.tensor([0, 8], dtype=torch.int32),
+                                        8, 8, window_size=(4, 0))
