@@ -17,6 +17,39 @@ from .stats import AttentionStats, visible_keys_decode, visible_keys_dense, visi
 
 
 SPLIT_RULES = ("per_split", "seeded")  # attention_with_kvcache's split_rule (mala::SplitRule)
+CUDA_HEAD_DIMS = (64, 128, 256)  # the CUDA kernels' head dims (the library rejects others on CUDA)
+
+
+def _pad_target(head_dim: int) -> Optional[int]:
+    """The kernel head dim a CUDA call of attention / attention_varlen runs a head_dim of no kernel at:
+    the next of CUDA_HEAD_DIMS (None: run as is; over 256, the library's error)."""
+    if head_dim in CUDA_HEAD_DIMS or not 0 < head_dim <= CUDA_HEAD_DIMS[-1]:
+        return None
+    return next(x for x in CUDA_HEAD_DIMS if x >= head_dim)
+
+
+def _cuda_pad_target(q, k, v) -> Optional[int]:
+    """_pad_target for a CUDA call whose q, k and v agree on head_dim (else the library names the
+    mismatch)."""
+    if not all(isinstance(t, torch.Tensor) and t.dim() >= 1 for t in (q, k, v)) or not q.is_cuda:
+        return None
+    d = q.shape[-1]
+    if k.shape[-1] != d or v.shape[-1] != d:
+        return None
+    return _pad_target(d)
+
+
+def _call_padded(fn, pad_to: int, q, k, v, softmax_scale, kwargs):
+    """fn(q, k, v, ...) at head dim pad_to: zeros appended to q, k and v change no score and give output
+    columns of zeros, which are dropped (the result is a view, as flash_attn's is).  The scale stays
+    1/sqrt(head_dim) of the caller's head_dim unless given.  Gradients flow through the padding."""
+    d = q.shape[-1]
+    scale = 1.0 / math.sqrt(d) if softmax_scale is None else softmax_scale
+    qp, kp, vp = (torch.nn.functional.pad(t, (0, pad_to - d)) for t in (q, k, v))
+    res = fn(qp, kp, vp, softmax_scale=scale, **kwargs)
+    if isinstance(res, tuple):
+        return (res[0][..., :d],) + tuple(res[1:])
+    return res[..., :d]
 
 
 def _scale_arg(softmax_scale):
@@ -124,14 +157,21 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tau: float = 1.
     """MALA attention.  q [B, Nq, Hq, d], k/v [B, Nk, Hkv, d] (Hq % Hkv == 0) -> out [B, Nq, Hq, d].
 
     tau = 0 is exact dense attention; tau = 1 the paper's default tolerance.  causal aligns the
-    diagonal bottom-right (row i sees keys <= i + Nk - Nq).  CUDA: float16/bfloat16, head_dim 64,
-    128 or 256; CPU tensors run the exact CPU implementation (float32 too).  Differentiable in q, k, v.
+    diagonal bottom-right (row i sees keys <= i + Nk - Nq).  CUDA: float16/bfloat16, head_dim up to
+    256 (the kernels' are 64, 128 and 256; another head_dim runs at the next of those, its inputs
+    zero-padded and out a view of the first head_dim columns); CPU tensors run the exact CPU
+    implementation (float32 too).  Differentiable in q, k, v.
     deterministic: the backward's gradients are bit-identical from run to run (CUDA: sm_90; the CPU
     always is).  Returns out, then lse [B, Hq, Nq] float32 if return_lse, then an
     AttentionStats if return_stats.
     """
     tau = _tau_arg(tau)
     scale = _scale_arg(softmax_scale)
+    pad_to = _cuda_pad_target(q, k, v)
+    if pad_to is not None:
+        return _call_padded(attention, pad_to, q, k, v, softmax_scale,
+                            dict(tau=tau, causal=causal, return_lse=return_lse, return_stats=return_stats,
+                                 deterministic=deterministic))
     if not return_stats:
         out, lse, _, _ = torch.ops.mala.fwd(q, k, v, tau, causal, scale, False, bool(deterministic))
         return _results(out, lse, None, return_lse, False)
@@ -151,12 +191,19 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     """MALA attention over packed sequences.  q [total_q, Hq, d], k/v [total_k, Hkv, d]; sequence b is
     rows cu_seqlens_q[b]:cu_seqlens_q[b+1] of q (and likewise for k).  cu_seqlens_* are int32
     [batch + 1] on the device of q.  lse is [Hq, total_q].  check_inputs validates the offsets on the
-    host (one synchronization; skipped under torch.compile and CUDA-graph capture).  deterministic as
-    for attention.
+    host (one synchronization; skipped under torch.compile and CUDA-graph capture).  deterministic and
+    head dims as for attention.
     """
     tau = _tau_arg(tau)
     scale = _scale_arg(softmax_scale)
     max_seqlen_q, max_seqlen_k = int(max_seqlen_q), int(max_seqlen_k)
+    pad_to = _cuda_pad_target(q, k, v)
+    if pad_to is not None:
+        return _call_padded(lambda qp, kp, vp, **kw: attention_varlen(qp, kp, vp, cu_seqlens_q, cu_seqlens_k,
+                                                                      max_seqlen_q, max_seqlen_k, **kw),
+                            pad_to, q, k, v, softmax_scale,
+                            dict(tau=tau, causal=causal, return_lse=return_lse, return_stats=return_stats,
+                                 check_inputs=check_inputs, deterministic=deterministic))
     if check_inputs and _host_checks_allowed(q):
         _check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", q.shape[0], max_seqlen_q, "max_seqlen_q")
         _check_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", k.shape[0], max_seqlen_k, "max_seqlen_k")
