@@ -184,6 +184,37 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tau: float = 1.
     return _results(out, lse, stats, return_lse, True)
 
 
+def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                                 attn_mask: Optional[torch.Tensor] = None, dropout_p: float = 0.0,
+                                 is_causal: bool = False, scale: Optional[float] = None, enable_gqa: bool = False,
+                                 *, tau: float = 1.0):
+    """torch.nn.functional.scaled_dot_product_attention's signature and [B, H, N, d] layout over
+    attention (plus the keyword-only tau; tau = 0 is exact dense attention).  query [B, Hq, Nq, d],
+    key/value [B, Hkv, Nk, d] -> [B, Hq, Nq, d] (a transposed view, as the inputs are passed).
+
+    What MALA does not do raises, naming the argument: an attn_mask (no masks but the causal one),
+    dropout_p > 0, is_causal with Nq != Nk (torch aligns that mask top-left, MALA bottom-right as
+    flash_attn does: call attention), Hq != Hkv without enable_gqa=True (as torch does).
+    """
+    if attn_mask is not None:
+        raise NotImplementedError("attn_mask: MALA takes no attention mask (is_causal=True for the causal one)")
+    if float(dropout_p) != 0.0:
+        raise NotImplementedError(f"dropout_p: MALA has no attention dropout (got {dropout_p}; only 0.0)")
+    for t, name in ((query, "query"), (key, "key"), (value, "value")):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise ValueError(f"{name}: must be a 4-D tensor [batch, heads, seqlen, head_dim]")
+    if is_causal and query.shape[2] != key.shape[2]:
+        raise ValueError(f"is_causal: torch aligns the causal mask top-left when seqlen_q != seqlen_k "
+                         f"({query.shape[2]} != {key.shape[2]}), MALA bottom-right (flash_attn's convention); "
+                         f"call mala.attention for that")
+    if query.shape[1] != key.shape[1] and not enable_gqa:
+        raise ValueError(f"enable_gqa: query has {query.shape[1]} heads and key {key.shape[1]}; pass enable_gqa=True "
+                         f"(as for torch's scaled_dot_product_attention)")
+    out = attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), tau=tau, causal=is_causal,
+                    softmax_scale=scale)
+    return out.transpose(1, 2)
+
+
 def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                      cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, tau: float = 1.0,
                      causal: bool = True, softmax_scale: Optional[float] = None, return_lse: bool = False,
