@@ -207,6 +207,8 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
         raise ValueError(f"is_causal: torch aligns the causal mask top-left when seqlen_q != seqlen_k "
                          f"({query.shape[2]} != {key.shape[2]}), MALA bottom-right (flash_attn's convention); "
                          f"call mala.attention for that")
+    if scale is not None and not (math.isfinite(float(scale)) and float(scale) > 0.0):
+        raise ValueError(f"scale: must be finite and > 0, or None for 1/sqrt(head_dim) (got {scale})")
     if query.shape[1] != key.shape[1] and not enable_gqa:
         raise ValueError(f"enable_gqa: query has {query.shape[1]} heads and key {key.shape[1]}; pass enable_gqa=True "
                          f"(as for torch's scaled_dot_product_attention)")

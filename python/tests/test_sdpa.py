@@ -63,3 +63,5 @@ def test_what_mala_does_not_do_is_named():
         mala.scaled_dot_product_attention(q, k[:, :2], v[:, :2])
     with pytest.raises(ValueError, match="query"):
         mala.scaled_dot_product_attention(q[0], k, v)
+    with pytest.raises(ValueError, match="^scale"):
+        mala.scaled_dot_product_attention(q, k, v, scale=0.0)
