@@ -39,13 +39,13 @@ def _config(**overrides):
     return transformers.LlamaConfig(**cfg)  # head_dim = 64
 
 
-def _models(device, tau, seed=0):
+def _models(device, tau, seed=0, **config):
     """A mala model and an sdpa model with identical weights."""
     mala_hf.register(tau=tau)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     torch.manual_seed(seed)
-    ref = transformers.AutoModelForCausalLM.from_config(_config(), attn_implementation="sdpa", dtype=dtype)
-    model = transformers.AutoModelForCausalLM.from_config(_config(), attn_implementation="mala", dtype=dtype)
+    ref = transformers.AutoModelForCausalLM.from_config(_config(**config), attn_implementation="sdpa", dtype=dtype)
+    model = transformers.AutoModelForCausalLM.from_config(_config(**config), attn_implementation="mala", dtype=dtype)
     model.load_state_dict(ref.state_dict())
     assert model.config._attn_implementation == "mala"
     return model.to(device).eval(), ref.to(device).eval()
@@ -63,6 +63,18 @@ def _tolerance(device):
 @pytest.mark.parametrize("device", device_params())
 def test_logits_match_sdpa_at_tau0(device, mala_calls):
     model, ref = _models(device, tau=0.0)
+    ids = _tokens(device)
+    with torch.no_grad():
+        logits = model(ids).logits
+        ref_logits = ref(ids).logits
+    assert mala_calls == [("dense", 200, 200)] * 2, "both layers must run mala"
+    assert rel_l2(logits, ref_logits) < _tolerance(device)
+
+
+@pytest.mark.parametrize("device", device_params())
+def test_head_dim_96_matches_sdpa(device, mala_calls):
+    """Phi-style heads (96: no CUDA kernel; attention runs them zero-padded to 128 there)."""
+    model, ref = _models(device, tau=0.0, hidden_size=384, head_dim=96)
     ids = _tokens(device)
     with torch.no_grad():
         logits = model(ids).logits
