@@ -335,9 +335,14 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 
 def tile_sizes(kernel: str, q: torch.Tensor, k: torch.Tensor, causal: bool = True, num_splits: int = 0):
-    """(block_q, block_k) the named kernel ('forward', 'backward', 'decode') uses for these inputs."""
+    """(block_q, block_k) the named kernel ('forward', 'backward', 'decode') uses for these inputs.  On
+    CUDA a head_dim of no kernel gives the tiles of the head dim attention pads it to (decode: the
+    library's error, as decode does not pad)."""
     batch, seqlen_q = (q.shape[0], q.shape[1]) if q.dim() == 4 else (1, q.shape[0])
     seqlen_k = k.shape[1] if k.dim() == 4 else k.shape[0]
+    head_dim = q.shape[-1]
+    if q.is_cuda and kernel != "decode":
+        head_dim = _pad_target(head_dim) or head_dim
     block_q, block_k, _ = torch.ops.mala.tile_sizes(kernel, q.device, q.dtype, batch, seqlen_q, seqlen_k,
-                                                    q.shape[-2], k.shape[-2], q.shape[-1], causal, int(num_splits))
+                                                    q.shape[-2], k.shape[-2], head_dim, causal, int(num_splits))
     return block_q, block_k

@@ -65,6 +65,15 @@ def test_cuda_head_dims_without_a_kernel(d):
 
 
 @cuda
+def test_cuda_tile_sizes_are_the_padded_kernels():
+    dtype = dtype_for("cuda")
+    q96, k96 = rand((1, 512, 8, 96), "cuda", dtype), rand((1, 512, 2, 96), "cuda", dtype)
+    q128, k128 = rand((1, 512, 8, 128), "cuda", dtype), rand((1, 512, 2, 128), "cuda", dtype)
+    for kernel in ("forward", "backward"):
+        assert mala.tile_sizes(kernel, q96, k96) == mala.tile_sizes(kernel, q128, k128)
+
+
+@cuda
 def test_cuda_varlen_head_dim_without_a_kernel():
     dtype = dtype_for("cuda")
     cu = torch.tensor([0, 70, 71, 201], dtype=torch.int32, device="cuda")
