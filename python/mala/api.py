@@ -17,7 +17,7 @@ from .stats import AttentionStats, visible_keys_decode, visible_keys_dense, visi
 
 
 SPLIT_RULES = ("per_split", "seeded")  # attention_with_kvcache's split_rule (mala::SplitRule)
-CUDA_HEAD_DIMS = (64, 128, 256)  # the CUDA kernels' head dims (the library rejects others on CUDA)
+CUDA_HEAD_DIMS = (64, 128, 256)  # the CUDA kernels' head dims: src/validate.cpp rejects others on CUDA
 
 
 def _pad_target(head_dim: int) -> Optional[int]:
@@ -52,12 +52,14 @@ def _call_padded(fn, pad_to: int, q, k, v, softmax_scale, kwargs):
     return res[..., :d]
 
 
-def _scale_arg(softmax_scale):
+def _scale_arg(softmax_scale, name="softmax_scale"):
+    """The scale as the operators take it (0.0: the library's 1/sqrt(head_dim)); `name` is the
+    caller's name for the argument (torch's SDPA calls it `scale`)."""
     if softmax_scale is None:
-        return 0.0  # the library's 1/sqrt(head_dim)
+        return 0.0
     scale = float(softmax_scale)
     if not (math.isfinite(scale) and scale > 0.0):
-        raise ValueError(f"softmax_scale: must be finite and > 0, or None for 1/sqrt(head_dim) (got {softmax_scale})")
+        raise ValueError(f"{name}: must be finite and > 0, or None for 1/sqrt(head_dim) (got {softmax_scale})")
     return scale
 
 
@@ -207,8 +209,7 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
         raise ValueError(f"is_causal: torch aligns the causal mask top-left when seqlen_q != seqlen_k "
                          f"({query.shape[2]} != {key.shape[2]}), MALA bottom-right (flash_attn's convention); "
                          f"call mala.attention for that")
-    if scale is not None and not (math.isfinite(float(scale)) and float(scale) > 0.0):
-        raise ValueError(f"scale: must be finite and > 0, or None for 1/sqrt(head_dim) (got {scale})")
+    _scale_arg(scale, "scale")
     if query.shape[1] != key.shape[1] and not enable_gqa:
         raise ValueError(f"enable_gqa: query has {query.shape[1]} heads and key {key.shape[1]}; pass enable_gqa=True "
                          f"(as for torch's scaled_dot_product_attention)")
