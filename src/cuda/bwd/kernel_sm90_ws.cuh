@@ -51,9 +51,10 @@ struct BwdWs {
   static constexpr int kOffQ = kOffV + KTile::kBytes;
   static constexpr int kOffDO = kOffQ + kQStages * QTile::kBytes;
   static constexpr int kOffDS = kOffDO + 2 * QTile::kBytes;
-  // One dS^T buffer: both warpgroups have finished a tile's dQ products once they meet at the dQ
-  // buffer's barrier, before either writes the next tile's dS^T.  (The space went to a fourth Q
-  // stage, which the skip path, loading nothing else, runs on.)
+  // One dS^T buffer: before a warpgroup writes a tile's dS^T, the dQ writer's full barrier has
+  // completed the last post, which both warpgroups make only once their dQ products (which read
+  // dS^T) are complete.  (The space went to a fourth Q stage, which the skip path, loading nothing
+  // else, runs on.)
   static constexpr int kOffDQ = kOffDS + STile::kBytes;
   // The per-row scalars of a query tile (lse in log2 units, the skip bound, D) arrive by TMA as kVec
   // floats from the 16-byte boundary at or before the tile's first row (a box must start there): the
@@ -383,7 +384,11 @@ __global__ void __launch_bounds__(384, 1)
       mbar_wait<true>(mb_do_full + 8 * (t & 1), parity(t >> 1));
       keys_x_rows(dp, sV, sDO + (t & 1) * QTile::kBytes);
     }
-    // Retained tile t.
+    // Retained tile t.  Its dS^T goes into the one buffer once the other warpgroup's dQ products of
+    // the last retained tile have read it: both warpgroups post to the writer only after those, so
+    // the last post's phase of the writer's full barrier says so.  (The barrier is at most that phase
+    // on: the next one needs this warpgroup's own post.)  Waited for here, where dP^T still runs.
+    if (n_posts > 0) mbar_wait<true>(mb_dq_full, parity(n_posts - 1));
     const int ds = t & 1, h = x.h(), q0 = x.qi() * BQ;
     const uint32_t sQs = sQ + qs * QTile::kBytes, sDOs = sDO + ds * QTile::kBytes;
     // P = exp2(S - lse) while dP^T is computed.
@@ -415,7 +420,7 @@ __global__ void __launch_bounds__(384, 1)
         pa[kq][i] = pack2<T>(s[8 * kq + 2 * i], s[8 * kq + 2 * i + 1]);
         da[kq][i] = pack2<T>(dp[8 * kq + 2 * i], dp[8 * kq + 2 * i + 1]);
       }
-    // dS^T -> shared memory for dQ.
+    // dS^T -> shared memory for dQ (the buffer is free: the wait at the top of the tile).
     unsigned char* dsb = smem + C::kOffDS;
 #pragma unroll
     for (int kq = 0; kq < 4; ++kq) {
