@@ -78,13 +78,17 @@ struct RingPos {
 
 // kDense: tau = 0 (no test, no vote; every legal tile retained).  kSeeded: a seeded split
 // (FwdParams::seed_lse, fwd/common.cuh): the test's denominator starts from the anchor mass and the
-// anchor tiles the split holds are retained untested.
-template <typename T, int D, bool kDense, bool kSeeded>
+// anchor tiles the split holds are retained untested.  kRecord (tau > 0): the instance for calls
+// that ask for the tile mask or the slots; the others carry no per-tile code for them (the mask's
+// predicated store and the retained count: 11 instructions a warp per tile, 8 of them between the
+// vote and the exponentials).  The dense instance records after its loop and always has it.
+template <typename T, int D, bool kDense, bool kSeeded, bool kRecord>
 __global__ void __launch_bounds__(384, 1)
     mala_fwd_kernel_sm90_k128(const FwdParams p, const __grid_constant__ CUtensorMap tmap_k,
                               const __grid_constant__ CUtensorMap tmap_v) {
 #ifdef MALA_WGMMA_ENABLED
   static_assert(!(kDense && kSeeded), "a seeded split tests");
+  static_assert(kRecord || !kDense, "the dense instance records after its loop");
   using C = FwdK128<D>;
   constexpr int BQ = C::BQ, BK = C::BK, NT = BK / 8, DT = D / 8, KS = D / 16, NS = C::kStages;
   using QTile = typename C::QTile;
@@ -158,7 +162,7 @@ __global__ void __launch_bounds__(384, 1)
   // The vote's count (tile_test.cuh, pair_vote_popc): every lane of a retaining pair-0 warp, lane 0
   // of a retaining pair-1 warp.
   const uint32_t vote_counted = wl < 2 || lane == 0;
-  uint8_t* mask_row = wl % 2 == 0 ? wgmma_fwd_mask_row(p, b, h, row_pair, C::kDecRows, pair_hi, lane) : nullptr;
+  uint8_t* mask_row = kRecord && wl % 2 == 0 ? wgmma_fwd_mask_row(p, b, h, row_pair, C::kDecRows, pair_hi, lane) : nullptr;
   float m[1][2], l[1][2], acc[1][DT][4];
   softmax_init<1, DT>(m, l, acc);
   float(&acc_flat)[D / 2] = *reinterpret_cast<float(*)[D / 2]>(&acc[0][0][0]);
@@ -231,9 +235,9 @@ __global__ void __launch_bounds__(384, 1)
       quad_row_max<1>(mx);
       const bool pair_retain = (cnt & (pair ? 31u : ~31u)) != 0u;
       run = __any_sync(0xffffffffu, cnt != 0u);  // warp-uniform for ptxas: no divergence handling
-      if (mask_row && lane == 0 && t <= pair_hi) mask_row[t] = pair_retain ? kTileRetained : kTileSkipped;
+      if (kRecord && mask_row && lane == 0 && t <= pair_hi) mask_row[t] = pair_retain ? kTileRetained : kTileSkipped;
       if (!run) return false;
-      retained += pair_retain ? 1 : 0;
+      if constexpr (kRecord) retained += pair_retain ? 1 : 0;
       const bool grew = softmax_step_deferred<1, NT, true>(s, mx, p.scale_log2, pair_retain, m, l, alpha);
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh)
@@ -294,21 +298,25 @@ __global__ void __launch_bounds__(384, 1)
       for (int kt = lane; kt <= pair_hi; kt += 32) mask_row[kt] = kTileRetained;
     slots = (pair_hi + 1) * BK;
   } else {
-    slots = retained * BK;
+    slots = retained * BK;  // 0 where !kRecord: the call asked for no slots
   }
   fwd_epilogue<T, 1, DT>(p, sq, b, h, row_w, lane, m, l, acc, slots);
 #endif
 }
 
-// Launches the instance for (dense, seeded) (grid: query tiles of 128 rows, heads, batch).  The
-// tensor maps' boxes are FwdK128<D>::BK rows.
+// Launches the instance for (dense, seeded, record) (grid: query tiles of 128 rows, heads, batch),
+// record where the call asks for the tile mask or the slots.  The tensor maps' boxes are
+// FwdK128<D>::BK rows.
 template <typename T, int D>
 cudaError_t launch_fwd_sm90_k128(const FwdParams& p, bool dense, bool seeded, const CUtensorMap& tk,
                                  const CUtensorMap& tv, cudaStream_t stream) {
   using C = FwdK128<D>;
-  auto kernel = dense    ? mala_fwd_kernel_sm90_k128<T, D, true, false>
-                : seeded ? mala_fwd_kernel_sm90_k128<T, D, false, true>
-                         : mala_fwd_kernel_sm90_k128<T, D, false, false>;
+  const bool record = p.tile_mask != nullptr || p.slots != nullptr;
+  auto kernel = dense    ? mala_fwd_kernel_sm90_k128<T, D, true, false, true>
+                : seeded ? (record ? mala_fwd_kernel_sm90_k128<T, D, false, true, true>
+                                   : mala_fwd_kernel_sm90_k128<T, D, false, true, false>)
+                         : (record ? mala_fwd_kernel_sm90_k128<T, D, false, false, true>
+                                   : mala_fwd_kernel_sm90_k128<T, D, false, false, false>);
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmem);
   if (err != cudaSuccess) return err;
   dim3 grid(rule::ceil_div(p.seqlen_q, C::BQ), p.heads_q, p.batch);
