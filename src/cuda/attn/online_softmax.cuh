@@ -119,10 +119,14 @@ __device__ __forceinline__ bool softmax_lazy_move(float m_old, float cand, bool 
 // The update shared by softmax_step_or_keep and softmax_step_deferred (below): m, l and s -> P; where
 // some row of the warp moved its base (warp-uniform), the factors alpha go to on_grew(alpha) inside
 // that branch (alpha = 1 exactly for the rows that did not move) and this returns true.
-template <int MT, int NT, bool kQuadSum, typename OnGrew>
+// kDeferSum (with kQuadSum; softmax_step_deferred_sum): where no base moved, l is left as it was and
+// part gets this lane's parts of the tile's row sums, for the caller's softmax_add_deferred_sum;
+// where one moved, l is updated here and part is 0.
+template <int MT, int NT, bool kQuadSum, bool kDeferSum = false, typename OnGrew>
 __device__ __forceinline__ bool softmax_step_update(float (&s)[MT][NT][4], const float (&tile_max_raw)[MT][2],
                                                     float scale_log2, bool keep, float (&m)[MT][2], float (&l)[MT][2],
-                                                    OnGrew&& on_grew) {
+                                                    OnGrew&& on_grew, float (*part)[2] = nullptr) {
+  static_assert(kQuadSum || !kDeferSum, "a deferred sum is reduced over the quad");
   float base[MT][2], m_old[MT][2], sum[MT][2];
   bool grew = false;
 #pragma unroll
@@ -146,6 +150,7 @@ __device__ __forceinline__ bool softmax_step_update(float (&s)[MT][NT][4], const
       for (int h = 0; h < 2; ++h) {
         alpha[mt][h] = keep ? exp2f(m_old[mt][h] - base[mt][h]) : 1.f;
         l[mt][h] = fmaf(l[mt][h], alpha[mt][h], kQuadSum ? warp_sum_quad(sum[mt][h]) : sum[mt][h]);
+        if constexpr (kDeferSum) part[mt][h] = 0.f;
       }
     on_grew(alpha);
     return true;
@@ -153,7 +158,12 @@ __device__ __forceinline__ bool softmax_step_update(float (&s)[MT][NT][4], const
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-    for (int h = 0; h < 2; ++h) l[mt][h] += kQuadSum ? warp_sum_quad(sum[mt][h]) : sum[mt][h];
+    for (int h = 0; h < 2; ++h) {
+      if constexpr (kDeferSum)
+        part[mt][h] = sum[mt][h];
+      else
+        l[mt][h] += kQuadSum ? warp_sum_quad(sum[mt][h]) : sum[mt][h];
+    }
   return false;
 }
 
@@ -169,6 +179,33 @@ __device__ __forceinline__ bool softmax_step_deferred(float (&s)[MT][NT][4], con
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) alpha[mt][0] = a[mt][0], alpha[mt][1] = a[mt][1];
   });
+}
+
+// softmax_step_deferred (kQuadSum) with the quad reduction of a tile's row sums and their addition
+// to l left to the caller where no base moved (the common tile): part gets this lane's parts, and
+// softmax_add_deferred_sum(l, part), run later (fwd/kernel_sm90_k128.cuh: once the next tile's
+// wgmmas are issued), leaves l bit for bit as softmax_step_deferred would have (the same sum added to
+// the same l).  Where a base moved, l is updated here as there and part = 0, which adds nothing
+// (l + 0 = l, flush-to-zero included: l is 0 or at least 1, the key that set the base having P = 1).
+template <int MT, int NT>
+__device__ __forceinline__ bool softmax_step_deferred_sum(float (&s)[MT][NT][4], const float (&tile_max_raw)[MT][2],
+                                                          float scale_log2, bool keep, float (&m)[MT][2],
+                                                          float (&l)[MT][2], float (&alpha)[MT][2],
+                                                          float (&part)[MT][2]) {
+  return softmax_step_update<MT, NT, true, true>(
+      s, tile_max_raw, scale_log2, keep, m, l,
+      [&](const float(&a)[MT][2]) {
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) alpha[mt][0] = a[mt][0], alpha[mt][1] = a[mt][1];
+      },
+      part);
+}
+template <int MT>
+__device__ __forceinline__ void softmax_add_deferred_sum(float (&l)[MT][2], const float (&part)[MT][2]) {
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) l[mt][h] += warp_sum_quad(part[mt][h]);
 }
 
 // softmax_step_or_keep: one tile's update of MT m16 blocks, with the lazy rescale above: only rows

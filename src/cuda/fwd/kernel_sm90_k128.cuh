@@ -165,6 +165,8 @@ __global__ void __launch_bounds__(384, 1)
   uint8_t* mask_row = kRecord && wl % 2 == 0 ? wgmma_fwd_mask_row(p, b, h, row_pair, C::kDecRows, pair_hi, lane) : nullptr;
   float m[1][2], l[1][2], acc[1][DT][4];
   softmax_init<1, DT>(m, l, acc);
+  // tau > 0: this lane's parts of the last retained tile's row sums, not yet in l (settle, below).
+  float part[1][2] = {{0.f, 0.f}};
   float(&acc_flat)[D / 2] = *reinterpret_cast<float(*)[D / 2]>(&acc[0][0][0]);
   wgmma_fence_operands(acc_flat);  // O's zeros before the first wgmma (else ptxas sinks them: C7515)
   const uint32_t sQ = sbase + C::kOffQ + wg * QTile::kBytes;
@@ -211,6 +213,21 @@ __global__ void __launch_bounds__(384, 1)
       for (int kk = 0; kk < BK / 16; ++kk) WgmmaRS<D, 1, T>::run(acc_flat, pa[kk], wgmma_desc_advance(dV, kk * 2048));
     }
   };
+  // tau > 0, once the next tile's wgmmas are issued where the warpgroup retained the last tile: its
+  // row sums into l (reduced over the quad) and the bound from the new m + log2 l, bit for bit what
+  // the test would get were they computed right after the exponentials (softmax_step_deferred_sum),
+  // but off the path from the exponentials to P V: the shuffles and lg2 wait behind the wgmmas.
+  auto settle = [&]() {
+    if constexpr (!kDense) {
+      softmax_add_deferred_sum<1>(l, part);
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh)
+        bound[0][hh] = rule::skip_bound_raw(
+            kSeeded ? fwd_log2_norm(p, b, h, row_w + (lane >> 2) + 8 * hh, Nq, m[0][hh], l[0][hh])
+                    : log2_norm(m[0][hh], l[0][hh]),
+            log_thr[0][hh], inv_scale);
+    }
+  };
   auto pv_done = [&]() {
     wgmma_fence_operands(acc_flat);
     if (lane == 0) mbar_arrive(mb_empty_v + 8 * vr.slot);
@@ -238,14 +255,8 @@ __global__ void __launch_bounds__(384, 1)
       if (kRecord && mask_row && lane == 0 && t <= pair_hi) mask_row[t] = pair_retain ? kTileRetained : kTileSkipped;
       if (!run) return false;
       if constexpr (kRecord) retained += pair_retain ? 1 : 0;
-      const bool grew = softmax_step_deferred<1, NT, true>(s, mx, p.scale_log2, pair_retain, m, l, alpha);
-#pragma unroll
-      for (int hh = 0; hh < 2; ++hh)
-        bound[0][hh] = rule::skip_bound_raw(
-            kSeeded ? fwd_log2_norm(p, b, h, row_w + (lane >> 2) + 8 * hh, Nq, m[0][hh], l[0][hh])
-                    : log2_norm(m[0][hh], l[0][hh]),
-            log_thr[0][hh], inv_scale);
-      return grew;
+      // l and the bound: settle, once the next tile's wgmmas are issued.
+      return softmax_step_deferred_sum<1, NT>(s, mx, p.scale_log2, pair_retain, m, l, alpha, part);
     }
   };
   auto pack_p = [&]() {
@@ -273,6 +284,7 @@ __global__ void __launch_bounds__(384, 1)
       issue_pv(run);
       if (run) {
         wgmma_commit();
+        settle();
         wgmma_wait<1>();
       } else {
         wgmma_wait<0>();
@@ -286,7 +298,10 @@ __global__ void __launch_bounds__(384, 1)
       if (run) pack_p();
     }
     issue_pv(run);
-    if (run) wgmma_commit();
+    if (run) {
+      wgmma_commit();
+      settle();  // l for the epilogue
+    }
     wgmma_wait<0>();
     pv_done();
   }
