@@ -8,9 +8,12 @@
 // A CTA is three warpgroups over 128 query rows (causal: the longest query tiles first):
 //   producer (warpgroup 0, 24 registers; one thread issues every TMA load): K(t) and V(t) into rings
 //     of kStages slots (full/empty mbarriers), in the consumers' order: K(top), then K(t - 1)
-//     before V(t).  V is loaded for skipped tiles too: a producer that waited for the decision
-//     before loading V was 4-5% slower where every tile is kept (bench/results/
-//     mala_bench_fwd_k128_tau_h100.log, item 7).
+//     before V(t).  Dense, and d = 64 (FwdK128::kVSkip): V(t) always.  tau > 0: V(t) at once while the newest decision the
+//     consumers have published (read without waiting; each warpgroup publishes per tile whether it
+//     runs P V, through a ring of 8 slots) says some warpgroup ran; otherwise it waits for tile t's
+//     decision and loads V(t) only where a warpgroup runs it, else completes the slot's full barrier
+//     with a plain arrival (no bytes).  A producer that always waited for the decision was 4-5%
+//     slower where every tile is kept (bench/results/mala_bench_fwd_k128_tau_h100.log, item 7).
 //   consumers (warpgroups 1 and 2, 240 registers, 64 rows each; Q in registers, at d = 256 in shared
 //     memory): per key tile, from
 //     the diagonal down,
@@ -55,8 +58,22 @@ struct FwdK128 {
   static constexpr int kOffV = kOffK + kStages * KVTile::kBytes;
   static constexpr int kOffQ = kOffV + kStages * KVTile::kBytes;  // [2] one per consumer warpgroup
   static constexpr int kOffMbar = kOffQ + 2 * QTile::kBytes;       // full_k, empty_k, full_v, empty_v [kStages]
-  static constexpr int kBytes = kOffMbar + 4 * kStages * 8;
-  static constexpr int kSmem = kBytes + 1024;
+  // tau > 0 only: the decision ring for the producer's V loads, kDecSlots mbarriers (arrival count 2:
+  // one per consumer warpgroup) and kDecSlots flag pairs, 8 bytes apart as the mbarriers are (byte g:
+  // whether warpgroup g runs P V on the tile; one offset addresses both).
+  // kDecSlots >= kStages + 2 keeps a slot from being reused before the producer has read it (the
+  // consumers run at most kStages + 1 uses ahead of the producer's reads: see the producer).
+  // kVSkip: whether V waits on the decision at tau > 0.  Not at d = 64, where a tile's products are
+  // short: there the decision ring cost 14-19% where every tile is kept (32K and 128K, H100) and
+  // saved 6% where 0.5% of tiles are (docs/kernels.md, "V loads after a skip").
+  static constexpr bool kVSkip = D != 64;
+  static constexpr int kDecSlots = 8;  // a power of 2
+  static_assert(kDecSlots >= kStages + 2, "decision ring: a slot reused before the producer read it");
+  static constexpr int kOffDec = kOffMbar + 4 * kStages * 8;
+  static constexpr int kOffDecFlag = kOffDec + 8 * kDecSlots;
+  static constexpr int kBytes = kOffDec;  // dense: no decision ring
+  static constexpr int kBytesTest = kOffDecFlag + 8 * kDecSlots;
+  static constexpr int kSmem = kBytesTest + 1024, kSmemDense = kBytes + 1024;
 };
 
 // A ring slot and the phase parity of its current use, stepped once per tile.
@@ -95,7 +112,7 @@ __global__ void __launch_bounds__(384, 1)
   using KVTile = typename C::KVTile;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   uint32_t sbase;
-  (void)smem_align_1024(smem_raw, sbase);
+  unsigned char* const smem = smem_align_1024(smem_raw, sbase);
   const int tid = threadIdx.x, b = blockIdx.z, h = blockIdx.y;
   const int qtile = longest_first_query_tile(p.causal);
   const FwdSeq<T> sq = fwd_seq<T>(p, b, h);
@@ -107,6 +124,10 @@ __global__ void __launch_bounds__(384, 1)
   const uint32_t sK0 = sbase + C::kOffK, sV0 = sbase + C::kOffV;
   const uint32_t mb_full_k = sbase + C::kOffMbar, mb_empty_k = mb_full_k + 8 * NS, mb_full_v = mb_empty_k + 8 * NS,
                  mb_empty_v = mb_full_v + 8 * NS;
+  // tau > 0: use u's decision in slot u % kDecSlots, phase parity (u / kDecSlots) & 1; flags [slot][wg].
+  constexpr int ND = C::kDecSlots;
+  const uint32_t mb_dec = sbase + C::kOffDec;
+  volatile uint8_t* const s_dec = smem + C::kOffDecFlag;
   if (tid == 0) {
     for (int i = 0; i < NS; ++i) {
       mbar_init(mb_full_k + 8 * i, 1);
@@ -114,6 +135,8 @@ __global__ void __launch_bounds__(384, 1)
       mbar_init(mb_full_v + 8 * i, 1);
       mbar_init(mb_empty_v + 8 * i, 8);
     }
+    if constexpr (!kDense && C::kVSkip)
+      for (int i = 0; i < C::kDecSlots; ++i) mbar_init(mb_dec + 8 * i, 2);  // one arrival per consumer warpgroup
     fence_mbarrier_init();
   }
   __syncthreads();
@@ -128,9 +151,48 @@ __global__ void __launch_bounds__(384, 1)
         tma_load_tile<BK, D>(s0 + r.slot * KVTile::kBytes, map, full + 8 * r.slot, k_row0 + (top - i) * BK, hk, k_batch);
       };
       load(sK0, &tmap_k, mb_full_k, mb_empty_k, 0);
-      for (int i = 0; i <= top; ++i) {
-        if (i < top) load(sK0, &tmap_k, mb_full_k, mb_empty_k, i + 1);
-        load(sV0, &tmap_v, mb_full_v, mb_empty_v, i);
+      if constexpr (kDense || !C::kVSkip) {
+        for (int i = 0; i <= top; ++i) {
+          if (i < top) load(sK0, &tmap_k, mb_full_k, mb_empty_k, i + 1);
+          load(sV0, &tmap_v, mb_full_v, mb_empty_v, i);
+        }
+      } else {
+        // V(i) (use i) at once while the newest decision published so far (read without waiting)
+        // says some warpgroup ran P V; otherwise once use i's own decision is out, and only if some
+        // warpgroup runs it: else the slot's full barrier completes with a plain arrival (no bytes),
+        // so the consumers' waits and the ring's phases are as with a load.  Nobody reads the slot.
+        // Progress: a warpgroup publishes use i's decision after waiting only for K(<= i) and
+        // V(<= i - 1) (above its first tile: after K(i), before V(i)), all issued before V(i) here.
+        // Ring (ND slots): use u's decision is published only once K(u) is full.  `seen` (the next
+        // decision to read) is > i - NS after V(i)'s empty wait (a warpgroup gives V(i - NS) back
+        // after publishing use i - NS's decision), and during step i no decision past use i + 1 can
+        // be out (K(i + 1) is the newest K issued): a slot read in step i (use >= i - NS) is not
+        // reused while ND >= NS + 2, and use u - ND's phase has completed before use u's is tested
+        // (parity waits are exact).  One warpgroup cannot arrive twice on a slot before the other
+        // arrived once: it publishes use u + ND after K(u + ND), issued after both warpgroups gave
+        // K(u + ND - NS) back, by which time both had published use u (ND >= NS + 1).
+        // Use u's decision: slot u % ND, phase parity (u / ND) & 1; whether some warpgroup runs it.
+        auto dec_bar = [&](uint32_t u) { return mb_dec + 8 * (u % ND); };
+        auto dec_run = [&](uint32_t u) { return *reinterpret_cast<volatile uint16_t*>(s_dec + 8 * (u % ND)) != 0; };
+        uint32_t seen = 0;
+        bool last = true;  // nothing decided yet: load
+        for (int i = 0; i <= top; ++i) {
+          if (i < top) load(sK0, &tmap_k, mb_full_k, mb_empty_k, i + 1);
+          const RingPos r = RingPos::at<NS>(i);
+          if (i >= NS) mbar_wait<true>(mb_empty_v + 8 * r.slot, r.phase ^ 1u);
+          for (; seen <= static_cast<uint32_t>(i) && mbar_test(dec_bar(seen), (seen / ND) & 1u); ++seen)
+            last = dec_run(seen);
+          if (!last) {
+            mbar_wait<true>(dec_bar(i), (static_cast<uint32_t>(i) / ND) & 1u);
+            last = dec_run(i);
+            seen = i + 1;
+          }
+          const uint32_t full = mb_full_v + 8 * r.slot;
+          if (last)
+            tma_load_tile<BK, D>(sV0 + r.slot * KVTile::kBytes, &tmap_v, full, k_row0 + (top - i) * BK, hk, k_batch);
+          else
+            mbar_arrive(full);
+        }
       }
     }
     return;
@@ -177,8 +239,23 @@ __global__ void __launch_bounds__(384, 1)
   SFlat& s_flat = *reinterpret_cast<SFlat*>(&s[0][0][0]);
   uint32_t pa[BK / 16][4];
   RingPos kr{0, 0u}, vr{0, 0u};
+  // tau > 0: whether this warpgroup runs P V on tile t, for the producer (thread 0 of the warpgroup),
+  // published once S(t) is decided and before V(t) is waited for.
+  // Predicated in PTX rather than branched around: a branch on lane == 0 costs a BSSY/BSYNC pair.
+  const uint32_t publisher = wl == 0 && lane == 0;
+  auto publish = [&](int t, bool run) {
+    if constexpr (!kDense && C::kVSkip) {
+      const uint32_t u8 = static_cast<uint32_t>(top - t) % ND * 8;
+      asm volatile(
+          "{\n .reg .pred p;\n .reg .b64 st;\n setp.ne.u32 p, %0, 0;\n @p st.shared.u8 [%1], %2;\n"
+          " @p mbarrier.arrive.shared.b64 st, [%3];\n}\n" ::"r"(publisher),
+          "r"(sbase + C::kOffDecFlag + wg + u8), "r"(run ? 1u : 0u), "r"(mb_dec + u8)
+          : "memory");
+    }
+  };
   for (int t = top; t > wg_hi; --t) {  // tiles this warpgroup's rows do not reach
     mbar_wait<true>(mb_full_k + 8 * kr.slot, kr.phase);
+    publish(t, false);  // nothing to compute; before V(t)'s wait, which may wait for this decision
     mbar_wait<true>(mb_full_v + 8 * vr.slot, vr.phase);
     if (lane == 0) {
       mbar_arrive(mb_empty_k + 8 * kr.slot);
@@ -273,6 +350,7 @@ __global__ void __launch_bounds__(384, 1)
     {
       float alpha[1][2];
       (void)scores(t, alpha, run);  // O is still zero
+      publish(t, run);
       if (run) pack_p();
     }
     for (; t > 0; --t) {
@@ -292,6 +370,7 @@ __global__ void __launch_bounds__(384, 1)
       s_done();
       float alpha[1][2];
       const bool rescale = scores(t - 1, alpha, run);
+      publish(t - 1, run);
       wgmma_wait<0>();
       pv_done();
       if (rescale) softmax_rescale<1, DT>(alpha, acc);
@@ -332,10 +411,11 @@ cudaError_t launch_fwd_sm90_k128(const FwdParams& p, bool dense, bool seeded, co
                                    : mala_fwd_kernel_sm90_k128<T, D, false, true, false>)
                          : (record ? mala_fwd_kernel_sm90_k128<T, D, false, false, true>
                                    : mala_fwd_kernel_sm90_k128<T, D, false, false, false>);
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmem);
+  const int smem = dense ? C::kSmemDense : C::kSmem;
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return err;
   dim3 grid(rule::ceil_div(p.seqlen_q, C::BQ), p.heads_q, p.batch);
-  kernel<<<grid, C::kThreads, C::kSmem, stream>>>(p, tk, tv);
+  kernel<<<grid, C::kThreads, smem, stream>>>(p, tk, tv);
   return cudaGetLastError();
 }
 
