@@ -123,6 +123,13 @@ __device__ __forceinline__ float fwd_row_seed(const FwdParams& p, int b, int h, 
 __device__ __forceinline__ float fwd_log2_norm(const FwdParams& p, int b, int h, int r, int Nq, float m, float l) {
   return p.seed_lse ? seeded_log2_norm(fwd_row_seed(p, b, h, r, Nq), m, l) : log2_norm(m, l);
 }
+// Row r's raw-score skip bound after a retained tile (rule::skip_bound_raw) from its m and l: the
+// test's denominator m + log2 l, with a seeded split's anchor mass in the kSeeded instances.
+template <bool kSeeded>
+__device__ __forceinline__ float fwd_row_bound(const FwdParams& p, int b, int h, int r, int Nq, float m, float l,
+                                               float log_thr, float inv_scale) {
+  return rule::skip_bound_raw(kSeeded ? fwd_log2_norm(p, b, h, r, Nq, m, l) : log2_norm(m, l), log_thr, inv_scale);
+}
 // The anchor tiles a seeded split holds for the decision tile whose first row is r0 and newest legal
 // tile last_tile, retained untested: tile 0 when owns_tile0 (held0), and the rows' newest legal
 // tiles [lo, hi] (rule::newest_tile of the first row's L up to last_tile) when owns_newest; lo > hi:

@@ -299,10 +299,8 @@ __global__ void __launch_bounds__(384, 1)
       softmax_add_deferred_sum<1>(l, part);
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh)
-        bound[0][hh] = rule::skip_bound_raw(
-            kSeeded ? fwd_log2_norm(p, b, h, row_w + (lane >> 2) + 8 * hh, Nq, m[0][hh], l[0][hh])
-                    : log2_norm(m[0][hh], l[0][hh]),
-            log_thr[0][hh], inv_scale);
+        bound[0][hh] = fwd_row_bound<kSeeded>(p, b, h, row_w + (lane >> 2) + 8 * hh, Nq, m[0][hh], l[0][hh],
+                                              log_thr[0][hh], inv_scale);
     }
   };
   auto pv_done = [&]() {

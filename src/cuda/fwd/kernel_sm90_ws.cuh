@@ -291,10 +291,8 @@ __global__ void __launch_bounds__(384, 1)
         softmax_step_or_keep<1, NT, DT>(s, mx, p.scale_log2, pair_retain, m, l, acc);
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh)
-          bound[0][hh] = rule::skip_bound_raw(
-              kSeeded ? fwd_log2_norm(p, b, h, row_w + (lane >> 2) + 8 * hh, Nq, m[0][hh], l[0][hh])
-                      : log2_norm(m[0][hh], l[0][hh]),
-              log_thr[0][hh], inv_scale);
+          bound[0][hh] = fwd_row_bound<kSeeded>(p, b, h, row_w + (lane >> 2) + 8 * hh, Nq, m[0][hh], l[0][hh],
+                                                log_thr[0][hh], inv_scale);
 #pragma unroll
         for (int kk = 0; kk < BK / 16; ++kk) p_to_a<T, 1, NT>(s, 0, kk, pa[kk]);
         retained += pair_retain ? 1 : 0;
