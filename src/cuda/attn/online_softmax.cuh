@@ -119,7 +119,7 @@ __device__ __forceinline__ bool softmax_lazy_move(float m_old, float cand, bool 
 // The update shared by softmax_step_or_keep and softmax_step_deferred (below): m, l and s -> P; where
 // some row of the warp moved its base (warp-uniform), the factors alpha go to on_grew(alpha) inside
 // that branch (alpha = 1 exactly for the rows that did not move) and this returns true.
-// kDeferSum (with kQuadSum; softmax_step_deferred_sum): where no base moved, l is left as it was and
+// kDeferSum (with kQuadSum; softmax_step_deferred): where no base moved, l is left as it was and
 // part gets this lane's parts of the tile's row sums, for the caller's softmax_add_deferred_sum;
 // where one moved, l is updated here and part is 0.
 template <int MT, int NT, bool kQuadSum, bool kDeferSum = false, typename OnGrew>
@@ -171,28 +171,18 @@ __device__ __forceinline__ bool softmax_step_update(float (&s)[MT][NT][4], const
 // previous tile's P V while this tile's exponentials run (fwd/kernel_sm90_k128.cuh): the factors go to
 // alpha, which the caller applies with softmax_rescale once that P V has completed -- only when this
 // returns true (alpha is not set otherwise).
-template <int MT, int NT, bool kQuadSum = true>
+// kDeferSum (with kQuadSum): the quad reduction of the tile's row sums and their addition to l are
+// left to the caller where no base moved (the common tile): part gets this lane's parts, and
+// softmax_add_deferred_sum(l, part), run later (fwd/kernel_sm90_k128.cuh: once the next tile's
+// wgmmas are issued), leaves l bit for bit as without kDeferSum (the same sum added to the same l).
+// Where a base moved, l is updated here and part = 0, which adds nothing (l + 0 = l, flush-to-zero
+// included: l is 0 or at least 1, the key that set the base having P = 1).
+template <int MT, int NT, bool kQuadSum = true, bool kDeferSum = false>
 __device__ __forceinline__ bool softmax_step_deferred(float (&s)[MT][NT][4], const float (&tile_max_raw)[MT][2],
                                                       float scale_log2, bool keep, float (&m)[MT][2],
-                                                      float (&l)[MT][2], float (&alpha)[MT][2]) {
-  return softmax_step_update<MT, NT, kQuadSum>(s, tile_max_raw, scale_log2, keep, m, l, [&](const float(&a)[MT][2]) {
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt) alpha[mt][0] = a[mt][0], alpha[mt][1] = a[mt][1];
-  });
-}
-
-// softmax_step_deferred (kQuadSum) with the quad reduction of a tile's row sums and their addition
-// to l left to the caller where no base moved (the common tile): part gets this lane's parts, and
-// softmax_add_deferred_sum(l, part), run later (fwd/kernel_sm90_k128.cuh: once the next tile's
-// wgmmas are issued), leaves l bit for bit as softmax_step_deferred would have (the same sum added to
-// the same l).  Where a base moved, l is updated here as there and part = 0, which adds nothing
-// (l + 0 = l, flush-to-zero included: l is 0 or at least 1, the key that set the base having P = 1).
-template <int MT, int NT>
-__device__ __forceinline__ bool softmax_step_deferred_sum(float (&s)[MT][NT][4], const float (&tile_max_raw)[MT][2],
-                                                          float scale_log2, bool keep, float (&m)[MT][2],
-                                                          float (&l)[MT][2], float (&alpha)[MT][2],
-                                                          float (&part)[MT][2]) {
-  return softmax_step_update<MT, NT, true, true>(
+                                                      float (&l)[MT][2], float (&alpha)[MT][2],
+                                                      float (*part)[2] = nullptr) {
+  return softmax_step_update<MT, NT, kQuadSum, kDeferSum>(
       s, tile_max_raw, scale_log2, keep, m, l,
       [&](const float(&a)[MT][2]) {
 #pragma unroll

@@ -8,8 +8,8 @@
 // A CTA is three warpgroups over 128 query rows (causal: the longest query tiles first):
 //   producer (warpgroup 0, 24 registers; one thread issues every TMA load): K(t) and V(t) into rings
 //     of kStages slots (full/empty mbarriers), in the consumers' order: K(top), then K(t - 1)
-//     before V(t).  Dense, and d = 64 (FwdK128::kVSkip): V(t) always.  tau > 0: V(t) at once while the newest decision the
-//     consumers have published (read without waiting; each warpgroup publishes per tile whether it
+//     before V(t).  Dense, and d = 64 (FwdK128::kVSkip): V(t) always.  tau > 0: V(t) at once
+//     while the newest decision the consumers have published (read without waiting; each warpgroup publishes per tile whether it
 //     runs P V, through a ring of 8 slots) says some warpgroup ran; otherwise it waits for tile t's
 //     decision and loads V(t) only where a warpgroup runs it, else completes the slot's full barrier
 //     with a plain arrival (no bytes).  A producer that always waited for the decision was 4-5%
@@ -71,9 +71,9 @@ struct FwdK128 {
   static_assert(kDecSlots >= kStages + 2, "decision ring: a slot reused before the producer read it");
   static constexpr int kOffDec = kOffMbar + 4 * kStages * 8;
   static constexpr int kOffDecFlag = kOffDec + 8 * kDecSlots;
-  static constexpr int kBytes = kOffDec;  // dense: no decision ring
-  static constexpr int kBytesTest = kOffDecFlag + 8 * kDecSlots;
-  static constexpr int kSmem = kBytesTest + 1024, kSmemDense = kBytes + 1024;
+  static constexpr int kBytes = kOffDec;  // no decision ring: dense, or no V skip
+  static constexpr int kBytesRing = kOffDecFlag + 8 * kDecSlots;
+  static constexpr int kSmem = kBytes + 1024, kSmemRing = kBytesRing + 1024;
 };
 
 // A ring slot and the phase parity of its current use, stepped once per tile.
@@ -224,7 +224,8 @@ __global__ void __launch_bounds__(384, 1)
   // The vote's count (tile_test.cuh, pair_vote_popc): every lane of a retaining pair-0 warp, lane 0
   // of a retaining pair-1 warp.
   const uint32_t vote_counted = wl < 2 || lane == 0;
-  uint8_t* mask_row = kRecord && wl % 2 == 0 ? wgmma_fwd_mask_row(p, b, h, row_pair, C::kDecRows, pair_hi, lane) : nullptr;
+  uint8_t* mask_row =
+      kRecord && wl % 2 == 0 ? wgmma_fwd_mask_row(p, b, h, row_pair, C::kDecRows, pair_hi, lane) : nullptr;
   float m[1][2], l[1][2], acc[1][DT][4];
   softmax_init<1, DT>(m, l, acc);
   // tau > 0: this lane's parts of the last retained tile's row sums, not yet in l (settle, below).
@@ -292,7 +293,7 @@ __global__ void __launch_bounds__(384, 1)
   };
   // tau > 0, once the next tile's wgmmas are issued where the warpgroup retained the last tile: its
   // row sums into l (reduced over the quad) and the bound from the new m + log2 l, bit for bit what
-  // the test would get were they computed right after the exponentials (softmax_step_deferred_sum),
+  // the test would get were they computed right after the exponentials (softmax_step_deferred, kDeferSum),
   // but off the path from the exponentials to P V: the shuffles and lg2 wait behind the wgmmas.
   auto settle = [&]() {
     if constexpr (!kDense) {
@@ -331,7 +332,7 @@ __global__ void __launch_bounds__(384, 1)
       if (!run) return false;
       if constexpr (kRecord) retained += pair_retain ? 1 : 0;
       // l and the bound: settle, once the next tile's wgmmas are issued.
-      return softmax_step_deferred_sum<1, NT>(s, mx, p.scale_log2, pair_retain, m, l, alpha, part);
+      return softmax_step_deferred<1, NT, true, true>(s, mx, p.scale_log2, pair_retain, m, l, alpha, part);
     }
   };
   auto pack_p = [&]() {
@@ -409,7 +410,7 @@ cudaError_t launch_fwd_sm90_k128(const FwdParams& p, bool dense, bool seeded, co
                                    : mala_fwd_kernel_sm90_k128<T, D, false, true, false>)
                          : (record ? mala_fwd_kernel_sm90_k128<T, D, false, false, true>
                                    : mala_fwd_kernel_sm90_k128<T, D, false, false, false>);
-  const int smem = dense ? C::kSmemDense : C::kSmem;
+  const int smem = !dense && C::kVSkip ? C::kSmemRing : C::kSmem;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return err;
   dim3 grid(rule::ceil_div(p.seqlen_q, C::BQ), p.heads_q, p.batch);
