@@ -40,6 +40,9 @@ struct Options {
   mala::cuda_backend::KernelOverride kernels;
   bool check = false;                                    // also compare with the CPU (small N only)
   bool deterministic = false;                            // backward: BackwardArgs::deterministic
+  // backward: pass the forward's tile mask (BackwardArgs::forward_tile_mask; the forward that makes
+  // O and lse records it, untimed)
+  bool fwd_mask = false;
   // Forward: time the taus of one input in alternation (tau_a, tau_b, tau_a, ... per iteration)
   // instead of one after the other, so GPU clock drift (power limit, heating) does not favour
   // whichever tau runs first.
@@ -147,6 +150,7 @@ inline int64_t parse_len(const std::string& s) {  // "4096", "4K", "128k"
 //   --sharpness 1,4,16   --batch B   --hq H   --hkv H   --d D   --dtype bf16|fp16   --noncausal
 //   --iters N   --warmup N   --no-flush   --seed S   --decode-batch 1,8   --check
 //   --interleave   --real PREFIX,...   --varlen (forward, batch 1)   --deterministic (backward)
+//   --fwd-mask (backward: with the forward's tile mask)
 //   --fwd-kernel auto|mma_sync|wgmma_cp_async|wgmma_ws   --bwd-kernel auto|mma_sync|wgmma_cp_async
 //   --decode-kernel auto|small_smem   --bwd-q-stages 2|3   --bwd-head-splits S   --bwd-q-order 0|1|2
 //   (the kernel override, for comparing kernels on one device)
@@ -185,6 +189,7 @@ inline Options parse_options(int argc, char** argv) {
     else if (a == "--bwd-head-splits") o.kernels.bwd_head_splits = std::stoi(next());
     else if (a == "--check") o.check = true;
     else if (a == "--deterministic") o.deterministic = true;
+    else if (a == "--fwd-mask") o.fwd_mask = true;
     else if (a == "--bwd-q-order") o.kernels.bwd_q_order = std::stoi(next());
     else if (a == "--interleave") o.interleave = true;
     else if (a == "--real") o.real = split_list(next());

@@ -31,8 +31,9 @@ int run_backward_bench(int argc, char** argv) {
   if (opt.real.empty())
     std::snprintf(shape, sizeof shape, "B=%lld Hq=%lld Hkv=%lld d=%lld", (long long)opt.batch, (long long)opt.heads_q,
                   (long long)opt.heads_kv, (long long)opt.head_dim);
-  std::printf("== backward: %s %s %s%s, %s (device %s)\n", mala::dtype_name(opt.dtype), shape,
+  std::printf("== backward: %s %s %s%s%s, %s (device %s)\n", mala::dtype_name(opt.dtype), shape,
               opt.causal ? "causal" : "non-causal", opt.deterministic ? ", deterministic" : "",
+              opt.fwd_mask ? ", with the forward's tile mask" : "",
               opt.interleave ? "median of --iters, L2 flushed, taus interleaved" : "median of --iters, L2 flushed",
               mala::device_name().c_str());
   std::printf("%-10s %5s %6s %4s %10s %8s %10s %9s %9s\n", "regime", "sharp", "N", "tau", "bwd ms", "TFLOP/s",
@@ -95,7 +96,7 @@ int run_backward_bench(int argc, char** argv) {
     // Per tau: its own O and lse (from our forward at that tau), the arguments, the realized work.
     struct PerTau {
       float tau;
-      DevMem o, lse;
+      DevMem o, lse, fmask;
       mala::BackwardArgs a;
       mala::Distribution sd;
       double kept;
@@ -121,6 +122,13 @@ int run_backward_bench(int argc, char** argv) {
       f.head_dim = d;
       f.causal = opt.causal;
       f.tau = tau;
+      mala::Tiles ft{};
+      if (opt.fwd_mask && tau > 0.f) {
+        ft = mala::forward_tiles(f);
+        run.fmask.alloc(static_cast<size_t>(B * hq * ((n + ft.block_q - 1) / ft.block_q) *
+                                            ((n + ft.block_k - 1) / ft.block_k)));
+        f.tile_mask = run.fmask.as<uint8_t>();
+      }
       s = mala::forward(f);
       if (!s) {
         std::printf("forward (needed for O, lse): %s\n", s.message.c_str());
@@ -146,6 +154,11 @@ int run_backward_bench(int argc, char** argv) {
       a.causal = opt.causal;
       a.tau = tau;
       a.deterministic = opt.deterministic;
+      if (f.tile_mask) {
+        a.forward_tile_mask = f.tile_mask;
+        a.forward_block_q = ft.block_q;
+        a.forward_block_k = ft.block_k;
+      }
       const size_t ws_need = mala::backward_workspace_size(a);
       if (ws.bytes < ws_need) ws.alloc(ws_need);
       // Realized work (untimed call with the counters on).

@@ -468,9 +468,19 @@ Status check_arguments(const BackwardArgs& a) {
     const std::pair<const void*, const char*> ptrs[] = {
         {a.q, "q"}, {a.k, "k"}, {a.v, "v"}, {a.o, "o"}, {a.dout, "dout"}, {a.lse, "lse"},
         {a.dq, "dq"}, {a.dk, "dk"}, {a.dv, "dv"}, {a.bwd_slots, "bwd_slots"}, {a.tile_mask, "tile_mask"},
-        {a.cu_seqlens_q, "cu_seqlens_q"}, {a.cu_seqlens_k, "cu_seqlens_k"}, {a.workspace, "workspace"}};
+        {a.cu_seqlens_q, "cu_seqlens_q"}, {a.cu_seqlens_k, "cu_seqlens_k"}, {a.workspace, "workspace"},
+        {a.forward_tile_mask, "forward_tile_mask"}};
     for (const auto& p : ptrs) MALA_TRY(check_cuda_pointer(a.device, p.first, p.second));
-    MALA_TRY(check_blocks(s, cuda_backend::backward_tiles(a)));
+    const Tiles bt = cuda_backend::backward_tiles(a);
+    MALA_TRY(check_blocks(s, bt));
+    if (a.forward_tile_mask) {
+      if (a.forward_block_q <= 0 || bt.block_q % a.forward_block_q != 0)
+        return fail("forward_block_q", "must divide the backward's block_q = " + str(bt.block_q) +
+                                           " with forward_tile_mask (got " + str(a.forward_block_q) + ")");
+      if (a.forward_block_k <= 0 || bt.block_k % a.forward_block_k != 0)
+        return fail("forward_block_k", "must divide the backward's block_k = " + str(bt.block_k) +
+                                           " with forward_tile_mask (got " + str(a.forward_block_k) + ")");
+    }
     if (a.workspace && a.workspace_bytes < cuda_backend::backward_workspace_size(a))
       return fail("workspace_bytes", "must be >= backward_workspace_size() = " +
                                          str(cuda_backend::backward_workspace_size(a)) + " (got " +

@@ -144,6 +144,17 @@ struct BackwardArgs {
   // The call as one split of a longer causal sequence (as ForwardArgs::rows_before; lse is then the
   // whole row's final lse): the offline test uses L_q = rows_before + r + 1.  -1 = off.
   int64_t rows_before = -1;
+  // Optional: the tile mask the forward of this same attention wrote (ForwardArgs::tile_mask, same
+  // inputs, tau and options), [batch, heads_q, ceil(seqlen_q / forward_block_q), ceil(seqlen_k /
+  // forward_block_k)], with the forward's tiles (forward_tiles()).  A backward tile none of whose
+  // forward tiles was retained is skipped without recomputing its scores: the forward tested them
+  // against a running normaliser no larger than the final lse, so the offline rule skips them too
+  // (MALA_SPEC: backward support is nested in forward support; the decisions are the same up to
+  // rounding at the threshold).  Each backward tile must be a union of forward tiles (forward_block_q
+  // divides backward_tiles().block_q, forward_block_k its block_k).  Used by the Hopper backward at
+  // d = 64 and 128 outside deterministic mode; ignored elsewhere (the CPU backward included).
+  const uint8_t* forward_tile_mask = nullptr;
+  int forward_block_q = 0, forward_block_k = 0;
   // dQ, dK and dV bit-identical from run to run: dQ is added in a fixed order of key tiles (d = 64
   // and 128) or computed by a query-major kernel without atomics (d = 256), and the dK / dV partials
   // of a split query-head group are summed in split order.  CUDA: the Hopper backward (sm_90, tensors

@@ -39,6 +39,7 @@ struct Case {
   bool user_workspace = false;
   bool totals = true;         // varlen: give total_q and total_k (the TMA kernel needs them)
   bool deterministic = false;
+  bool fwd_mask = false;                // pass the forward's tile mask (forward_tile_mask)
   int64_t rows_before = -1;   // one split of a longer sequence: the threshold's whole row length
   uint64_t seed = 1;
   bool quiet = false;  // no per-case line (the fuzz test prints a summary)
@@ -97,7 +98,8 @@ void run_case(const Case& c, FuzzStats* stats = nullptr) {
                                     << " nk=" << c.nk << " hq=" << c.hq << " hkv=" << c.hkv << " d=" << c.d
                                     << " causal=" << c.causal << " tau=" << c.tau << " regime=" << c.regime
                                     << " strided=" << c.strided << " varlen=" << !c.varlen_q.empty()
-                                    << " splits=" << c.head_splits << " deterministic=" << c.deterministic);
+                                    << " splits=" << c.head_splits << " deterministic=" << c.deterministic
+                                    << " fwd_mask=" << c.fwd_mask);
   // The head splits through the kernel override, beside the fixture's kernel.
   auto set_head_splits = [](int splits) {
     mala::cuda_backend::KernelOverride o = mala::cuda_backend::kernel_override();
@@ -153,6 +155,10 @@ void run_case(const Case& c, FuzzStats* stats = nullptr) {
   std::vector<float> o(lq.span, 0.f);
   const int64_t lse_n = varlen ? c.hq * cu_q.back() : batch * c.hq * nq;
   std::vector<float> lse(lse_n, 0.f);
+  // With fwd_mask, the forward records its decisions on the GPU forward's tiles (its O and lse then
+  // come from those tiles too), for the GPU backward's forward_tile_mask.
+  mala::Tiles ftiles{};
+  std::vector<uint8_t> fmask;
   {
     mala::ForwardArgs f;
     f.device = mala::Device::cpu;
@@ -174,6 +180,22 @@ void run_case(const Case& c, FuzzStats* stats = nullptr) {
     f.cu_seqlens_k = varlen ? cu_k.data() : nullptr;
     f.causal = c.causal;
     f.tau = c.tau;
+    if (c.fwd_mask) {
+      mala::ForwardArgs probe = f;
+      probe.device = mala::Device::cuda;
+      probe.dtype = c.dtype;
+      probe.q = probe.k = probe.v = nullptr;
+      probe.o = nullptr;
+      probe.lse = nullptr;
+      probe.cu_seqlens_q = probe.cu_seqlens_k = nullptr;
+      ftiles = mala::forward_tiles(probe);
+      f.block_q = ftiles.block_q;
+      f.block_k = ftiles.block_k;
+      fmask.assign(static_cast<size_t>(batch * c.hq * ((nq + ftiles.block_q - 1) / ftiles.block_q) *
+                                       ((nk + ftiles.block_k - 1) / ftiles.block_k)),
+                   9);
+      f.tile_mask = fmask.data();
+    }
     mala::Status s = mala::forward(f);
     ASSERT_TRUE(s.ok) << s.message;
   }
@@ -233,7 +255,13 @@ void run_case(const Case& c, FuzzStats* stats = nullptr) {
   DeviceBuffer<float> glse(lse_n);
   DeviceBuffer<int32_t> gslots(c.outputs ? lse_n : 0), gcu_q(varlen ? cu_q.size() : 0),
       gcu_k(varlen ? cu_k.size() : 0);
-  DeviceBuffer<uint8_t> gmask(c.outputs ? mask_n : 0);
+  DeviceBuffer<uint8_t> gmask(c.outputs ? mask_n : 0), gfmask(fmask.size());
+  if (c.fwd_mask) {
+    gfmask.upload(fmask);
+    ga.forward_tile_mask = gfmask.ptr;
+    ga.forward_block_q = ftiles.block_q;
+    ga.forward_block_k = ftiles.block_k;
+  }
   gq.upload(qb);
   gk.upload(kb);
   gv.upload(vb);
@@ -461,6 +489,25 @@ TEST_P(BackwardGpuSmall, VarlenStrided) {
   run_case(c);
 }
 
+// The small cases the dispatch tests share: 4 query heads on one KV head over 333 rows, and varlen
+// with an empty sequence and unequal lengths.
+Case small_gqa(int64_t d, const char* regime) {
+  Case c;
+  c.d = d;
+  c.regime = regime;
+  c.hq = 4;
+  c.hkv = 1;
+  c.nq = c.nk = 333;
+  return c;
+}
+Case small_varlen() {
+  Case v;
+  v.varlen_q = {70, 0, 130, 257};
+  v.varlen_k = {70, 33, 200, 100};
+  v.regime = "sharp";
+  return v;
+}
+
 // The dispatch's own kernel only: deterministic mode and varlen without totals (the cp.async
 // fallback).  Deterministic runs on Hopper's warp-specialized kernel; elsewhere it must be refused.
 TEST_P(BackwardGpuSmall, DeterministicAndFallbacks) {
@@ -468,25 +515,41 @@ TEST_P(BackwardGpuSmall, DeterministicAndFallbacks) {
   if (!mala_test::device_is_sm90()) GTEST_SKIP() << "deterministic mode needs sm_90";
   for (int64_t d : {64, 128, 256})
     for (float tau : {0.f, 1.f}) {
-      Case c;
-      c.d = d;
+      Case c = small_gqa(d, "sharp");
       c.tau = tau;
-      c.regime = "sharp";
-      c.hq = 4;
-      c.hkv = 1;
-      c.nq = c.nk = 333;
       c.deterministic = true;
       run_case(c);
     }
-  Case v;
-  v.varlen_q = {70, 0, 130, 257};
-  v.varlen_k = {70, 33, 200, 100};
-  v.regime = "sharp";
+  Case v = small_varlen();
   v.deterministic = true;
   run_case(v);
   v.deterministic = false;
   v.totals = false;
   run_case(v);
+}
+
+// The forward's tile mask (forward_tile_mask): tiles whose forward tiles were all skipped are
+// skipped unscored (the warp-specialized kernel at d = 64 and 128; the others ignore it), with the
+// same decisions, outputs and gradients as scoring them.
+TEST_P(BackwardGpuSmall, ForwardTileMask) {
+  for (int64_t d : {64, 128, 256})
+    for (const char* regime : {"sharp", "random"})
+      for (bool outputs : {true, false}) {
+        Case c = small_gqa(d, regime);
+        c.outputs = outputs;
+        c.fwd_mask = true;
+        run_case(c);
+      }
+  Case v = small_varlen();
+  v.fwd_mask = true;
+  run_case(v);
+  Case n;
+  n.causal = false;
+  n.nq = 200;
+  n.nk = 517;
+  n.regime = "sharp";
+  n.fwd_mask = true;
+  run_case(n);
 }
 
 // ---- larger shapes -----------------------------------------------------------------------------
@@ -531,6 +594,19 @@ TEST_P(BackwardGpu, MhaNoOutputs) {
   c.outputs = false;
   c.dtype = DType::f16;
   run_case(c);
+}
+
+TEST_P(BackwardGpu, ForwardTileMaskLong) {
+  for (double sharpness : {16.0, 4.0}) {
+    Case c;
+    c.regime = "synthetic";
+    c.sharpness = sharpness;
+    c.nq = c.nk = 2048;
+    c.hq = 8;
+    c.hkv = 1;
+    c.fwd_mask = true;
+    run_case(c);
+  }
 }
 
 TEST_P(BackwardGpu, DeterministicGqaLong) {
@@ -693,6 +769,7 @@ Case draw_backward_case(Fuzz& fz, int /*index*/) {
   if (fz.chance(0.2) && group % split == 0) c.head_splits = split;
   c.outputs = fz.chance(0.9);
   c.user_workspace = fz.chance(0.1);
+  c.fwd_mask = fz.chance(0.3);
   // Deterministic mode: sm_90's warp-specialized kernel (d = 64, 128; varlen with totals).
   if (fz.chance(0.1) && mala_test::device_is_sm90() && c.d <= 128 && (!varlen || c.totals)) {
     c.deterministic = true;

@@ -11,6 +11,7 @@
 #include "cuda/attn/tile_test.cuh"
 #include "cuda/bwd/params.cuh"
 #include "cuda/core/ptx.cuh"
+#include "mala/mala.h"
 
 namespace mala {
 namespace cuda {
@@ -72,6 +73,28 @@ struct BwdWork {
     return varlen ? h * total_q + qrow0 + row : (static_cast<int64_t>(b) * p.heads_q + h) * p.seqlen_q + row;
   }
 };
+
+// Whether the forward retained some forward tile inside backward tile (query head h, query tile i
+// of BQ rows, the CTA's key tile) -- BwdParams::fwd_mask; true without a mask.  A tile it did not is
+// skipped without its scores (the forward's running normaliser never exceeds the final lse).
+template <int BQ, int BK>
+__device__ __forceinline__ bool bwd_forward_retained(const BwdParams& p, const BwdWork& w, int h, int i) {
+  if (p.fwd_mask == nullptr) return true;
+  const uint8_t* m = p.fwd_mask + (static_cast<int64_t>(w.b) * p.heads_q + h) * p.fwd_n_q_tiles * p.fwd_n_k_tiles;
+  const int q1 = min((i * BQ + BQ - 1) / p.fwd_bq, p.fwd_n_q_tiles - 1);
+  const int k1 = min((w.kb + BK - 1) / p.fwd_bk, p.fwd_n_k_tiles - 1);
+  bool any = false;
+  for (int q = i * BQ / p.fwd_bq; q <= q1; ++q)
+    for (int k = w.kb / p.fwd_bk; k <= k1; ++k) any |= m[static_cast<int64_t>(q) * p.fwd_n_k_tiles + k] == kTileRetained;
+  return any;
+}
+// Bit l: whether tile t0 + l of the CTA's visiting order (query tiles ascending, heads outer) may be
+// retained (bwd_forward_retained); 0 past the last tile.  Every lane of the warp calls it.
+template <int BQ, int BK>
+__device__ __forceinline__ uint32_t bwd_forward_retained32(const BwdParams& p, const BwdWork& w, int t0, int lane) {
+  const int t = t0 + lane;
+  return __ballot_sync(0xffffffffu, t < w.n_iter && bwd_forward_retained<BQ, BK>(p, w, w.head(t), w.q_tile(t)));
+}
 
 // The CTA's work; kb >= klen means none (a key tile past this sequence's end).
 template <int BQ, int BK>

@@ -303,6 +303,16 @@ cudaError_t run_typed(const BackwardArgs& a, const Plan& pl, char* ws, cudaStrea
   p.q_stages = pick_q_stages(cuda::bwd_smem_bytes<D>(3));
   p.head_splits = pl.head_splits;
   p.dq_sem = nullptr;
+  // The forward's decisions: only the warp-specialized kernel at d = 64 / 128 reads them (the others
+  // ignore them), and not in deterministic mode, where every key tile passes every query tile's
+  // counter, nor where a CTA's tiles outnumber its bitmap.
+  const bool use_fwd_mask = a.forward_tile_mask != nullptr && !dense && !a.deterministic && D != 256 &&
+                            static_cast<int64_t>(pl.heads_per_cta) * pl.n_q_tiles <= cuda::kBwdWsScoredTiles;
+  p.fwd_mask = use_fwd_mask ? a.forward_tile_mask : nullptr;
+  p.fwd_bq = std::max(a.forward_block_q, 1);
+  p.fwd_bk = std::max(a.forward_block_k, 1);
+  p.fwd_n_q_tiles = static_cast<int>(rule::ceil_div(static_cast<int64_t>(a.seqlen_q), int64_t{p.fwd_bq}));
+  p.fwd_n_k_tiles = static_cast<int>(rule::ceil_div(static_cast<int64_t>(a.seqlen_k), int64_t{p.fwd_bk}));
   p.q_desc = a.deterministic;
   if (kernel_override().bwd_q_order == 1 || kernel_override().bwd_q_order == 2)
     p.q_desc = kernel_override().bwd_q_order == 2;

@@ -25,6 +25,8 @@
 //     (dQ goes to the writer while dK runs)
 //     dQ -> shared memory (swizzled, conflict-free) for the writer.
 //   A skipped tile stops after S^T: it releases its Q slot and issues no dP^T, dV, dK or dQ work.
+//   With the forward's tile mask (kFwdMask), a tile none of whose forward tiles was retained is
+//   skipped before S^T: no Q or dO load, no vote (the offline test would skip it: rule.md).
 #pragma once
 
 #include <type_traits>
@@ -71,14 +73,20 @@ struct BwdWs {
                                                       // t in slot t % 8, published through mbarrier dec[t % 8])
   // To the dQ writer: the tile's first accumulator row (-2: skipped, -1: no more tiles), its counter.
   static constexpr int kOffDqRow = kOffDec + 8 * 4;
-  static constexpr int kBytes = kOffDqRow + 16;
+  // forward_tile_mask: bit t of the CTA's tiles in the visiting order, whether tile t is scored (some
+  // forward tile inside it retained); up to kBwdWsScoredTiles tiles (dispatch.cu passes the mask only
+  // then).
+  static constexpr int kOffScored = kOffDqRow + 16;
+  static constexpr int kBytes = kOffScored + kBwdWsScoredTiles / 8;
   static constexpr int kSmem = kBytes + 1024;
   // Named barriers of the consumers (0 is __syncthreads): both warpgroups' dS^T stored; the vote after
   // a skipped tile (barrier_vote_or).
   static constexpr int kBarDs = 1, kBarVote = 2, kConsumers = 256;
 };
 
-template <typename T, int D, bool kDense>
+// kFwdMask (tau > 0): the instance for calls with forward_tile_mask (BwdParams::fwd_mask); the other
+// instances carry none of its code.
+template <typename T, int D, bool kDense, bool kFwdMask>
 __global__ void __launch_bounds__(384, 1)
     bwd_main_kernel_sm90_ws(const BwdParams p, const __grid_constant__ BwdTmaMaps maps) {
 #ifdef MALA_WGMMA_ENABLED
@@ -105,6 +113,9 @@ __global__ void __launch_bounds__(384, 1)
   volatile int* s_dec = reinterpret_cast<volatile int*>(smem + C::kOffDec);
   volatile int* s_dq_row = reinterpret_cast<volatile int*>(smem + C::kOffDqRow);  // [0] row, [1] counter
   const bool det = p.dq_sem != nullptr, desc = p.q_desc;
+  // kFwdMask: tiles that no forward tile inside was retained in are skipped unscored (the dispatch
+  // passes forward_tile_mask only in the ascending order, outside deterministic mode).
+  static_assert(!(kDense && kFwdMask), "the forward's mask serves tau > 0");
   if (tid == 0) {
     mbar_init(mb_kv, 2);  // K's and V's expect_tx arrivals
     for (int i = 0; i < NQS; ++i) {
@@ -124,7 +135,17 @@ __global__ void __launch_bounds__(384, 1)
     }
     fence_mbarrier_init();
   }
+  const uint32_t* scored_bits = reinterpret_cast<const uint32_t*>(smem + C::kOffScored);
+  if constexpr (kFwdMask) {  // the whole CTA: one 32-tile word per warp at a time
+    const int warp = tid >> 5, lane = tid & 31;
+    for (int k = warp; 32 * k < n_iter; k += C::kThreads / 32) {
+      const uint32_t bits = bwd_forward_retained32<BQ, BK>(p, w, 32 * k, lane);
+      if (lane == 0) reinterpret_cast<uint32_t*>(smem + C::kOffScored)[k] = bits;
+    }
+  }
   __syncthreads();
+  // Whether tile t is scored (kFwdMask).
+  auto is_scored = [&](int t) { return ((scored_bits[t >> 5] >> (t & 31)) & 1u) != 0u; };
 
   // TMA coordinates of this sequence's row 0: varlen maps the packed rows as one batch entry.
   const int q_row0 = w.varlen ? static_cast<int>(w.qrow0) : 0, k_row0 = w.varlen ? static_cast<int>(w.krow0) : 0;
@@ -142,6 +163,8 @@ __global__ void __launch_bounds__(384, 1)
       }
       BwdWork::Tile x = w.first(desc);
       for (int t = 0, s = 0, use = 0; t < n_iter; ++t, x = w.step(x, desc)) {
+        if constexpr (kFwdMask)
+          if (!is_scored(t)) continue;
         if (use > 0) mbar_wait<true>(mb_q_empty + 8 * s, parity(use - 1));
         // Q, and lse and the bound of its rows (rows past the sequence read the next rows' finite
         // values: their scores are masked, so P is 0 and no bound is reached).
@@ -166,14 +189,18 @@ __global__ void __launch_bounds__(384, 1)
         mbar_wait<true>(mb_dec + 8 * (t & 7), parity(t >> 3));
         return s_dec[t & 7];
       };
+      // The rings count scored tiles only (r: u with kFwdMask, else t).
       BwdWork::Tile x = w.first(desc);
-      for (int t = 0; t < n_iter; ++t, x = w.step(x, desc)) {
-        const int s = t & 1;
-        if (t >= 2) mbar_wait<true>(mb_do_empty + 8 * s, parity((t >> 1) - 1));
+      for (int t = 0, u = 0; t < n_iter; ++t, x = w.step(x, desc)) {
+        if constexpr (kFwdMask)
+          if (!is_scored(t)) continue;
+        const int r = kFwdMask ? u++ : t;
+        const int s = r & 1;
+        if (r >= 2) mbar_wait<true>(mb_do_empty + 8 * s, parity((r >> 1) - 1));
         bool load = true;
-        // Speculative when tile t - 2 was retained: its decision is out by the time its dO slot (this
-        // one) comes back, so the load is not held up by tile t - 1's.
-        if (!kDense && t > 1 && (decision(t - 2) & 1) == 0) load = (decision(t) & 1) != 0;
+        // Speculative when tile r - 2 was retained: its decision is out by the time its dO slot (this
+        // one) comes back, so the load is not held up by tile r - 1's.
+        if (!kDense && r > 1 && (decision(r - 2) & 1) == 0) load = (decision(r) & 1) != 0;
         if (lane == 0) {
           const uint32_t full = mb_do_full + 8 * s;
           if (load) {
@@ -281,10 +308,10 @@ __global__ void __launch_bounds__(384, 1)
     return __any_sync(0xffffffffu, keys_x_rows_blocks_skip<8>(s, bound_t, lane));
   };
   // After the decision on tile t: the producer's copy, the optional outputs.
-  auto decided = [&](int t, int h, int qi, bool retain) {
+  auto decided = [&](int u, int h, int qi, bool retain) {
     if (!kDense && ctid == 0) {
-      s_dec[t & 7] = (t << 1) | (retain ? 1 : 0);
-      mbar_arrive(mb_dec + 8 * (t & 7));
+      s_dec[u & 7] = (u << 1) | (retain ? 1 : 0);
+      mbar_arrive(mb_dec + 8 * (u & 7));
     }
     if (recording) bwd_record_tile<BQ, BK>(p, w, h, qi, retain, ctid);
   };
@@ -312,13 +339,18 @@ __global__ void __launch_bounds__(384, 1)
   int n_mvotes = 0;                 // mbarrier votes so far (their ring's index)
   bool retain_1 = true, retain_2 = true;  // tiles t - 1's and t - 2's decisions: dO_t was loaded
                                           // speculatively when tile t - 2 was retained
-  int t = 0, qs = 0, quse = 0;
-  auto advance = [&]() {
+  // t: the tile in the visiting order; u (kFwdMask): the tiles scored so far.  The rings' index is
+  // u with kFwdMask, else t.
+  int t = 0, u = 0, qs = 0, quse = 0;
+  auto advance = [&](bool was_scored) {
     ++t;
     x = w.step(x, desc);
-    if (++qs == NQS) {
-      qs = 0;
-      ++quse;
+    if (!kFwdMask || was_scored) {
+      if constexpr (kFwdMask) ++u;
+      if (++qs == NQS) {
+        qs = 0;
+        ++quse;
+      }
     }
   };
   // The tile in two copies: dO_t prefetched (tile t - 2 retained; dP^T issued right behind S^T), or
@@ -327,6 +359,7 @@ __global__ void __launch_bounds__(384, 1)
   auto step = [&](auto early) {
     constexpr bool dp_early = decltype(early)::value;
     float s[32], dp[32];
+    const int ring_t = kFwdMask ? u : t;  // the rings' index
     mbar_wait<true>(mb_q_full + 8 * qs, parity(quse));
     // This tile's rows in the scalar slots (kVec above).
     const int vec0 = static_cast<int>((x.h() * p.rows_q_cap + w.qrow0 + x.qi() * BQ) & 3);
@@ -336,8 +369,8 @@ __global__ void __launch_bounds__(384, 1)
     if (!kDense && dp_early) early_bound = make_float2(bound_t[2 * tig], bound_t[2 * tig + 1]);
     keys_x_rows(s, sK, sQ + qs * QTile::kBytes);
     if constexpr (dp_early) {
-      mbar_wait<true>(mb_do_full + 8 * (t & 1), parity(t >> 1));
-      keys_x_rows(dp, sV, sDO + (t & 1) * QTile::kBytes);
+      mbar_wait<true>(mb_do_full + 8 * (ring_t & 1), parity(ring_t >> 1));
+      keys_x_rows(dp, sV, sDO + (ring_t & 1) * QTile::kBytes);
       release_pending_do();
       wgmma_wait<1>();
       wgmma_fence_operands(s);
@@ -354,12 +387,12 @@ __global__ void __launch_bounds__(384, 1)
         retain = __any_sync(0xffffffffu, warp_retain || cta_vote_result(vote_w, mb_vote, n_mvotes));
         ++n_mvotes;
       }
-      decided(t, x.h(), x.qi(), retain);
+      decided(ring_t, x.h(), x.qi(), retain);
       retain_2 = retain_1;
       retain_1 = retain;
       if (!retain) {
         wgmma_wait<0>();  // dP^T's reads of dO_t end before its slot goes back
-        if (lane == 0) mbar_arrive(mb_do_empty + 8 * (t & 1));
+        if (lane == 0) mbar_arrive(mb_do_empty + 8 * (ring_t & 1));
         skipped(qs, x.h(), x.qi());
         return;
       }
@@ -370,9 +403,9 @@ __global__ void __launch_bounds__(384, 1)
       mask_scores(s, x.qi() * BQ);
       // After a skipped tile most warps would wait for the vote anyway: one hardware barrier.
       const bool retain = __any_sync(0xffffffffu, barrier_vote_or(C::kBarVote, C::kConsumers, warp_blocks(s, bound_t)));
-      decided(t, x.h(), x.qi(), retain);
+      decided(ring_t, x.h(), x.qi(), retain);
       if (!retain) {
-        pend_do = t;
+        pend_do = ring_t;
         skipped(qs, x.h(), x.qi());
         retain_2 = retain_1;
         retain_1 = false;
@@ -381,15 +414,15 @@ __global__ void __launch_bounds__(384, 1)
       retain_2 = retain_1;
       retain_1 = true;
       release_pending_do();
-      mbar_wait<true>(mb_do_full + 8 * (t & 1), parity(t >> 1));
-      keys_x_rows(dp, sV, sDO + (t & 1) * QTile::kBytes);
+      mbar_wait<true>(mb_do_full + 8 * (ring_t & 1), parity(ring_t >> 1));
+      keys_x_rows(dp, sV, sDO + (ring_t & 1) * QTile::kBytes);
     }
     // Retained tile t.  Its dS^T goes into the one buffer once the other warpgroup's dQ products of
     // the last retained tile have read it: both warpgroups post to the writer only after those, so
     // the last post's phase of the writer's full barrier says so.  (The barrier is at most that phase
     // on: the next one needs this warpgroup's own post.)  Waited for here, where dP^T still runs.
     if (n_posts > 0) mbar_wait<true>(mb_dq_full, parity(n_posts - 1));
-    const int ds = t & 1, h = x.h(), q0 = x.qi() * BQ;
+    const int ds = ring_t & 1, h = x.h(), q0 = x.qi() * BQ;
     const uint32_t sQs = sQ + qs * QTile::kBytes, sDOs = sDO + ds * QTile::kBytes;
     // P = exp2(S - lse) while dP^T is computed.
     const float* lse_t = lse_s + qs * C::kVecStride + vec0;
@@ -484,11 +517,19 @@ __global__ void __launch_bounds__(384, 1)
     wgmma_fence_operands(dk);
     if (lane == 0) mbar_arrive(mb_q_empty + 8 * qs);
   };
-  for (; t < n_iter; advance()) {
+  while (t < n_iter) {
+    if constexpr (kFwdMask) {
+      if (!is_scored(t)) {  // skipped unscored: no ring, no vote
+        if (recording) bwd_record_tile<BQ, BK>(p, w, x.h(), x.qi(), false, ctid);
+        advance(false);
+        continue;
+      }
+    }
     if (kDense || retain_2)
       step(std::true_type{});
     else
       step(std::false_type{});
+    advance(true);
   }
   // The writer stops once it has added the last tile.
   wait_dq_buffer();
@@ -510,7 +551,9 @@ __global__ void __launch_bounds__(384, 1)
 template <typename T, int D>
 cudaError_t launch_bwd_sm90_ws(const BwdParams& p, const BwdTmaMaps& maps, bool dense, cudaStream_t stream) {
   using C = BwdWs<D>;
-  auto kernel = dense ? bwd_main_kernel_sm90_ws<T, D, true> : bwd_main_kernel_sm90_ws<T, D, false>;
+  auto kernel = dense         ? bwd_main_kernel_sm90_ws<T, D, true, false>
+                : p.fwd_mask ? bwd_main_kernel_sm90_ws<T, D, false, true>
+                             : bwd_main_kernel_sm90_ws<T, D, false, false>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmem);
   if (err != cudaSuccess) return err;
   const int64_t grid = static_cast<int64_t>(p.n_k_tiles) * p.batch * p.heads_kv * p.head_splits;

@@ -22,6 +22,9 @@ struct BwdTmaMaps {
   CUtensorMap q, dout, k, v, dq, lse, bound, dsum;
   CUtensorMap k32, v32;  // d = 256: K and V in boxes of 32 rows (the dQ kernel's key steps)
 };
+// The warp-specialized kernel at d = 64 / 128 reads forward_tile_mask when a CTA visits at most this
+// many tiles (heads_per_cta x query tiles): one bit each in shared memory.
+constexpr int kBwdWsScoredTiles = 8192;
 struct BwdLaunch {
   BwdKernelKind kernel = BwdKernelKind::sm80;
   bool dense = false;               // tau = 0: the kernel's dense instance

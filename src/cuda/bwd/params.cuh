@@ -69,6 +69,11 @@ struct BwdParams {
   // Deterministic mode (warp-specialized kernel): [batch, heads_q, n_q_tiles] counters, zeroed; the CTA
   // of key tile j adds its dQ to query tile i once the counter reads j.  Null: adds in any order.
   int32_t* dq_sem;
+  // BackwardArgs::forward_tile_mask, [batch, heads_q, fwd_n_q_tiles, fwd_n_k_tiles] over forward tiles
+  // of fwd_bq x fwd_bk; null: every legal tile is scored.  (Warp-specialized kernel, d = 64 and 128,
+  // not deterministic.)
+  const uint8_t* fwd_mask;
+  int fwd_bq, fwd_bk, fwd_n_q_tiles, fwd_n_k_tiles;
   // Warp-specialized kernel's visiting order: query tiles descending with the heads inner (BwdWork::first
   // and step), else heads outer with query tiles ascending.
   bool q_desc;
