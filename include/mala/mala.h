@@ -50,7 +50,8 @@ struct Strides {
 // Per-tile decisions, written to the optional tile_mask outputs (tests and analysis).
 enum TileState : uint8_t {
   kTileIllegal = 0,   // no row of the query tile sees any key of the key tile (never visited)
-  kTileSkipped = 1,   // QK computed, post-score work skipped
+  kTileSkipped = 1,   // post-score work skipped (QK computed, except where a backward given the
+                      // forward's tile mask knew the skip from it: BackwardArgs::forward_tile_mask)
   kTileRetained = 2,  // post-score work executed
 };
 

@@ -75,11 +75,10 @@ struct BwdWork {
 };
 
 // Whether the forward retained some forward tile inside backward tile (query head h, query tile i
-// of BQ rows, the CTA's key tile) -- BwdParams::fwd_mask; true without a mask.  A tile it did not is
+// of BQ rows, the CTA's key tile), from BwdParams::fwd_mask (not null).  A tile it did not is
 // skipped without its scores (the forward's running normaliser never exceeds the final lse).
 template <int BQ, int BK>
 __device__ __forceinline__ bool bwd_forward_retained(const BwdParams& p, const BwdWork& w, int h, int i) {
-  if (p.fwd_mask == nullptr) return true;
   const uint8_t* m = p.fwd_mask + (static_cast<int64_t>(w.b) * p.heads_q + h) * p.fwd_n_q_tiles * p.fwd_n_k_tiles;
   const int q1 = min((i * BQ + BQ - 1) / p.fwd_bq, p.fwd_n_q_tiles - 1);
   const int k1 = min((w.kb + BK - 1) / p.fwd_bk, p.fwd_n_k_tiles - 1);
@@ -197,7 +196,8 @@ template <int BQ, int BK>
 __device__ __forceinline__ void bwd_record_tile(const BwdParams& p, const BwdWork& w, int h, int i, bool keep,
                                                 int tid) {
   if (p.tile_mask != nullptr && tid == 0)
-    p.tile_mask[((static_cast<int64_t>(w.b) * p.heads_q + h) * p.n_q_tiles + i) * p.n_k_tiles + w.j] = keep ? 2 : 1;
+    p.tile_mask[((static_cast<int64_t>(w.b) * p.heads_q + h) * p.n_q_tiles + i) * p.n_k_tiles + w.j] =
+        keep ? kTileRetained : kTileSkipped;
   if (keep && p.bwd_slots != nullptr && tid < BQ) {
     const int r = i * BQ + tid;
     if (r < w.qlen && rule::visible_keys(r, w.qlen, w.klen, p.causal) > 0)

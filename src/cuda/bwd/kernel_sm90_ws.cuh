@@ -69,8 +69,9 @@ struct BwdWs {
   // dq_full, dq_empty, dec[8]
   static constexpr int kOffMbar = kOffDsum + 2 * kVecStride * 4;
   static constexpr int kOffVote = kOffMbar + (19 + 2 * kQStages + 1) / 2 * 16;  // [4] tagged vote words
-  static constexpr int kOffDec = kOffVote + 4 * 4;    // [8] (t << 1) | retained, for the dO producer (tile
-                                                      // t in slot t % 8, published through mbarrier dec[t % 8])
+  static constexpr int kOffDec = kOffVote + 4 * 4;    // [8] (u << 1) | retained, for the dO producer (the
+                                                      // u-th scored tile in slot u % 8, published through
+                                                      // mbarrier dec[u % 8])
   // To the dQ writer: the tile's first accumulator row (-2: skipped, -1: no more tiles), its counter.
   static constexpr int kOffDqRow = kOffDec + 8 * 4;
   // forward_tile_mask: bit t of the CTA's tiles in the visiting order, whether tile t is scored (some
@@ -337,8 +338,9 @@ __global__ void __launch_bounds__(384, 1)
 
   BwdWork::Tile x = w.first(desc);
   int n_mvotes = 0;                 // mbarrier votes so far (their ring's index)
-  bool retain_1 = true, retain_2 = true;  // tiles t - 1's and t - 2's decisions: dO_t was loaded
-                                          // speculatively when tile t - 2 was retained
+  bool retain_1 = true, retain_2 = true;  // the last two scored tiles' decisions: a tile's dO was
+                                          // loaded speculatively when the one two scored tiles
+                                          // before it was retained
   // t: the tile in the visiting order; u (kFwdMask): the tiles scored so far.  The rings' index is
   // u with kFwdMask, else t.
   int t = 0, u = 0, qs = 0, quse = 0;
