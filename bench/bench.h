@@ -150,7 +150,8 @@ inline int64_t parse_len(const std::string& s) {  // "4096", "4K", "128k"
 //   --sharpness 1,4,16   --batch B   --hq H   --hkv H   --d D   --dtype bf16|fp16   --noncausal
 //   --iters N   --warmup N   --no-flush   --seed S   --decode-batch 1,8   --check
 //   --interleave   --real PREFIX,...   --varlen (forward, batch 1)   --deterministic (backward)
-//   --fwd-mask (backward: with the forward's tile mask)
+//   --fwd-mask (backward: with the forward's tile mask; forward: tau > 0 calls record it, as
+//               autograd's forward does where the backward reads it)
 //   --fwd-kernel auto|mma_sync|wgmma_cp_async|wgmma_ws   --bwd-kernel auto|mma_sync|wgmma_cp_async
 //   --decode-kernel auto|small_smem   --bwd-q-stages 2|3   --bwd-head-splits S   --bwd-q-order 0|1|2
 //   (the kernel override, for comparing kernels on one device)

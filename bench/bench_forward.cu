@@ -6,7 +6,8 @@
 // outputs; with --interleave the taus of one input alternate within each timed iteration, so clock
 // drift at the power limit does not favour the tau timed first).  TFLOP/s use the dense causal
 // count 4 * sum_q L_q * d * Hq (the same count for every tau, so they are "effective" TFLOP/s for
-// tau > 0); speedup is against our tau = 0 on the same inputs.
+// tau > 0); speedup is against our tau = 0 on the same inputs.  --fwd-mask: the timed calls at
+// tau > 0 also record the tile mask, as autograd's forward does when the backward reads it.
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -16,6 +17,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -190,6 +192,7 @@ int run_forward_input(const Options& opt, int64_t n, const std::string& label, d
     std::function<void(cudaStream_t)> call;
   };
   std::vector<Row> rows;
+  std::vector<std::shared_ptr<DevMem>> timed_masks;  // --fwd-mask: what the timed calls record into
   for (float tau : opt.tau) {
     int bq = 0, bk = 0;
     mala::ForwardArgs ar = a;
@@ -215,7 +218,12 @@ int run_forward_input(const Options& opt, int64_t n, const std::string& label, d
     const double ret = mala::retained_fraction(hm.data(), (int64_t)hm.size());
     const mala::Distribution om = mala::omitted_mass(hl.data(), lse_dense.data(), (int64_t)hl.size());
 
-    rows.push_back({tau, bq, bk, sd, om, ret, [&opt, ar](cudaStream_t s) {
+    mala::ForwardArgs ar_timed = ar;
+    if (opt.fwd_mask && tau > 0.f) {
+      timed_masks.push_back(std::make_shared<DevMem>(mask.bytes));
+      ar_timed.tile_mask = timed_masks.back()->as<uint8_t>();
+    }
+    rows.push_back({tau, bq, bk, sd, om, ret, [&opt, ar = ar_timed](cudaStream_t s) {
                       mala::ForwardArgs at = ar;
                       at.stream = s;
                       int x, y;

@@ -49,6 +49,9 @@ int decode_num_splits(const DecodeArgs& a) {
 size_t backward_workspace_size(const BackwardArgs& a) {
   return a.device == Device::cuda ? cuda_backend::backward_workspace_size(a) : 0;
 }
+bool backward_reads_forward_tile_mask(const BackwardArgs& a) {
+  return a.device == Device::cuda && cuda_backend::backward_reads_forward_tile_mask(a);
+}
 size_t decode_workspace_size(const DecodeArgs& a) {
   return a.device == Device::cuda ? cuda_backend::decode_workspace_size(a) : 0;
 }

@@ -253,6 +253,10 @@ Tiles decode_tiles(const DecodeArgs& args);
 int decode_num_splits(const DecodeArgs& args);  // resolves num_splits = 0
 size_t backward_workspace_size(const BackwardArgs& args);
 size_t decode_workspace_size(const DecodeArgs& args);
+// Whether backward(args) would read a BackwardArgs::forward_tile_mask (the pointer itself is not
+// looked at; shapes, tau, deterministic and the device decide): lets a caller such as autograd have
+// the forward record its tile mask only where the backward uses it.  False on the CPU.
+bool backward_reads_forward_tile_mask(const BackwardArgs& args);
 
 bool cuda_available();        // built with CUDA and a device is present
 std::string device_name();    // "cpu (N threads)" or the CUDA device name

@@ -9,9 +9,14 @@
 //
 // Schemas (softmax_scale 0 = 1/sqrt(head_dim); return_stats adds per-row slots and tile masks,
 // otherwise those outputs are empty):
-//   fwd(q, k, v, tau, causal, softmax_scale, return_stats) -> (out, lse, fwd_slots, tile_mask)
-//   bwd(dout, q, k, v, out, lse, tau, causal, softmax_scale, return_stats)
+//   fwd(q, k, v, tau, causal, softmax_scale, return_stats, deterministic, record_for_backward)
+//       -> (out, lse, fwd_slots, tile_mask)
+//       record_for_backward (autograd, when gradients are needed): tile_mask is also recorded where
+//       the backward reads it (forward_mask_tiles), and handed to bwd's fwd_tile_mask
+//   bwd(dout, q, k, v, out, lse, tau, causal, softmax_scale, return_stats, deterministic, fwd_tile_mask?)
 //       -> (dq, dk, dv, bwd_slots, tile_mask)
+//       fwd_tile_mask: the forward's tile_mask of these tensors; the backward skips, without scoring
+//       them, the tiles the forward skipped (mala::BackwardArgs::forward_tile_mask)
 //   fwd_split(q, k, v, seed_lse?, rows_before, owns_tile0, owns_newest, tau, causal, softmax_scale,
 //             block_q, block_k, return_stats) -> (out, lse, fwd_slots, tile_mask)
 //   bwd_split(dout, q, k, v, out, lse, rows_before, tau, causal, softmax_scale, block_q, block_k,
@@ -24,6 +29,8 @@
 //       split_rule: "seeded" or "per_split" (mala::SplitRule)
 //   tile_sizes(kernel, device, dtype, batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, causal,
 //              num_splits) -> [block_q, block_k, num_splits]
+//   forward_mask_tiles(device, dtype, batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, causal, tau,
+//                      deterministic) -> [block_q, block_k] of the mask fwd records for the backward, or []
 #include <Python.h>
 
 #include <ATen/ATen.h>
@@ -209,6 +216,32 @@ c10::DataPtr scratch(size_t bytes, const Tensor& like) {
   return c10::GetAllocator(like.device().type())->allocate(bytes);
 }
 
+// ---- the forward's tile mask for the backward ---------------------------------------------
+
+// The backward of a forward with arguments f (and the backward's `deterministic`) reads the
+// forward's tile mask where mala::backward_reads_forward_tile_mask says so; then the mask has the
+// forward's tiles, else {0, 0}.  (Autograd asks the forward to record the mask only there.)
+mala::Tiles forward_mask_tiles_for(const mala::ForwardArgs& f, bool deterministic, int64_t total_q) {
+  mala::BackwardArgs b;
+  b.device = f.device;
+  b.dtype = f.dtype;
+  b.batch = f.batch;
+  b.seqlen_q = f.seqlen_q;
+  b.seqlen_k = f.seqlen_k;
+  b.heads_q = f.heads_q;
+  b.heads_kv = f.heads_kv;
+  b.head_dim = f.head_dim;
+  b.causal = f.causal;
+  b.tau = f.tau;
+  b.deterministic = deterministic;
+  b.cu_seqlens_q = f.cu_seqlens_q;
+  b.cu_seqlens_k = f.cu_seqlens_k;
+  b.total_q = total_q;
+  b.total_k = f.total_k;
+  if (!mala::backward_reads_forward_tile_mask(b)) return {0, 0};
+  return mala::forward_tiles(f);
+}
+
 // ---- forward --------------------------------------------------------------------------------
 
 struct Varlen {
@@ -228,7 +261,9 @@ struct Split {
 std::tuple<Tensor, Tensor, Tensor, Tensor> forward_impl(const Tensor& q_in, const Tensor& k_in,
                                                         const Tensor& v_in, const Varlen* varlen,
                                                         double tau, bool causal, double softmax_scale,
-                                                        bool return_stats, const Split* split = nullptr) {
+                                                        bool return_stats, const Split* split = nullptr,
+                                                        bool record_for_backward = false,
+                                                        bool deterministic = false) {
   const bool is_varlen = varlen != nullptr;
   const char* layout = is_varlen ? "[total, heads, head_dim]" : "[batch, seqlen, heads, head_dim]";
   const int64_t rank = is_varlen ? 3 : 4;
@@ -313,13 +348,17 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> forward_impl(const Tensor& q_in, cons
 
   Tensor slots = empty_or(return_stats, lse.sizes(), q, at::kInt);
   Tensor tile_mask = at::empty({0}, q.options().dtype(at::kByte));
-  if (return_stats) {
+  // The mask is recorded for the stats, and for a backward that reads it (record_for_backward: the
+  // autograd forward of a call that needs gradients).
+  const bool record = return_stats || (record_for_backward && !split &&
+                                       forward_mask_tiles_for(a, deterministic, is_varlen ? q.size(0) : 0).block_q > 0);
+  if (record) {
     mala::Tiles t = mala::forward_tiles(a);
     tile_mask = at::zeros({a.batch, hq, ceil_div(a.seqlen_q, t.block_q), ceil_div(a.seqlen_k, t.block_k)},
                           q.options().dtype(at::kByte));
-    a.fwd_slots = slots.data_ptr<int32_t>();
     a.tile_mask = tile_mask.data_ptr<uint8_t>();
   }
+  if (return_stats) a.fwd_slots = slots.data_ptr<int32_t>();
   // Empty sequences: nothing to compute (the library asks for positive lengths).
   if (q.numel() == 0 || k.numel() == 0) {
     out.zero_();
@@ -347,28 +386,71 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> fwd_split(const Tensor& q, const Tens
   return forward_impl(q, k, v, nullptr, tau, causal, softmax_scale, return_stats, &sp);
 }
 
-// `deterministic` is the backward's (autograd saves it with the forward's inputs, as flash_attn).
+// `deterministic` is the backward's (autograd saves it with the forward's inputs, as flash_attn);
+// record_for_backward: the call needs gradients, so record the tile mask where the backward reads
+// it (returned as tile_mask; autograd hands it to bwd's fwd_tile_mask).
 std::tuple<Tensor, Tensor, Tensor, Tensor> fwd(const Tensor& q, const Tensor& k, const Tensor& v, double tau,
                                                bool causal, double softmax_scale, bool return_stats,
-                                               bool /*deterministic*/) {
-  return forward_impl(q, k, v, nullptr, tau, causal, softmax_scale, return_stats);
+                                               bool deterministic, bool record_for_backward) {
+  return forward_impl(q, k, v, nullptr, tau, causal, softmax_scale, return_stats, nullptr, record_for_backward,
+                      deterministic);
 }
 
 std::tuple<Tensor, Tensor, Tensor, Tensor> fwd_varlen(const Tensor& q, const Tensor& k, const Tensor& v,
                                                       const Tensor& cu_seqlens_q, const Tensor& cu_seqlens_k,
                                                       int64_t max_seqlen_q, int64_t max_seqlen_k, double tau,
                                                       bool causal, double softmax_scale, bool return_stats,
-                                                      bool /*deterministic*/) {
+                                                      bool deterministic, bool record_for_backward) {
   Varlen vl{&cu_seqlens_q, &cu_seqlens_k, max_seqlen_q, max_seqlen_k};
-  return forward_impl(q, k, v, &vl, tau, causal, softmax_scale, return_stats);
+  return forward_impl(q, k, v, &vl, tau, causal, softmax_scale, return_stats, nullptr, record_for_backward,
+                      deterministic);
 }
 
 // ---- backward -------------------------------------------------------------------------------
 
+// Checks the forward's tile mask m (fwd's tile_mask output for these same tensors) and, where the
+// backward reads one, points a at it; returns the tensor to keep alive.
+Tensor attach_forward_mask(mala::BackwardArgs& a, const Tensor& m, const Tensor& q) {
+  mala::ForwardArgs f;
+  f.device = a.device;
+  f.dtype = a.dtype;
+  f.batch = a.batch;
+  f.seqlen_q = a.seqlen_q;
+  f.seqlen_k = a.seqlen_k;
+  f.heads_q = a.heads_q;
+  f.heads_kv = a.heads_kv;
+  f.head_dim = a.head_dim;
+  f.causal = a.causal;
+  f.tau = a.tau;
+  f.softmax_scale = a.softmax_scale;
+  f.q = a.q;
+  f.k = a.k;
+  f.v = a.v;
+  f.q_strides = a.q_strides;
+  f.k_strides = a.k_strides;
+  f.v_strides = a.v_strides;
+  f.cu_seqlens_q = a.cu_seqlens_q;
+  f.cu_seqlens_k = a.cu_seqlens_k;
+  f.total_k = a.total_k;
+  const mala::Tiles t = mala::forward_tiles(f);
+  TORCH_CHECK_TYPE(m.scalar_type() == at::kByte, "fwd_tile_mask: dtype must be uint8 (got ", m.scalar_type(), ")");
+  TORCH_CHECK_VALUE(m.device() == q.device(), "fwd_tile_mask: must be on the device of q (", q.device(), "), got ",
+                    m.device());
+  const std::vector<int64_t> shape{a.batch, a.heads_q, ceil_div(a.seqlen_q, t.block_q), ceil_div(a.seqlen_k, t.block_k)};
+  TORCH_CHECK_VALUE(m.sizes() == at::IntArrayRef(shape), "fwd_tile_mask: must be the forward's tile mask of shape ",
+                    at::IntArrayRef(shape), " (got ", m.sizes(), ")");
+  if (!mala::backward_reads_forward_tile_mask(a)) return Tensor();
+  Tensor mc = m.contiguous();
+  a.forward_tile_mask = mc.data_ptr<uint8_t>();
+  a.forward_block_q = t.block_q;
+  a.forward_block_k = t.block_k;
+  return mc;
+}
+
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> backward_impl(
     const Tensor& dout_in, const Tensor& q_in, const Tensor& k_in, const Tensor& v_in, const Tensor& out_in,
     const Tensor& lse, const Varlen* varlen, double tau, bool causal, double softmax_scale, bool return_stats,
-    bool deterministic, const Split* split = nullptr) {
+    bool deterministic, const Split* split = nullptr, const std::optional<Tensor>& fwd_tile_mask = std::nullopt) {
   const bool is_varlen = varlen != nullptr;
   const char* layout = is_varlen ? "[total, heads, head_dim]" : "[batch, seqlen, heads, head_dim]";
   const int64_t rank = is_varlen ? 3 : 4;
@@ -460,6 +542,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> backward_impl(
                       "lse: must have shape [batch, heads_q, seqlen_q] (got ", lse_c.sizes(), ")");
     set_strides(strides_bnhd);
   }
+  Tensor fwd_mask;
+  if (fwd_tile_mask.has_value() && fwd_tile_mask->numel() > 0) fwd_mask = attach_forward_mask(a, *fwd_tile_mask, q);
   Tensor slots = empty_or(return_stats, lse_c.sizes(), q, at::kInt);
   Tensor tile_mask = at::empty({0}, q.options().dtype(at::kByte));
   if (return_stats) {
@@ -487,8 +571,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> backward_impl(
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bwd(const Tensor& dout, const Tensor& q, const Tensor& k,
                                                        const Tensor& v, const Tensor& out, const Tensor& lse,
                                                        double tau, bool causal, double softmax_scale,
-                                                       bool return_stats, bool deterministic) {
-  return backward_impl(dout, q, k, v, out, lse, nullptr, tau, causal, softmax_scale, return_stats, deterministic);
+                                                       bool return_stats, bool deterministic,
+                                                       const std::optional<Tensor>& fwd_tile_mask) {
+  return backward_impl(dout, q, k, v, out, lse, nullptr, tau, causal, softmax_scale, return_stats, deterministic,
+                       nullptr, fwd_tile_mask);
 }
 
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bwd_split(const Tensor& dout, const Tensor& q, const Tensor& k,
@@ -506,9 +592,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bwd_split(const Tensor& dout,
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bwd_varlen(
     const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse,
     const Tensor& cu_seqlens_q, const Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k, double tau,
-    bool causal, double softmax_scale, bool return_stats, bool deterministic) {
+    bool causal, double softmax_scale, bool return_stats, bool deterministic,
+    const std::optional<Tensor>& fwd_tile_mask) {
   Varlen vl{&cu_seqlens_q, &cu_seqlens_k, max_seqlen_q, max_seqlen_k};
-  return backward_impl(dout, q, k, v, out, lse, &vl, tau, causal, softmax_scale, return_stats, deterministic);
+  return backward_impl(dout, q, k, v, out, lse, &vl, tau, causal, softmax_scale, return_stats, deterministic,
+                       nullptr, fwd_tile_mask);
 }
 
 // ---- decode against a KV cache ------------------------------------------------------------
@@ -686,6 +774,27 @@ std::vector<int64_t> tile_sizes(c10::string_view kernel, c10::Device device, c10
   return {t.block_q, t.block_k, mala::decode_num_splits(a)};
 }
 
+// The forward tiles of the mask autograd's forward records for the backward of these shapes (fwd's
+// record_for_backward), or [] where the backward reads none: the fake implementations' answer.
+std::vector<int64_t> forward_mask_tiles(c10::Device device, c10::ScalarType dtype, int64_t batch, int64_t seqlen_q,
+                                        int64_t seqlen_k, int64_t heads_q, int64_t heads_kv, int64_t head_dim,
+                                        bool causal, double tau, bool deterministic) {
+  mala::ForwardArgs f;
+  f.device = device.is_cuda() ? mala::Device::cuda : mala::Device::cpu;
+  f.dtype = dtype == at::kHalf ? mala::DType::f16 : dtype == at::kBFloat16 ? mala::DType::bf16 : mala::DType::f32;
+  f.batch = batch;
+  f.seqlen_q = seqlen_q;
+  f.seqlen_k = seqlen_k;
+  f.heads_q = heads_q;
+  f.heads_kv = heads_kv;
+  f.head_dim = head_dim;
+  f.causal = causal;
+  f.tau = static_cast<float>(tau);
+  const mala::Tiles t = forward_mask_tiles_for(f, deterministic, 0);
+  if (t.block_q == 0) return {};
+  return {t.block_q, t.block_k};
+}
+
 // ---- the eager decode call without the dispatcher ------------------------------------------
 
 // A tensor the direct path may take: exactly torch.Tensor (no subclass, so no __torch_function__),
@@ -772,17 +881,18 @@ PyObject* kvcache_direct(PyObject* /*self*/, PyObject* const* args, Py_ssize_t n
 
 TORCH_LIBRARY(mala, m) {
   m.def("fwd(Tensor q, Tensor k, Tensor v, float tau, bool causal, float softmax_scale, bool return_stats,"
-        " bool deterministic=False)"
+        " bool deterministic=False, bool record_for_backward=False)"
         " -> (Tensor out, Tensor lse, Tensor fwd_slots, Tensor tile_mask)");
   m.def("fwd_varlen(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q,"
         " int max_seqlen_k, float tau, bool causal, float softmax_scale, bool return_stats,"
-        " bool deterministic=False) -> (Tensor out, Tensor lse, Tensor fwd_slots, Tensor tile_mask)");
+        " bool deterministic=False, bool record_for_backward=False)"
+        " -> (Tensor out, Tensor lse, Tensor fwd_slots, Tensor tile_mask)");
   m.def("bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, float tau, bool causal,"
-        " float softmax_scale, bool return_stats, bool deterministic=False)"
+        " float softmax_scale, bool return_stats, bool deterministic=False, Tensor? fwd_tile_mask=None)"
         " -> (Tensor dq, Tensor dk, Tensor dv, Tensor bwd_slots, Tensor tile_mask)");
   m.def("bwd_varlen(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor cu_seqlens_q,"
         " Tensor cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, float tau, bool causal, float softmax_scale,"
-        " bool return_stats, bool deterministic=False)"
+        " bool return_stats, bool deterministic=False, Tensor? fwd_tile_mask=None)"
         " -> (Tensor dq, Tensor dk, Tensor dv, Tensor bwd_slots, Tensor tile_mask)");
   m.def("fwd_split(Tensor q, Tensor k, Tensor v, Tensor? seed_lse, int rows_before, bool owns_tile0,"
         " bool owns_newest, float tau, bool causal, float softmax_scale, int block_q, int block_k,"
@@ -796,6 +906,9 @@ TORCH_LIBRARY(mala, m) {
   m.def("tile_sizes(str kernel, Device device, ScalarType dtype, int batch, int seqlen_q, int seqlen_k,"
         " int heads_q, int heads_kv, int head_dim, bool causal, int num_splits) -> int[]",
         &mala_torch::tile_sizes);
+  m.def("forward_mask_tiles(Device device, ScalarType dtype, int batch, int seqlen_q, int seqlen_k, int heads_q,"
+        " int heads_kv, int head_dim, bool causal, float tau, bool deterministic) -> int[]",
+        &mala_torch::forward_mask_tiles);
 }
 
 TORCH_LIBRARY_IMPL(mala, CPU, m) {

@@ -11,11 +11,19 @@ _EMPTY = (0,)
 
 
 def _stats_outputs(kernel, q, rows_shape, batch, seqlen_q, seqlen_k, heads_q, heads_kv, causal, wanted,
-                   block_q=0, block_k=0):
+                   block_q=0, block_k=0, mask_for_backward=None):
     """Fake slots and tile-mask tensors (empty unless return_stats); block_q/block_k 0 = the
-    implementation's tiles."""
+    implementation's tiles.  mask_for_backward (tau, deterministic): a forward with record_for_backward,
+    whose tile mask exists where the backward reads it (torch.ops.mala.forward_mask_tiles)."""
     if not wanted:
-        return q.new_empty(_EMPTY, dtype=torch.int32), q.new_empty(_EMPTY, dtype=torch.uint8)
+        empty_slots = q.new_empty(_EMPTY, dtype=torch.int32)
+        tiles = [] if mask_for_backward is None else torch.ops.mala.forward_mask_tiles(
+            q.device, q.dtype, int(batch), int(seqlen_q), int(seqlen_k), int(heads_q), int(heads_kv),
+            int(q.shape[-1]), causal, float(mask_for_backward[0]), bool(mask_for_backward[1]))
+        if not tiles:
+            return empty_slots, q.new_empty(_EMPTY, dtype=torch.uint8)
+        mask_shape = (batch, heads_q, -(-seqlen_q // tiles[0]), -(-seqlen_k // tiles[1]))
+        return empty_slots, q.new_empty(mask_shape, dtype=torch.uint8)
     if block_q == 0 or block_k == 0:
         block_q, block_k, _ = torch.ops.mala.tile_sizes(
             kernel, q.device, q.dtype, int(batch), int(seqlen_q), int(seqlen_k), int(heads_q), int(heads_kv),
@@ -25,26 +33,29 @@ def _stats_outputs(kernel, q, rows_shape, batch, seqlen_q, seqlen_k, heads_q, he
 
 
 @torch.library.register_fake("mala::fwd")
-def _fwd_fake(q, k, v, tau, causal, softmax_scale, return_stats, deterministic=False):
+def _fwd_fake(q, k, v, tau, causal, softmax_scale, return_stats, deterministic=False, record_for_backward=False):
     batch, seqlen_q, heads_q, _ = q.shape
     lse = q.new_empty((batch, heads_q, seqlen_q), dtype=torch.float32)
     slots, tile_mask = _stats_outputs("forward", q, lse.shape, batch, seqlen_q, k.shape[1], heads_q, k.shape[2],
-                                      causal, return_stats)
+                                      causal, return_stats,
+                                      mask_for_backward=(tau, deterministic) if record_for_backward else None)
     return q.new_empty(q.shape), lse, slots, tile_mask
 
 
 @torch.library.register_fake("mala::fwd_varlen")
 def _fwd_varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, tau, causal, softmax_scale,
-                     return_stats, deterministic=False):
+                     return_stats, deterministic=False, record_for_backward=False):
     total_q, heads_q, _ = q.shape
     lse = q.new_empty((heads_q, total_q), dtype=torch.float32)
     slots, tile_mask = _stats_outputs("forward", q, lse.shape, cu_seqlens_q.shape[0] - 1, max_seqlen_q, max_seqlen_k,
-                                      heads_q, k.shape[1], causal, return_stats)
+                                      heads_q, k.shape[1], causal, return_stats,
+                                      mask_for_backward=(tau, deterministic) if record_for_backward else None)
     return q.new_empty(q.shape), lse, slots, tile_mask
 
 
 @torch.library.register_fake("mala::bwd")
-def _bwd_fake(dout, q, k, v, out, lse, tau, causal, softmax_scale, return_stats, deterministic=False):
+def _bwd_fake(dout, q, k, v, out, lse, tau, causal, softmax_scale, return_stats, deterministic=False,
+              fwd_tile_mask=None):
     batch, seqlen_q, heads_q, _ = q.shape
     slots, tile_mask = _stats_outputs("backward", q, lse.shape, batch, seqlen_q, k.shape[1], heads_q, k.shape[2],
                                       causal, return_stats)
@@ -53,7 +64,7 @@ def _bwd_fake(dout, q, k, v, out, lse, tau, causal, softmax_scale, return_stats,
 
 @torch.library.register_fake("mala::bwd_varlen")
 def _bwd_varlen_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, tau, causal,
-                     softmax_scale, return_stats, deterministic=False):
+                     softmax_scale, return_stats, deterministic=False, fwd_tile_mask=None):
     slots, tile_mask = _stats_outputs("backward", q, lse.shape, cu_seqlens_q.shape[0] - 1, max_seqlen_q,
                                       max_seqlen_k, q.shape[1], k.shape[1], causal, return_stats)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), slots, tile_mask
@@ -89,35 +100,41 @@ def _kvcache_fake(q, k_cache, v_cache, cache_seqlens, k, v, block_table, tau, ca
 
 # ---- autograd -------------------------------------------------------------------------------
 
+# The forward's tile mask (empty unless it was recorded: return_stats, or record_for_backward where the
+# backward reads one) goes to the backward, which then skips the tiles the forward skipped without
+# scoring them.
+
 def _fwd_setup_context(ctx, inputs, output):
     q, k, v, tau, causal, softmax_scale, _, *rest = inputs
-    out, lse, _, _ = output
-    ctx.save_for_backward(q, k, v, out, lse)
+    out, lse, _, tile_mask = output
+    ctx.save_for_backward(q, k, v, out, lse, tile_mask)
     ctx.rule = (tau, causal, softmax_scale, bool(rest[0]) if rest else False)
     ctx.mark_non_differentiable(lse)
 
 
 def _fwd_backward(ctx, dout, _dlse, _dslots, _dmask):
-    q, k, v, out, lse = ctx.saved_tensors
+    q, k, v, out, lse, tile_mask = ctx.saved_tensors
     tau, causal, softmax_scale, deterministic = ctx.rule
-    dq, dk, dv, _, _ = torch.ops.mala.bwd(dout, q, k, v, out, lse, tau, causal, softmax_scale, False, deterministic)
-    return dq, dk, dv, None, None, None, None, None
+    dq, dk, dv, _, _ = torch.ops.mala.bwd(dout, q, k, v, out, lse, tau, causal, softmax_scale, False, deterministic,
+                                          tile_mask)
+    return dq, dk, dv, None, None, None, None, None, None
 
 
 def _fwd_varlen_setup_context(ctx, inputs, output):
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, tau, causal, softmax_scale, _, *rest = inputs
-    out, lse, _, _ = output
-    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
+    out, lse, _, tile_mask = output
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, tile_mask)
     ctx.rule = (max_seqlen_q, max_seqlen_k, tau, causal, softmax_scale, bool(rest[0]) if rest else False)
     ctx.mark_non_differentiable(lse)
 
 
 def _fwd_varlen_backward(ctx, dout, _dlse, _dslots, _dmask):
-    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, tile_mask = ctx.saved_tensors
     max_seqlen_q, max_seqlen_k, tau, causal, softmax_scale, deterministic = ctx.rule
     dq, dk, dv, _, _ = torch.ops.mala.bwd_varlen(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                                 max_seqlen_k, tau, causal, softmax_scale, False, deterministic)
-    return dq, dk, dv, None, None, None, None, None, None, None, None, None
+                                                 max_seqlen_k, tau, causal, softmax_scale, False, deterministic,
+                                                 tile_mask)
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None, None
 
 
 torch.library.register_autograd("mala::fwd", _fwd_backward, setup_context=_fwd_setup_context)

@@ -98,6 +98,13 @@ def _check_cu_seqlens(cu, name, total, max_seqlen, max_name):
         raise ValueError(f"{name}: last entry {values[-1]} must equal the number of rows {total}")
 
 
+def _needs_grad(*tensors):
+    """Whether autograd will run the backward of a call on these inputs: then the forward records its
+    tile mask where the backward reads it (the backward skips, without scoring them, the tiles the
+    forward skipped)."""
+    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
+
+
 def _results(out, lse, stats, return_lse, return_stats):
     extra = ((lse,) if return_lse else ()) + ((stats,) if return_stats else ())
     return (out,) + extra if extra else out
@@ -110,12 +117,12 @@ class _AttentionWithStats(torch.autograd.Function):
     def forward(ctx, q, k, v, tau, causal, softmax_scale, stats, varlen, deterministic):
         if varlen is None:
             out, lse, slots, mask = torch.ops.mala.fwd(q, k, v, tau, causal, softmax_scale, True)
-            ctx.save_for_backward(q, k, v, out, lse)
+            ctx.save_for_backward(q, k, v, out, lse, mask)
         else:
             cu_q, cu_k, max_q, max_k = varlen
             out, lse, slots, mask = torch.ops.mala.fwd_varlen(q, k, v, cu_q, cu_k, max_q, max_k, tau, causal,
                                                               softmax_scale, True)
-            ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
+            ctx.save_for_backward(q, k, v, out, lse, mask, cu_q, cu_k)
             ctx.max_seqlens = (max_q, max_k)
         stats.fwd_slots, stats.fwd_tile_mask = slots, mask
         ctx.rule = (tau, causal, softmax_scale, deterministic)
@@ -128,18 +135,19 @@ class _AttentionWithStats(torch.autograd.Function):
         tau, causal, softmax_scale, deterministic = ctx.rule
         # saved_tensors is read once: a second read fails under torch.utils.checkpoint (non-reentrant).
         saved = ctx.saved_tensors
-        if len(saved) == 5:
-            q, k, v, out, lse = saved
+        # The forward's tile mask goes to the backward as autograd's does (see mala/_ops.py).
+        if len(saved) == 6:
+            q, k, v, out, lse, fwd_mask = saved
             dq, dk, dv, slots, mask = torch.ops.mala.bwd(dout, q, k, v, out, lse, tau, causal, softmax_scale, True,
-                                                         deterministic)
+                                                         deterministic, fwd_mask)
             seqlen_q, seqlen_k, batch = q.shape[1], k.shape[1], q.shape[0]
         else:
-            q, k, v, out, lse, cu_q, cu_k = saved
+            q, k, v, out, lse, fwd_mask, cu_q, cu_k = saved
             seqlen_q, seqlen_k = ctx.max_seqlens
             batch = cu_q.numel() - 1
             dq, dk, dv, slots, mask = torch.ops.mala.bwd_varlen(dout, q, k, v, out, lse, cu_q, cu_k, seqlen_q,
                                                                 seqlen_k, tau, causal, softmax_scale, True,
-                                                                deterministic)
+                                                                deterministic, fwd_mask)
         stats = ctx.stats
         stats.bwd_block_q, stats.bwd_block_k, _ = torch.ops.mala.tile_sizes(
             "backward", q.device, q.dtype, batch, seqlen_q, seqlen_k, q.shape[-2], k.shape[-2], q.shape[-1], causal, 0)
@@ -175,7 +183,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tau: float = 1.
                             dict(tau=tau, causal=causal, return_lse=return_lse, return_stats=return_stats,
                                  deterministic=deterministic))
     if not return_stats:
-        out, lse, _, _ = torch.ops.mala.fwd(q, k, v, tau, causal, scale, False, bool(deterministic))
+        out, lse, _, _ = torch.ops.mala.fwd(q, k, v, tau, causal, scale, False, bool(deterministic),
+                                            _needs_grad(q, k, v))
         return _results(out, lse, None, return_lse, False)
     _eager_only("return_stats")
     if q.dim() != 4 or k.dim() != 4:
@@ -246,7 +255,8 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
                              f"(got {cu_seqlens_k.numel()})")
     if not return_stats:
         out, lse, _, _ = torch.ops.mala.fwd_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                                   tau, causal, scale, False, bool(deterministic))
+                                                   tau, causal, scale, False, bool(deterministic),
+                                                   _needs_grad(q, k, v))
         return _results(out, lse, None, return_lse, False)
     _eager_only("return_stats")
     stats = _new_stats(q, k, cu_seqlens_q.numel() - 1, max_seqlen_q, max_seqlen_k, causal,

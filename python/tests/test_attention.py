@@ -183,3 +183,78 @@ def test_softmax_scale(device):
     ref, _ = reference_attention(q, k, v, True, softmax_scale=0.3)
     assert rel_l2(out, ref) < 1e-2
     assert rel_l2(mala.attention(q, k, v, tau=0.0, softmax_scale=1 / math.sqrt(64)), mala.attention(q, k, v, tau=0.0)) == 0
+
+
+def _sm90(device):
+    return device == "cuda" and torch.cuda.get_device_capability() == (9, 0)
+
+
+@pytest.mark.parametrize("device", device_params())
+def test_forward_mask_tiles_says_where_the_backward_reads_it(device):
+    """torch.ops.mala.forward_mask_tiles: the forward's tiles where the backward reads the forward's
+    tile mask (the Hopper backward at d = 64 and 128, tau > 0, not deterministic), else []."""
+    dtype = dtype_for(device)
+    ask = lambda d, tau, det: torch.ops.mala.forward_mask_tiles(torch.device(device), dtype, 1, 4096, 4096, 8, 1,
+                                                                d, True, tau, det)
+    if not _sm90(device):
+        assert ask(128, 1.0, False) == []
+        return
+    bq, bk = torch.ops.mala.tile_sizes("forward", torch.device(device), dtype, 1, 4096, 4096, 8, 1, 128, True, 0)[:2]
+    assert ask(128, 1.0, False) == [bq, bk]
+    assert ask(64, 1.0, False) != []
+    assert ask(256, 1.0, False) == []
+    assert ask(128, 0.0, False) == []
+    assert ask(128, 1.0, True) == []
+
+
+@pytest.mark.parametrize("device", device_params())
+def test_backward_takes_the_forward_tile_mask(device):
+    """A forward that will be differentiated records its tile mask where the backward reads it, and
+    autograd hands it to the backward, which then skips the tiles the forward skipped without scoring
+    them: the same backward decisions (up to rounding flips at the threshold) and gradients as a
+    backward that scores every tile."""
+    n = 2048 if device == "cuda" else 384
+    q, k, v = local_inputs(device, 1, n, 4, 1, 128, sharpness=4.0, seed=3)
+    dout = torch.randn_like(q)
+    out, lse, slots, fwd_mask = torch.ops.mala.fwd(q, k, v, 1.0, True, 0.0, False, False, True)
+    assert slots.numel() == 0
+    tiles = torch.ops.mala.forward_mask_tiles(q.device, q.dtype, 1, n, n, 4, 1, 128, True, 1.0, False)
+    assert bool(tiles) == _sm90(device)
+    if not tiles:
+        assert fwd_mask.numel() == 0
+    else:
+        assert fwd_mask.shape == (1, 4, -(-n // tiles[0]), -(-n // tiles[1]))
+        assert (fwd_mask == mala.stats.TILE_SKIPPED).any() and (fwd_mask == mala.stats.TILE_RETAINED).any()
+        # The recorded mask is the stats' (the same forward, with or without slots).
+        _, _, _, stats_mask = torch.ops.mala.fwd(q, k, v, 1.0, True, 0.0, True)
+        assert torch.equal(fwd_mask, stats_mask)
+    with_mask = torch.ops.mala.bwd(dout, q, k, v, out, lse, 1.0, True, 0.0, True, False, fwd_mask)
+    scored = torch.ops.mala.bwd(dout, q, k, v, out, lse, 1.0, True, 0.0, True, False)
+    kept_a = with_mask[4] == mala.stats.TILE_RETAINED
+    kept_b = scored[4] == mala.stats.TILE_RETAINED
+    assert (kept_a != kept_b).float().mean().item() <= 0.002, "decisions differ beyond rounding flips"
+    assert (scored[4] == mala.stats.TILE_SKIPPED).any(), "these inputs should skip backward tiles"
+    for name, a, b in zip(("dq", "dk", "dv"), with_mask[:3], scored[:3]):
+        assert rel_l2(a, b) < 1e-2, f"{name}: {rel_l2(a, b):.2e}"
+    # Autograd: mala.attention's backward is the masked one.
+    qa, ka, va = (t.detach().requires_grad_() for t in (q, k, v))
+    grads = torch.autograd.grad(mala.attention(qa, ka, va, tau=1.0), (qa, ka, va), dout)
+    for name, a, b in zip(("dq", "dk", "dv"), grads, with_mask[:3]):
+        assert rel_l2(a, b) < 1e-2, f"{name}: {rel_l2(a, b):.2e}"
+    # And so is the stats path's, which reports it.
+    qb, kb, vb = (t.detach().requires_grad_() for t in (q, k, v))
+    out_b, stats = mala.attention(qb, kb, vb, tau=1.0, return_stats=True)
+    out_b.backward(dout)
+    assert (stats.bwd_tile_mask.shape == with_mask[4].shape)
+    assert ((stats.bwd_tile_mask == mala.stats.TILE_RETAINED) != kept_a).float().mean().item() <= 0.002
+
+
+def test_forward_tile_mask_errors_name_the_argument():
+    q, k, v = local_inputs("cpu", 1, 64, 2, 1, 64)
+    out, lse, _, _ = torch.ops.mala.fwd(q, k, v, 1.0, True, 0.0, False)
+    with pytest.raises(ValueError, match="fwd_tile_mask: must be the forward's tile mask of shape"):
+        torch.ops.mala.bwd(out, q, k, v, out, lse, 1.0, True, 0.0, False, False,
+                           torch.zeros((1, 2, 3, 3), dtype=torch.uint8))
+    with pytest.raises(TypeError, match="fwd_tile_mask: dtype must be uint8"):
+        torch.ops.mala.bwd(out, q, k, v, out, lse, 1.0, True, 0.0, False, False,
+                           torch.zeros((1, 2, 1, 1), dtype=torch.int32))

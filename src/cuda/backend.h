@@ -22,6 +22,7 @@ Tiles forward_tiles(const ForwardArgs& args);
 Status backward(const BackwardArgs& args);
 Tiles backward_tiles(const BackwardArgs& args);
 size_t backward_workspace_size(const BackwardArgs& args);
+bool backward_reads_forward_tile_mask(const BackwardArgs& args);
 
 Status decode(const DecodeArgs& args);
 Tiles decode_tiles(const DecodeArgs& args);

@@ -14,6 +14,7 @@ Tiles forward_tiles(const ForwardArgs&) { return {}; }
 Status backward(const BackwardArgs&) { return no_cuda(); }
 Tiles backward_tiles(const BackwardArgs&) { return {}; }
 size_t backward_workspace_size(const BackwardArgs&) { return 0; }
+bool backward_reads_forward_tile_mask(const BackwardArgs&) { return false; }
 Status decode(const DecodeArgs&) { return no_cuda(); }
 Tiles decode_tiles(const DecodeArgs&) { return {}; }
 int decode_num_splits(const DecodeArgs&) { return 1; }

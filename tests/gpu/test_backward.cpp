@@ -552,6 +552,47 @@ TEST_P(BackwardGpuSmall, ForwardTileMask) {
   run_case(n);
 }
 
+// backward_reads_forward_tile_mask: where autograd has the forward record its tile mask.  It says yes
+// exactly where the dispatch hands the mask to the kernel (the tests above check that kernel's use).
+TEST(BackwardGpuQuery, ReadsForwardTileMask) {
+  if (!mala_test::device_is_sm90()) GTEST_SKIP();
+  mala::cuda_backend::set_kernel_override({});
+  mala::BackwardArgs a;
+  a.device = mala::Device::cuda;
+  a.dtype = DType::bf16;
+  a.batch = 1;
+  a.seqlen_q = a.seqlen_k = 4096;
+  a.heads_q = 8;
+  a.heads_kv = 1;
+  a.head_dim = 128;
+  a.causal = true;
+  a.tau = 1.f;
+  EXPECT_TRUE(mala::backward_reads_forward_tile_mask(a));
+  a.head_dim = 64;
+  a.dtype = DType::f16;
+  EXPECT_TRUE(mala::backward_reads_forward_tile_mask(a));
+  a.head_dim = 256;
+  EXPECT_FALSE(mala::backward_reads_forward_tile_mask(a)) << "d = 256";
+  a.head_dim = 128;
+  a.tau = 0.f;
+  EXPECT_FALSE(mala::backward_reads_forward_tile_mask(a)) << "tau = 0";
+  a.tau = 1.f;
+  a.deterministic = true;
+  EXPECT_FALSE(mala::backward_reads_forward_tile_mask(a)) << "deterministic";
+  a.deterministic = false;
+  a.seqlen_q = a.seqlen_k = int64_t{1} << 20;  // 16384 query tiles: past the CTA's bitmap
+  EXPECT_FALSE(mala::backward_reads_forward_tile_mask(a)) << "1M tokens";
+  a.seqlen_q = a.seqlen_k = 4096;
+  a.device = mala::Device::cpu;
+  EXPECT_FALSE(mala::backward_reads_forward_tile_mask(a)) << "cpu";
+  a.device = mala::Device::cuda;
+  mala::cuda_backend::KernelOverride o;
+  o.bwd = mala::cuda_backend::BwdVariant::mma_sync;
+  mala::cuda_backend::set_kernel_override(o);
+  EXPECT_FALSE(mala::backward_reads_forward_tile_mask(a)) << "mma_sync override";
+  mala::cuda_backend::set_kernel_override({});
+}
+
 // ---- larger shapes -----------------------------------------------------------------------------
 
 TEST_P(BackwardGpu, UnequalLengths) {

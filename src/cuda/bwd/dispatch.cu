@@ -206,6 +206,17 @@ Plan make_plan(const BackwardArgs& a) {
   return pl;
 }
 
+// Whether the main kernel reads the forward's tile mask (BackwardArgs::forward_tile_mask): only the
+// warp-specialized kernel at d = 64 / 128 does, and not at tau = 0 (nothing is skipped), nor in
+// deterministic mode, where every key tile passes every query tile's counter, nor where a CTA's tiles
+// outnumber its scored-tile bitmap.  (Where choose_kernel falls back to another kernel, that kernel
+// ignores the mask.)
+bool reads_fwd_mask(const BackwardArgs& a, const Plan& pl) {
+  return !rule::dense(a.tau) && !a.deterministic && (a.head_dim == 64 || a.head_dim == 128) &&
+         kernel_override().bwd == BwdVariant::automatic && pl.n_q_tiles < 65536 && a.heads_q < 65536 &&
+         static_cast<int64_t>(pl.heads_per_cta) * pl.n_q_tiles <= cuda::kBwdWsScoredTiles;
+}
+
 // The main kernel for this call (see the top of the file); maps is filled for sm90_ws.
 template <typename T, int D>
 cuda::BwdLaunch choose_kernel(const BackwardArgs& a, const Plan& pl, const BwdParams& p, bool dense,
@@ -303,12 +314,7 @@ cudaError_t run_typed(const BackwardArgs& a, const Plan& pl, char* ws, cudaStrea
   p.q_stages = pick_q_stages(cuda::bwd_smem_bytes<D>(3));
   p.head_splits = pl.head_splits;
   p.dq_sem = nullptr;
-  // The forward's decisions: only the warp-specialized kernel at d = 64 / 128 reads them (the others
-  // ignore them), and not in deterministic mode, where every key tile passes every query tile's
-  // counter, nor where a CTA's tiles outnumber its bitmap.
-  const bool use_fwd_mask = a.forward_tile_mask != nullptr && !dense && !a.deterministic && D != 256 &&
-                            static_cast<int64_t>(pl.heads_per_cta) * pl.n_q_tiles <= cuda::kBwdWsScoredTiles;
-  p.fwd_mask = use_fwd_mask ? a.forward_tile_mask : nullptr;
+  p.fwd_mask = a.forward_tile_mask != nullptr && reads_fwd_mask(a, pl) ? a.forward_tile_mask : nullptr;
   p.fwd_bq = std::max(a.forward_block_q, 1);
   p.fwd_bk = std::max(a.forward_block_k, 1);
   p.fwd_n_q_tiles = static_cast<int>(rule::ceil_div(static_cast<int64_t>(a.seqlen_q), int64_t{p.fwd_bq}));
@@ -423,6 +429,18 @@ bool strides_ok(const Strides& s) { return s.batch % 8 == 0 && s.row % 8 == 0 &&
 Tiles backward_tiles(const BackwardArgs& a) { return tiles_for_dim(a.head_dim); }
 
 size_t backward_workspace_size(const BackwardArgs& a) { return make_plan(a).bytes; }
+
+bool backward_reads_forward_tile_mask(const BackwardArgs& a) {
+  if (a.dtype != DType::bf16 && a.dtype != DType::f16) return false;
+  const bool bf16 = a.dtype == DType::bf16;
+  bool usable = false;
+  switch (a.head_dim) {
+    case 64: usable = bf16 ? cuda::bwd_wgmma_usable<__nv_bfloat16, 64>() : cuda::bwd_wgmma_usable<__half, 64>(); break;
+    case 128: usable = bf16 ? cuda::bwd_wgmma_usable<__nv_bfloat16, 128>() : cuda::bwd_wgmma_usable<__half, 128>(); break;
+    default: return false;
+  }
+  return usable && reads_fwd_mask(a, make_plan(a));
+}
 
 Status backward(const BackwardArgs& a) {
   if (a.dtype != DType::bf16 && a.dtype != DType::f16)
