@@ -218,26 +218,33 @@ c10::DataPtr scratch(size_t bytes, const Tensor& like) {
 
 // ---- the forward's tile mask for the backward ---------------------------------------------
 
+// The arguments a forward and its backward share (shapes, layout of varlen calls, the rule).
+template <typename Dst, typename Src>
+void copy_shared_args(Dst& d, const Src& s) {
+  d.device = s.device;
+  d.dtype = s.dtype;
+  d.batch = s.batch;
+  d.seqlen_q = s.seqlen_q;
+  d.seqlen_k = s.seqlen_k;
+  d.heads_q = s.heads_q;
+  d.heads_kv = s.heads_kv;
+  d.head_dim = s.head_dim;
+  d.causal = s.causal;
+  d.tau = s.tau;
+  d.softmax_scale = s.softmax_scale;
+  d.cu_seqlens_q = s.cu_seqlens_q;
+  d.cu_seqlens_k = s.cu_seqlens_k;
+  d.total_k = s.total_k;
+}
+
 // The backward of a forward with arguments f (and the backward's `deterministic`) reads the
 // forward's tile mask where mala::backward_reads_forward_tile_mask says so; then the mask has the
 // forward's tiles, else {0, 0}.  (Autograd asks the forward to record the mask only there.)
 mala::Tiles forward_mask_tiles_for(const mala::ForwardArgs& f, bool deterministic, int64_t total_q) {
   mala::BackwardArgs b;
-  b.device = f.device;
-  b.dtype = f.dtype;
-  b.batch = f.batch;
-  b.seqlen_q = f.seqlen_q;
-  b.seqlen_k = f.seqlen_k;
-  b.heads_q = f.heads_q;
-  b.heads_kv = f.heads_kv;
-  b.head_dim = f.head_dim;
-  b.causal = f.causal;
-  b.tau = f.tau;
+  copy_shared_args(b, f);
   b.deterministic = deterministic;
-  b.cu_seqlens_q = f.cu_seqlens_q;
-  b.cu_seqlens_k = f.cu_seqlens_k;
   b.total_q = total_q;
-  b.total_k = f.total_k;
   if (!mala::backward_reads_forward_tile_mask(b)) return {0, 0};
   return mala::forward_tiles(f);
 }
@@ -412,26 +419,13 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> fwd_varlen(const Tensor& q, const Ten
 // backward reads one, points a at it; returns the tensor to keep alive.
 Tensor attach_forward_mask(mala::BackwardArgs& a, const Tensor& m, const Tensor& q) {
   mala::ForwardArgs f;
-  f.device = a.device;
-  f.dtype = a.dtype;
-  f.batch = a.batch;
-  f.seqlen_q = a.seqlen_q;
-  f.seqlen_k = a.seqlen_k;
-  f.heads_q = a.heads_q;
-  f.heads_kv = a.heads_kv;
-  f.head_dim = a.head_dim;
-  f.causal = a.causal;
-  f.tau = a.tau;
-  f.softmax_scale = a.softmax_scale;
+  copy_shared_args(f, a);
   f.q = a.q;
   f.k = a.k;
   f.v = a.v;
   f.q_strides = a.q_strides;
   f.k_strides = a.k_strides;
   f.v_strides = a.v_strides;
-  f.cu_seqlens_q = a.cu_seqlens_q;
-  f.cu_seqlens_k = a.cu_seqlens_k;
-  f.total_k = a.total_k;
   const mala::Tiles t = mala::forward_tiles(f);
   TORCH_CHECK_TYPE(m.scalar_type() == at::kByte, "fwd_tile_mask: dtype must be uint8 (got ", m.scalar_type(), ")");
   TORCH_CHECK_VALUE(m.device() == q.device(), "fwd_tile_mask: must be on the device of q (", q.device(), "), got ",
