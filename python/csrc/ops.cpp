@@ -356,11 +356,13 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> forward_impl(const Tensor& q_in, cons
   Tensor slots = empty_or(return_stats, lse.sizes(), q, at::kInt);
   Tensor tile_mask = at::empty({0}, q.options().dtype(at::kByte));
   // The mask is recorded for the stats, and for a backward that reads it (record_for_backward: the
-  // autograd forward of a call that needs gradients).
-  const bool record = return_stats || (record_for_backward && !split &&
-                                       forward_mask_tiles_for(a, deterministic, is_varlen ? q.size(0) : 0).block_q > 0);
-  if (record) {
-    mala::Tiles t = mala::forward_tiles(a);
+  // autograd forward of a call that needs gradients); t.block_q = 0: not recorded.
+  mala::Tiles t{0, 0};
+  if (return_stats)
+    t = mala::forward_tiles(a);
+  else if (record_for_backward && !split)
+    t = forward_mask_tiles_for(a, deterministic, is_varlen ? q.size(0) : 0);
+  if (t.block_q > 0) {
     tile_mask = at::zeros({a.batch, hq, ceil_div(a.seqlen_q, t.block_q), ceil_div(a.seqlen_k, t.block_k)},
                           q.options().dtype(at::kByte));
     a.tile_mask = tile_mask.data_ptr<uint8_t>();
@@ -727,23 +729,24 @@ std::tuple<Tensor, Tensor, Tensor> kvcache(const Tensor& q, const Tensor& k_cach
 
 // ---- tile sizes (no tensors: answered from shapes alone) ------------------------------------
 
+// The arguments of a call of these shapes, as far as the tile queries read them.
+template <typename Args>
+void fill_shape(Args& a, c10::Device device, c10::ScalarType dtype, int64_t batch, int64_t seqlen_q,
+                int64_t heads_q, int64_t heads_kv, int64_t head_dim, bool causal) {
+  a.device = device.is_cuda() ? mala::Device::cuda : mala::Device::cpu;
+  a.dtype = dtype == at::kHalf ? mala::DType::f16 : dtype == at::kBFloat16 ? mala::DType::bf16 : mala::DType::f32;
+  a.batch = batch;
+  a.seqlen_q = seqlen_q;
+  a.heads_q = heads_q;
+  a.heads_kv = heads_kv;
+  a.head_dim = head_dim;
+  a.causal = causal;
+}
+
 std::vector<int64_t> tile_sizes(c10::string_view kernel, c10::Device device, c10::ScalarType dtype, int64_t batch,
                                 int64_t seqlen_q, int64_t seqlen_k, int64_t heads_q, int64_t heads_kv,
                                 int64_t head_dim, bool causal, int64_t num_splits) {
-  const mala::Device dev = device.is_cuda() ? mala::Device::cuda : mala::Device::cpu;
-  const mala::DType dt = dtype == at::kHalf ? mala::DType::f16
-                         : dtype == at::kBFloat16 ? mala::DType::bf16
-                                                  : mala::DType::f32;
-  auto fill = [&](auto& a) {
-    a.device = dev;
-    a.dtype = dt;
-    a.batch = batch;
-    a.seqlen_q = seqlen_q;
-    a.heads_q = heads_q;
-    a.heads_kv = heads_kv;
-    a.head_dim = head_dim;
-    a.causal = causal;
-  };
+  auto fill = [&](auto& a) { fill_shape(a, device, dtype, batch, seqlen_q, heads_q, heads_kv, head_dim, causal); };
   if (kernel == "forward") {
     mala::ForwardArgs a;
     fill(a);
@@ -774,15 +777,8 @@ std::vector<int64_t> forward_mask_tiles(c10::Device device, c10::ScalarType dtyp
                                         int64_t seqlen_k, int64_t heads_q, int64_t heads_kv, int64_t head_dim,
                                         bool causal, double tau, bool deterministic) {
   mala::ForwardArgs f;
-  f.device = device.is_cuda() ? mala::Device::cuda : mala::Device::cpu;
-  f.dtype = dtype == at::kHalf ? mala::DType::f16 : dtype == at::kBFloat16 ? mala::DType::bf16 : mala::DType::f32;
-  f.batch = batch;
-  f.seqlen_q = seqlen_q;
+  fill_shape(f, device, dtype, batch, seqlen_q, heads_q, heads_kv, head_dim, causal);
   f.seqlen_k = seqlen_k;
-  f.heads_q = heads_q;
-  f.heads_kv = heads_kv;
-  f.head_dim = head_dim;
-  f.causal = causal;
   f.tau = static_cast<float>(tau);
   const mala::Tiles t = forward_mask_tiles_for(f, deterministic, 0);
   if (t.block_q == 0) return {};

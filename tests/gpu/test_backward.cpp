@@ -590,6 +590,10 @@ TEST(BackwardGpuQuery, ReadsForwardTileMask) {
   o.bwd = mala::cuda_backend::BwdVariant::mma_sync;
   mala::cuda_backend::set_kernel_override(o);
   EXPECT_FALSE(mala::backward_reads_forward_tile_mask(a)) << "mma_sync override";
+  o = {};
+  o.bwd_q_order = 2;  // query tiles descending: not the bitmap's order
+  mala::cuda_backend::set_kernel_override(o);
+  EXPECT_FALSE(mala::backward_reads_forward_tile_mask(a)) << "descending query order";
   mala::cuda_backend::set_kernel_override({});
 }
 

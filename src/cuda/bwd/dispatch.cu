@@ -206,14 +206,29 @@ Plan make_plan(const BackwardArgs& a) {
   return pl;
 }
 
+// d = 64 / 128: whether the wgmma kernels can serve the call (the device, and BwdWork::Tile, which
+// packs a head and a query tile into 16 bits each).
+template <typename T, int D>
+bool wgmma_fits(const BackwardArgs& a, const Plan& pl) {
+  return pl.n_q_tiles < 65536 && a.heads_q < 65536 && cuda::bwd_wgmma_usable<T, D>();
+}
+
+// The warp-specialized kernel's visiting order (BwdParams::q_desc): query tiles descending with the
+// heads inner in deterministic mode, else ascending with the heads outer; the override may force one.
+bool q_desc_order(const BackwardArgs& a) {
+  const int forced = kernel_override().bwd_q_order;
+  return forced == 1 || forced == 2 ? forced == 2 : a.deterministic;
+}
+
 // Whether the main kernel reads the forward's tile mask (BackwardArgs::forward_tile_mask): only the
-// warp-specialized kernel at d = 64 / 128 does, and not at tau = 0 (nothing is skipped), nor in
-// deterministic mode, where every key tile passes every query tile's counter, nor where a CTA's tiles
-// outnumber its scored-tile bitmap.  (Where choose_kernel falls back to another kernel, that kernel
-// ignores the mask.)
+// warp-specialized kernel at d = 64 / 128 does, in the ascending order its scored-tile bitmap
+// follows, and not at tau = 0 (nothing is skipped), nor in deterministic mode, where every key tile
+// passes every query tile's counter, nor where a CTA's tiles outnumber the bitmap.  (Where
+// choose_kernel falls back to another kernel for want of tensor maps, that kernel ignores the mask.)
+template <typename T, int D>
 bool reads_fwd_mask(const BackwardArgs& a, const Plan& pl) {
-  return !rule::dense(a.tau) && !a.deterministic && (a.head_dim == 64 || a.head_dim == 128) &&
-         kernel_override().bwd == BwdVariant::automatic && pl.n_q_tiles < 65536 && a.heads_q < 65536 &&
+  return D != 256 && !rule::dense(a.tau) && !a.deterministic && !q_desc_order(a) &&
+         kernel_override().bwd == BwdVariant::automatic && wgmma_fits<T, D>(a, pl) &&
          static_cast<int64_t>(pl.heads_per_cta) * pl.n_q_tiles <= cuda::kBwdWsScoredTiles;
 }
 
@@ -232,9 +247,7 @@ cuda::BwdLaunch choose_kernel(const BackwardArgs& a, const Plan& pl, const BwdPa
     return l;
   }
   const BwdVariant v = kernel_override().bwd;
-  // (BwdWork::Tile packs a head and a query tile into 16 bits each.)
-  if (v == BwdVariant::mma_sync || p.n_q_tiles >= 65536 || p.heads_q >= 65536 || !cuda::bwd_wgmma_usable<T, D>())
-    return l;
+  if (v == BwdVariant::mma_sync || !wgmma_fits<T, D>(a, pl)) return l;
   l.kernel = cuda::BwdKernelKind::sm90;
   if (v != BwdVariant::wgmma_cp_async && make_tma_maps(a, p, maps)) {
     l.kernel = cuda::BwdKernelKind::sm90_ws;
@@ -314,14 +327,12 @@ cudaError_t run_typed(const BackwardArgs& a, const Plan& pl, char* ws, cudaStrea
   p.q_stages = pick_q_stages(cuda::bwd_smem_bytes<D>(3));
   p.head_splits = pl.head_splits;
   p.dq_sem = nullptr;
-  p.fwd_mask = a.forward_tile_mask != nullptr && reads_fwd_mask(a, pl) ? a.forward_tile_mask : nullptr;
+  p.fwd_mask = a.forward_tile_mask != nullptr && reads_fwd_mask<T, D>(a, pl) ? a.forward_tile_mask : nullptr;
   p.fwd_bq = std::max(a.forward_block_q, 1);
   p.fwd_bk = std::max(a.forward_block_k, 1);
   p.fwd_n_q_tiles = static_cast<int>(rule::ceil_div(static_cast<int64_t>(a.seqlen_q), int64_t{p.fwd_bq}));
   p.fwd_n_k_tiles = static_cast<int>(rule::ceil_div(static_cast<int64_t>(a.seqlen_k), int64_t{p.fwd_bk}));
-  p.q_desc = a.deterministic;
-  if (kernel_override().bwd_q_order == 1 || kernel_override().bwd_q_order == 2)
-    p.q_desc = kernel_override().bwd_q_order == 2;
+  p.q_desc = q_desc_order(a);
   cuda::BwdTmaMaps maps;
   const cuda::BwdLaunch launch = choose_kernel<T, D>(a, pl, p, dense, &maps);
   if (launch.kernel == cuda::BwdKernelKind::sm90_ws && launch.maps == nullptr) return cudaErrorInvalidValue;
@@ -433,13 +444,12 @@ size_t backward_workspace_size(const BackwardArgs& a) { return make_plan(a).byte
 bool backward_reads_forward_tile_mask(const BackwardArgs& a) {
   if (a.dtype != DType::bf16 && a.dtype != DType::f16) return false;
   const bool bf16 = a.dtype == DType::bf16;
-  bool usable = false;
+  const Plan pl = make_plan(a);
   switch (a.head_dim) {
-    case 64: usable = bf16 ? cuda::bwd_wgmma_usable<__nv_bfloat16, 64>() : cuda::bwd_wgmma_usable<__half, 64>(); break;
-    case 128: usable = bf16 ? cuda::bwd_wgmma_usable<__nv_bfloat16, 128>() : cuda::bwd_wgmma_usable<__half, 128>(); break;
+    case 64: return bf16 ? reads_fwd_mask<__nv_bfloat16, 64>(a, pl) : reads_fwd_mask<__half, 64>(a, pl);
+    case 128: return bf16 ? reads_fwd_mask<__nv_bfloat16, 128>(a, pl) : reads_fwd_mask<__half, 128>(a, pl);
     default: return false;
   }
-  return usable && reads_fwd_mask(a, make_plan(a));
 }
 
 Status backward(const BackwardArgs& a) {

@@ -147,13 +147,13 @@ __global__ void __launch_bounds__(384, 1)
   __syncthreads();
   // A CTA that would score most of its tiles anyway scores them all, as without the mask: the skips
   // could save at most the S^T of the few tiles left out, and a CTA that steps over scattered
-  // unscored tiles ran slower than one that scored them (the real model's layers that keep 80-90% of
-  // their tiles: 0.80x).
+  // unscored tiles ran slower than one that scored them (docs/kernels.md).  Each warp counts the
+  // bits, a word per lane.
   bool use_fwd_mask = kFwdMask;
   if constexpr (kFwdMask) {
     int n_scored = 0;
-    for (int k = 0; 32 * k < n_iter; ++k) n_scored += __popc(scored_bits[k]);
-    use_fwd_mask = 2 * n_scored < n_iter;
+    for (int k = tid & 31; 32 * k < n_iter; k += 32) n_scored += __popc(scored_bits[k]);
+    use_fwd_mask = 2 * __reduce_add_sync(0xffffffffu, n_scored) < n_iter;
   }
   // Whether tile t is scored (kFwdMask).
   auto is_scored = [&](int t) { return !use_fwd_mask || ((scored_bits[t >> 5] >> (t & 31)) & 1u) != 0u; };
