@@ -154,6 +154,7 @@ inline int64_t parse_len(const std::string& s) {  // "4096", "4K", "128k"
 //               autograd's forward does where the backward reads it)
 //   --fwd-kernel auto|mma_sync|wgmma_cp_async|wgmma_ws   --bwd-kernel auto|mma_sync|wgmma_cp_async
 //   --decode-kernel auto|small_smem   --bwd-q-stages 2|3   --bwd-head-splits S   --bwd-q-order 0|1|2
+//   --bwd-det 0|1|2 (with --deterministic: the dispatch's scheme, chained, fixed point)
 //   (the kernel override, for comparing kernels on one device)
 inline Options parse_options(int argc, char** argv) {
   Options o;
@@ -192,6 +193,7 @@ inline Options parse_options(int argc, char** argv) {
     else if (a == "--deterministic") o.deterministic = true;
     else if (a == "--fwd-mask") o.fwd_mask = true;
     else if (a == "--bwd-q-order") o.kernels.bwd_q_order = std::stoi(next());
+    else if (a == "--bwd-det") o.kernels.bwd_det = std::stoi(next());
     else if (a == "--interleave") o.interleave = true;
     else if (a == "--real") o.real = split_list(next());
     else if (a == "--varlen") o.varlen = true;

@@ -40,6 +40,7 @@ struct Case {
   bool totals = true;         // varlen: give total_q and total_k (the TMA kernel needs them)
   bool deterministic = false;
   bool fwd_mask = false;                // pass the forward's tile mask (forward_tile_mask)
+  float dout_scale = 1.f;               // dO's magnitude (the fixed-point dQ's unit follows it)
   int64_t rows_before = -1;   // one split of a longer sequence: the threshold's whole row length
   uint64_t seed = 1;
   bool quiet = false;  // no per-case line (the fuzz test prints a summary)
@@ -99,7 +100,7 @@ void run_case(const Case& c, FuzzStats* stats = nullptr) {
                                     << " causal=" << c.causal << " tau=" << c.tau << " regime=" << c.regime
                                     << " strided=" << c.strided << " varlen=" << !c.varlen_q.empty()
                                     << " splits=" << c.head_splits << " deterministic=" << c.deterministic
-                                    << " fwd_mask=" << c.fwd_mask);
+                                    << " fwd_mask=" << c.fwd_mask << " dout_scale=" << c.dout_scale);
   // The head splits through the kernel override, beside the fixture's kernel.
   auto set_head_splits = [](int splits) {
     mala::cuda_backend::KernelOverride o = mala::cuda_backend::kernel_override();
@@ -148,6 +149,7 @@ void run_case(const Case& c, FuzzStats* stats = nullptr) {
     w.seed = c.seed;
     ASSERT_TRUE(mala::make_workload(w, q.data(), k.data(), v.data(), dout.data()).ok);
   }
+  for (auto& x : dout) x *= c.dout_scale;
   const auto qb = round_to(q, c.dtype), kb = round_to(k, c.dtype), vb = round_to(v, c.dtype),
              dob = round_to(dout, c.dtype);
 
@@ -510,16 +512,42 @@ Case small_varlen() {
 
 // The dispatch's own kernel only: deterministic mode and varlen without totals (the cp.async
 // fallback).  Deterministic runs on Hopper's warp-specialized kernel; elsewhere it must be refused.
+// At d = 64 and 128 both dQ schemes run (the dispatch's, then each forced), the fixed point also at
+// gradients of 1e-30 and 1e15 (the rows' units at the clamp and far from 1), and with the forward's
+// tile mask.
 TEST_P(BackwardGpuSmall, DeterministicAndFallbacks) {
   if (GetParam() != BwdVariant::automatic) GTEST_SKIP() << "the dispatch's choice only";
   if (!mala_test::device_is_sm90()) GTEST_SKIP() << "deterministic mode needs sm_90";
-  for (int64_t d : {64, 128, 256})
-    for (float tau : {0.f, 1.f}) {
-      Case c = small_gqa(d, "sharp");
-      c.tau = tau;
+  auto set_scheme = [](int scheme) {
+    mala::cuda_backend::KernelOverride o = mala::cuda_backend::kernel_override();
+    o.bwd_det = scheme;
+    mala::cuda_backend::set_kernel_override(o);
+  };
+  for (int scheme : {0, 1, 2}) {
+    set_scheme(scheme);
+    for (int64_t d : {64, 128, 256}) {
+      if (scheme != 0 && d == 256) continue;
+      for (float tau : {0.f, 1.f}) {
+        Case c = small_gqa(d, "sharp");
+        c.tau = tau;
+        c.deterministic = true;
+        run_case(c);
+      }
+      Case m = small_gqa(d, "sharp");
+      m.deterministic = true;
+      m.fwd_mask = true;
+      run_case(m);
+    }
+  }
+  set_scheme(2);
+  for (int64_t d : {64, 128})
+    for (float scale : {1e-30f, 1e15f}) {
+      Case c = small_gqa(d, "random");
       c.deterministic = true;
+      c.dout_scale = scale;
       run_case(c);
     }
+  set_scheme(0);
   Case v = small_varlen();
   v.deterministic = true;
   run_case(v);
@@ -577,8 +605,18 @@ TEST(BackwardGpuQuery, ReadsForwardTileMask) {
   a.tau = 0.f;
   EXPECT_FALSE(mala::backward_reads_forward_tile_mask(a)) << "tau = 0";
   a.tau = 1.f;
-  a.deterministic = true;
-  EXPECT_FALSE(mala::backward_reads_forward_tile_mask(a)) << "deterministic";
+  a.deterministic = true;  // chained dQ adds at d = 128: every tile passes its counter
+  EXPECT_FALSE(mala::backward_reads_forward_tile_mask(a)) << "deterministic, d = 128";
+  a.head_dim = 64;  // fixed-point dQ: the order of the adds does not matter
+  EXPECT_TRUE(mala::backward_reads_forward_tile_mask(a)) << "deterministic, d = 64";
+  a.head_dim = 128;
+  {
+    mala::cuda_backend::KernelOverride o;
+    o.bwd_det = 2;
+    mala::cuda_backend::set_kernel_override(o);
+    EXPECT_TRUE(mala::backward_reads_forward_tile_mask(a)) << "deterministic, d = 128, fixed point forced";
+    mala::cuda_backend::set_kernel_override({});
+  }
   a.deterministic = false;
   a.seqlen_q = a.seqlen_k = int64_t{1} << 20;  // 16384 query tiles: past the CTA's bitmap
   EXPECT_FALSE(mala::backward_reads_forward_tile_mask(a)) << "1M tokens";

@@ -7,12 +7,16 @@
 //     dq_sm90_ws256.cuh (dQ straight into the output: no accumulator, no convert); else at d = 64
 //     and 128 the two-warpgroup cp.async kernel (bwd/kernel_sm90.cuh);
 //   everything else: the mma.sync kernel (bwd/kernel_sm80.cuh).
-// deterministic = true runs only on the warp-specialized kernels (an error elsewhere).  Each kernel's
-// tau = 0 instance runs at tau = 0.  The kernel override (backend.h) forces another kernel, the Q
-// stages or the head splits for tests and benchmarks.
+// deterministic = true runs only on the warp-specialized kernels (an error elsewhere): at d = 64 and
+// 128 their dQ adds are in fixed point, whose sums do not depend on the order of the adds, or chained
+// in key-tile order (dq_scheme); at d = 256 the dQ kernel adds nothing.  Each kernel's tau = 0
+// instance runs at tau = 0.  The kernel override (backend.h) forces another kernel, the Q stages, the
+// head splits, the visiting order or the deterministic scheme for tests and benchmarks.
+//   0. fixed-point dQ: the K/V maxima kernel (bwd/rowwise.cuh), for the rows' fixed-point units.
 //   1. preprocess kernel (bwd/rowwise.cuh): D = rowsum(dO * O) (fp32) into the workspace, lse in
-//      log2 units and (tau > 0) each row's skip bound on raw scores beside it, bwd_slots zeroed;
-//      the fp32 dQ accumulator (and the dK/dV accumulators when used) zeroed with cudaMemsetAsync.
+//      log2 units, (tau > 0) each row's skip bound on raw scores and (fixed point) the row's dQ
+//      unit beside it, bwd_slots zeroed; the dQ accumulator (and the dK/dV accumulators when used)
+//      zeroed with cudaMemsetAsync.
 //   2. the fused key-major main kernel, one instantiation per (dtype, head dim).
 //   3. convert kernel: dQ (and dK/dV when they went through the fp32 workspace) in the input dtype.
 // GQA: a CTA loops over `heads_per_cta` query heads of one KV group with dK/dV in registers.  When
@@ -101,13 +105,17 @@ bool make_input_maps(const BackwardArgs& a, cuda::BwdTmaMaps* m) {
          (d != 256 || (cuda::make_kv_tensor_map(&m->k32, a.k, bf16, d, rk, hkv, batch, ks.r, ks.h, ks.b, 32) &&
                        cuda::make_kv_tensor_map(&m->v32, a.v, bf16, d, rk, hkv, batch, vs.r, vs.h, vs.b, 32)));
 }
-// ... and of the workspace: the fp32 dQ accumulator [heads_q * rows_q_cap, d] in boxes of 32 columns x
-// 64 rows (not at d = 256, whose kernels need none), the per-row lse, bound and D [heads_q *
-// rows_q_cap] in boxes of 68 (64 rows from the 16-byte boundary before the first).
+// ... and of the workspace: the dQ accumulator [heads_q * rows_q_cap, d] (fp32, or int64 for
+// fixed-point dQ) in boxes of 128 bytes x 64 rows (not at d = 256, whose kernels need none), the
+// per-row lse, bound, D and fixed-point unit [heads_q * rows_q_cap] in boxes of 68 (64 rows from the
+// 16-byte boundary before the first).
 bool make_tma_maps(const BackwardArgs& a, const BwdParams& p, cuda::BwdTmaMaps* m) {
   const int d = static_cast<int>(a.head_dim);
+  const int64_t rows = a.heads_q * p.rows_q_cap;
   return make_input_maps(a, m) &&
-         (d == 256 || cuda::make_f32_tensor_map(&m->dq, p.dq_acc, d, a.heads_q * p.rows_q_cap, 64)) &&
+         (d == 256 || (p.dq_fixed ? cuda::make_acc_tensor_map(&m->dq, p.dq_fixed, true, d, rows, 64) &&
+                                        cuda::make_f32_vec_tensor_map(&m->unit, const_cast<float*>(p.dq_unit), rows, 68)
+                                  : cuda::make_acc_tensor_map(&m->dq, p.dq_acc, false, d, rows, 64))) &&
          cuda::make_f32_vec_tensor_map(&m->lse, p.lse2, a.heads_q * p.rows_q_cap, 68) &&
          cuda::make_f32_vec_tensor_map(&m->bound, p.bound2, a.heads_q * p.rows_q_cap, 68) &&
          cuda::make_f32_vec_tensor_map(&m->dsum, p.dsum, a.heads_q * p.rows_q_cap, 68);
@@ -132,11 +140,25 @@ struct Plan {
   bool kv_atomic = false;  // dK/dV through the fp32 workspace (head splits)
   int kv_slices = 0;       // > 0: one workspace slice per split (deterministic), else atomics
   bool dq_direct = false;  // d = 256 on the warp-specialized kernels: dQ needs no fp32 accumulator
-  size_t off_dsum = 0, off_lse2 = 0, off_bound2 = 0, off_dq = 0, off_dk = 0, off_dv = 0, off_sem = 0, off_mask = 0,
-         bytes = 0;
+  bool dq_fixed = false;   // deterministic, fixed point: the dQ accumulator in int64 (dq_scheme)
+  bool dq_chain = false;   // deterministic, chained: the dQ counters
+  size_t off_dsum = 0, off_lse2 = 0, off_bound2 = 0, off_dq = 0, off_dk = 0, off_dv = 0, off_unit = 0, off_kv_max = 0,
+         off_sem = 0, off_mask = 0, bytes = 0;
 };
 
 size_t align_up(size_t x) { return (x + 255) & ~static_cast<size_t>(255); }
+
+// The deterministic mode's dQ at d = 64 and 128 (BwdParams): 2 = fixed point, 1 = chained fp32 adds,
+// 0 = neither (not deterministic, or d = 256, whose dQ kernel adds nothing).  Fixed point at d = 64,
+// where it beat the chain on every input measured; chained at d = 128, where the fixed point's 8-byte
+// adds run into the L2's reduction rate on inputs that keep most tiles (docs/kernels.md,
+// "Deterministic backward").  The override may force either.
+int dq_scheme(const BackwardArgs& a) {
+  if (!a.deterministic || a.head_dim == 256) return 0;
+  const int forced = kernel_override().bwd_det;
+  if (forced == 1 || forced == 2) return forced;
+  return a.head_dim == 64 ? 2 : 1;
+}
 
 Plan make_plan(const BackwardArgs& a) {
   Plan pl;
@@ -180,8 +202,11 @@ Plan make_plan(const BackwardArgs& a) {
   pl.off_lse2 = off;
   off = align_up(off + sizeof(float) * static_cast<size_t>(a.heads_q * pl.rows_q_cap));
   pl.dq_direct = d256_direct(a, pl.n_q_tiles);
+  pl.dq_fixed = dq_scheme(a) == 2;
+  pl.dq_chain = dq_scheme(a) == 1;
   pl.off_dq = off;
-  if (!pl.dq_direct) off = align_up(off + sizeof(float) * static_cast<size_t>(a.heads_q * pl.rows_q_cap) * d);
+  if (!pl.dq_direct)
+    off = align_up(off + (pl.dq_fixed ? 8 : 4) * static_cast<size_t>(a.heads_q * pl.rows_q_cap) * d);
   if (pl.kv_atomic) {
     const size_t n = static_cast<size_t>(std::max(pl.kv_slices, 1)) * static_cast<size_t>(a.heads_kv * pl.rows_k_cap) * d;
     pl.off_dk = off;
@@ -198,7 +223,13 @@ Plan make_plan(const BackwardArgs& a) {
     pl.off_mask = off;
     off = align_up(off + static_cast<size_t>(a.batch * a.heads_q) * pl.n_q_tiles * pl.n_k_tiles);
   }
-  if (a.deterministic && a.head_dim != 256) {  // (d = 256: a dQ kernel with no adds, no counters)
+  if (pl.dq_fixed) {  // the rows' fixed-point units, the K/V maxima they come from
+    pl.off_unit = off;
+    off = align_up(off + sizeof(float) * static_cast<size_t>(a.heads_q * pl.rows_q_cap));
+    pl.off_kv_max = off;
+    off = align_up(off + 2 * sizeof(float));
+  }
+  if (pl.dq_chain) {
     pl.off_sem = off;
     off = align_up(off + sizeof(int32_t) * static_cast<size_t>(a.batch * a.heads_q) * pl.n_q_tiles);
   }
@@ -214,20 +245,21 @@ bool wgmma_fits(const BackwardArgs& a, const Plan& pl) {
 }
 
 // The warp-specialized kernel's visiting order (BwdParams::q_desc): query tiles descending with the
-// heads inner in deterministic mode, else ascending with the heads outer; the override may force one.
+// heads inner for chained dQ adds (the CTAs that add to a tile one after another reach it at about the
+// same step), else ascending with the heads outer; the override may force one.
 bool q_desc_order(const BackwardArgs& a) {
   const int forced = kernel_override().bwd_q_order;
-  return forced == 1 || forced == 2 ? forced == 2 : a.deterministic;
+  return forced == 1 || forced == 2 ? forced == 2 : dq_scheme(a) == 1;
 }
 
 // Whether the main kernel reads the forward's tile mask (BackwardArgs::forward_tile_mask): only the
 // warp-specialized kernel at d = 64 / 128 does, in the ascending order its scored-tile bitmap
-// follows, and not at tau = 0 (nothing is skipped), nor in deterministic mode, where every key tile
+// follows, and not at tau = 0 (nothing is skipped), nor with chained dQ adds, where every key tile
 // passes every query tile's counter, nor where a CTA's tiles outnumber the bitmap.  (Where
 // choose_kernel falls back to another kernel for want of tensor maps, that kernel ignores the mask.)
 template <typename T, int D>
 bool reads_fwd_mask(const BackwardArgs& a, const Plan& pl) {
-  return D != 256 && !rule::dense(a.tau) && !a.deterministic && !q_desc_order(a) &&
+  return D != 256 && !rule::dense(a.tau) && dq_scheme(a) != 1 && !q_desc_order(a) &&
          kernel_override().bwd == BwdVariant::automatic && wgmma_fits<T, D>(a, pl) &&
          static_cast<int64_t>(pl.heads_per_cta) * pl.n_q_tiles <= cuda::kBwdWsScoredTiles;
 }
@@ -270,7 +302,7 @@ cudaError_t run_typed(const BackwardArgs& a, const Plan& pl, char* ws, cudaStrea
   float* dsum = reinterpret_cast<float*>(ws + pl.off_dsum);
   float* lse2 = reinterpret_cast<float*>(ws + pl.off_lse2);
   float* bound2 = reinterpret_cast<float*>(ws + pl.off_bound2);
-  float* dq_acc = pl.dq_direct ? nullptr : reinterpret_cast<float*>(ws + pl.off_dq);
+  float* dq_acc = pl.dq_direct || pl.dq_fixed ? nullptr : reinterpret_cast<float*>(ws + pl.off_dq);
   float* dk_acc = pl.kv_atomic ? reinterpret_cast<float*>(ws + pl.off_dk) : nullptr;
   float* dv_acc = pl.kv_atomic ? reinterpret_cast<float*>(ws + pl.off_dv) : nullptr;
   const float scale = a.softmax_scale > 0.f ? a.softmax_scale : 1.0f / std::sqrt(static_cast<float>(d));
@@ -326,7 +358,10 @@ cudaError_t run_typed(const BackwardArgs& a, const Plan& pl, char* ws, cudaStrea
   p.heads_per_cta = pl.heads_per_cta;
   p.q_stages = pick_q_stages(cuda::bwd_smem_bytes<D>(3));
   p.head_splits = pl.head_splits;
-  p.dq_sem = nullptr;
+  // Deterministic mode: dQ in fixed point (before the kernel choice: its tensor maps) or chained.
+  p.dq_fixed = pl.dq_fixed ? reinterpret_cast<long long*>(ws + pl.off_dq) : nullptr;
+  p.dq_unit = pl.dq_fixed ? reinterpret_cast<float*>(ws + pl.off_unit) : nullptr;
+  p.dq_sem = pl.dq_chain ? reinterpret_cast<int32_t*>(ws + pl.off_sem) : nullptr;
   p.fwd_mask = a.forward_tile_mask != nullptr && reads_fwd_mask<T, D>(a, pl) ? a.forward_tile_mask : nullptr;
   p.fwd_bq = std::max(a.forward_block_q, 1);
   p.fwd_bk = std::max(a.forward_block_k, 1);
@@ -336,10 +371,8 @@ cudaError_t run_typed(const BackwardArgs& a, const Plan& pl, char* ws, cudaStrea
   cuda::BwdTmaMaps maps;
   const cuda::BwdLaunch launch = choose_kernel<T, D>(a, pl, p, dense, &maps);
   if (launch.kernel == cuda::BwdKernelKind::sm90_ws && launch.maps == nullptr) return cudaErrorInvalidValue;
-  if (a.deterministic) {
-    if (launch.kernel != cuda::BwdKernelKind::sm90_ws) return cudaErrorNotSupported;  // backward() words it
-    if (D != 256) p.dq_sem = reinterpret_cast<int32_t*>(ws + pl.off_sem);
-  }
+  if (a.deterministic && launch.kernel != cuda::BwdKernelKind::sm90_ws)
+    return cudaErrorNotSupported;  // backward() words it
   // d = 256 on Hopper: dQ is written by its own kernel, which reads the decisions from the tile mask.
   const bool dq_direct = pl.dq_direct;
   if (dq_direct && !dense && p.tile_mask == nullptr) {
@@ -349,7 +382,8 @@ cudaError_t run_typed(const BackwardArgs& a, const Plan& pl, char* ws, cudaStrea
   }
   // 1. zero accumulators, tile_mask; D and slot zeroing.
   if (!dq_direct) {
-    err = cudaMemsetAsync(dq_acc, 0, sizeof(float) * static_cast<size_t>(a.heads_q * pl.rows_q_cap * d), stream);
+    err = cudaMemsetAsync(ws + pl.off_dq, 0, (pl.dq_fixed ? 8 : 4) * static_cast<size_t>(a.heads_q * pl.rows_q_cap * d),
+                          stream);
     if (err != cudaSuccess) return err;
   }
   if (pl.kv_atomic && pl.kv_slices == 0) {  // (slices: every valid row is stored)
@@ -359,6 +393,28 @@ cudaError_t run_typed(const BackwardArgs& a, const Plan& pl, char* ws, cudaStrea
   if (p.dq_sem) {
     err = cudaMemsetAsync(p.dq_sem, 0, sizeof(int32_t) * static_cast<size_t>(a.batch * a.heads_q) * pl.n_q_tiles, stream);
     if (err != cudaSuccess) return err;
+  }
+  // Fixed-point dQ: the K/V maxima that the rows' units come from.
+  unsigned int* kv_max = pl.dq_fixed ? reinterpret_cast<unsigned int*>(ws + pl.off_kv_max) : nullptr;
+  if (kv_max) {
+    if ((err = cudaMemsetAsync(kv_max, 0, 2 * sizeof(unsigned int), stream)) != cudaSuccess) return err;
+    cuda::KvMaxParams km{};
+    km.k = a.k;
+    km.v = a.v;
+    km.k_s = ks;
+    km.v_s = vs;
+    km.cu = a.cu_seqlens_k;
+    km.batch = static_cast<int>(a.batch);
+    km.seqlen = static_cast<int>(a.seqlen_k);
+    km.heads = static_cast<int>(a.heads_kv);
+    km.rows_cap = pl.rows_k_cap;
+    km.out = kv_max;
+    const int64_t warps = pl.rows_k_cap * a.heads_kv;
+    const int blocks = static_cast<int>(std::min<int64_t>((warps + 7) / 8, 1024));
+    if (blocks > 0) {
+      cuda::bwd_kv_max_kernel<T, D><<<blocks, 256, 0, stream>>>(km);
+      if ((err = cudaGetLastError()) != cudaSuccess) return err;
+    }
   }
   if (a.tile_mask) {
     err = cudaMemsetAsync(a.tile_mask, 0,
@@ -371,6 +427,8 @@ cudaError_t run_typed(const BackwardArgs& a, const Plan& pl, char* ws, cudaStrea
   rq.o_s = os;
   rq.do_s = dos;
   rq.dsum = dsum;
+  rq.dq_unit = pl.dq_fixed ? reinterpret_cast<float*>(ws + pl.off_unit) : nullptr;
+  rq.kv_max = reinterpret_cast<const float*>(kv_max);
   rq.lse2 = lse2;
   rq.bound2 = dense ? nullptr : bound2;
   rq.cu_k = a.cu_seqlens_k;
@@ -401,6 +459,7 @@ cudaError_t run_typed(const BackwardArgs& a, const Plan& pl, char* ws, cudaStrea
     rc.dst = a.dq;
     rc.dst_s = dqs;
     rc.src = dq_acc;
+    rc.src_fixed = p.dq_fixed;
     rc.mul = scale;
     rc.slices = 1;
     cuda::bwd_convert_kernel<T, D><<<static_cast<unsigned>((q_warps + 7) / 8), 256, 0, stream>>>(rc);

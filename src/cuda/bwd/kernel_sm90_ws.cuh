@@ -7,15 +7,19 @@
 //
 // Three warpgroups (384 threads):
 //   producer (warpgroup 0, 24 registers):
-//     warp 0  K and V once, then Q_t with its rows' lse and skip bound into a ring of kQStages slots
-//             (one thread issues every TMA load; full/empty mbarriers);
+//     warp 0  K and V once, then Q_t with its rows' lse, skip bound (and with fixed-point dQ the
+//             rows' units) into a ring of kQStages slots (one thread issues every TMA load;
+//             full/empty mbarriers);
 //     warp 1  dO_t with D = rowsum(dO * O) into a ring of 2 slots: speculatively when tile t - 2 was
 //             retained (always at tau = 0), else once the consumers have decided tile t, and only if
 //             they retain it.  The slot's full barrier completes once per tile either way (with no
 //             bytes when dO_t is not loaded), so every phase is static;
-//     warp 2  dQ writer: adds each retained tile's dQ (fp32, 64 x d, in shared memory) into the dQ
-//             accumulator with one TMA reduce-add per 32 columns, off the consumers' path (a buffer
-//             handed over through a full and an empty mbarrier).
+//     warp 2  dQ writer: adds each retained tile's dQ (64 x d in shared memory: fp32, or in the
+//             fixed-point deterministic mode the integers of BwdParams::dq_fixed, whose sums do not
+//             depend on the order of the adds) into the dQ accumulator with one TMA reduce-add per
+//             128-byte column box, off the consumers' path (a buffer handed over through a full and an
+//             empty mbarrier); in the chained deterministic mode (BwdParams::dq_sem) each tile's adds
+//             wait for the key tiles before it.
 //   consumers (warpgroups 1 and 2, 240 registers; warpgroup g owns keys 64g..64g+63 of the tile):
 //     S^T_g  = K_g Q^T                 (dP^T_g = V_g dO^T right behind it when dO_t is expected)
 //     mask, offline test against each row's raw-score bound, CTA vote (tau > 0)
@@ -40,14 +44,20 @@
 namespace mala {
 namespace cuda {
 
-template <int D_>
+// kDet: the fixed-point deterministic mode, whose dQ buffer of 8-byte integers takes two of the four
+// Q stages at d = 128.
+template <int D_, bool kDet_ = false>
 struct BwdWs {
-  static constexpr int D = D_, BQ = 64, BK = 128, kThreads = 384, kQStages = 4;
+  static constexpr int D = D_, BQ = 64, BK = 128, kThreads = 384;
+  static constexpr bool kDet = kDet_;
+  static constexpr int kQStages = kDet && D == 128 ? 2 : 4;
   static_assert(D == 64 || D == 128, "warp-specialized backward: head dim 64 or 128");
   using KTile = GmmaTile<BK, D>;
   using QTile = GmmaTile<BQ, D>;
   using STile = GmmaTile<BK, BQ>;            // dS^T [key][query]
-  static constexpr int kDqBytes = BQ * 128 * 4;  // D / 32 boxes of 32 fp32 columns x 64 rows (room for 4)
+  // dQ's element (fp32 or int64) and its boxes of 128 bytes x 64 rows: 32 or 16 columns each.
+  static constexpr int kDqElem = kDet ? 8 : 4, kDqBoxCols = 128 / kDqElem, kDqBoxes = D / kDqBoxCols;
+  static constexpr int kDqBytes = kDet ? BQ * D * 8 : BQ * 128 * 4;  // (fp32: room for 4 boxes at d = 64)
   static constexpr int kOffK = 0;
   static constexpr int kOffV = kOffK + KTile::kBytes;
   static constexpr int kOffQ = kOffV + KTile::kBytes;
@@ -65,9 +75,10 @@ struct BwdWs {
   static constexpr int kOffLse = kOffDQ + kDqBytes;                   // [kQStages][kVecStride]
   static constexpr int kOffBound = kOffLse + kQStages * kVecStride * 4;  // [kQStages][kVecStride]
   static constexpr int kOffDsum = kOffBound + kQStages * kVecStride * 4;  // [2][kVecStride]
+  static constexpr int kOffUnit = kOffDsum + 2 * kVecStride * 4;  // kDet: [kQStages][kVecStride]
   // mbarriers: kv_full, q_full[kQStages], q_empty[kQStages], do_full[2], do_empty[2], vote[4],
   // dq_full, dq_empty, dec[8]
-  static constexpr int kOffMbar = kOffDsum + 2 * kVecStride * 4;
+  static constexpr int kOffMbar = kOffUnit + (kDet ? kQStages * kVecStride * 4 : 0);
   static constexpr int kOffVote = kOffMbar + (19 + 2 * kQStages + 1) / 2 * 16;  // [4] tagged vote words
   static constexpr int kOffDec = kOffVote + 4 * 4;    // [8] (u << 1) | retained, for the dO producer (the
                                                       // u-th scored tile in slot u % 8, published through
@@ -85,13 +96,13 @@ struct BwdWs {
   static constexpr int kBarDs = 1, kBarVote = 2, kConsumers = 256;
 };
 
-// kFwdMask (tau > 0): the instance for calls with forward_tile_mask (BwdParams::fwd_mask); the other
-// instances carry none of its code.
-template <typename T, int D, bool kDense, bool kFwdMask>
+// kFwdMask (tau > 0): the instance for calls with forward_tile_mask (BwdParams::fwd_mask); kDet: for
+// calls with fixed-point dQ (BwdParams::dq_fixed).  The other instances carry none of their code.
+template <typename T, int D, bool kDense, bool kFwdMask, bool kDet>
 __global__ void __launch_bounds__(384, 1)
     bwd_main_kernel_sm90_ws(const BwdParams p, const __grid_constant__ BwdTmaMaps maps) {
 #ifdef MALA_WGMMA_ENABLED
-  using C = BwdWs<D>;
+  using C = BwdWs<D, kDet>;
   constexpr int BQ = C::BQ, BK = C::BK, NQS = C::kQStages;
   using KTile = typename C::KTile;
   using QTile = typename C::QTile;
@@ -113,9 +124,10 @@ __global__ void __launch_bounds__(384, 1)
   uint32_t* vote_w = reinterpret_cast<uint32_t*>(smem + C::kOffVote);
   volatile int* s_dec = reinterpret_cast<volatile int*>(smem + C::kOffDec);
   volatile int* s_dq_row = reinterpret_cast<volatile int*>(smem + C::kOffDqRow);  // [0] row, [1] counter
-  const bool det = p.dq_sem != nullptr, desc = p.q_desc;
+  // The chained deterministic mode (BwdParams::dq_sem; never with kDet).
+  const bool chain = !kDet && p.dq_sem != nullptr, desc = p.q_desc;
   // kFwdMask: tiles that no forward tile inside was retained in are skipped unscored (the dispatch
-  // passes forward_tile_mask only in the ascending order, outside deterministic mode).
+  // passes forward_tile_mask only in the ascending order, outside the chained mode).
   static_assert(!(kDense && kFwdMask), "the forward's mask serves tau > 0");
   if (tid == 0) {
     mbar_init(mb_kv, 2);  // K's and V's expect_tx arrivals
@@ -182,10 +194,11 @@ __global__ void __launch_bounds__(384, 1)
         if (lane == 0) {
           const int h = x.h(), r0 = x.qi() * BQ, at = static_cast<int>(h * p.rows_q_cap + w.qrow0 + r0);
           const uint32_t full = mb_q_full + 8 * s;
-          mbar_arrive_expect_tx(full, QTile::kBytes + (kDense ? 1 : 2) * C::kVec * 4);
+          mbar_arrive_expect_tx(full, QTile::kBytes + ((kDense ? 1 : 2) + (kDet ? 1 : 0)) * C::kVec * 4);
           tma_load_tile_boxes<BQ, D>(sQ + s * QTile::kBytes, &maps.q, full, q_row0 + r0, h, map_b);
           tma_load_1d(sbase + C::kOffLse + s * C::kVecStride * 4, &maps.lse, full, at & ~3);
           if (!kDense) tma_load_1d(sbase + C::kOffBound + s * C::kVecStride * 4, &maps.bound, full, at & ~3);
+          if (kDet) tma_load_1d(sbase + C::kOffUnit + s * C::kVecStride * 4, &maps.unit, full, at & ~3);
         }
         if (++s == NQS) {
           s = 0;
@@ -224,43 +237,35 @@ __global__ void __launch_bounds__(384, 1)
           }
         }
       }
-    } else if (warp == 2) {
-      // Deterministic mode: the tile's adds wait until the counter says that every key tile before
-      // this one has added (or skipped) it, and complete before the counter moves on (the buffer goes
-      // back to the consumers as soon as it has been read).
+    } else if (warp == 2 && lane == 0) {
+      // The buffer goes back to the consumers as soon as the TMA has read it.  Chained mode: the
+      // tile's adds wait until the counter says that every key tile before this one has added (or
+      // skipped) it, and complete before the counter moves on.
       for (int k = 0;; ++k) {
         mbar_wait<true>(mb_dq_full, parity(k));
-        // Read by the lane that gives the buffer back (so the read is ordered before that arrival).
-        int row = 0, sem_at = 0;
-        if (lane == 0) {
-          row = s_dq_row[0];
-          sem_at = s_dq_row[1];
-        }
-        row = __shfl_sync(0xffffffffu, row, 0);
+        const int row = s_dq_row[0];  // (read before the arrival that gives the buffer back)
         if (row == -1) break;
-        int* sem = det ? p.dq_sem + sem_at : nullptr;
-        if (lane == 0) {
-          if (det) {
-            while (ld_acquire_gpu(sem) != w.j) {
-            }
-            fence_proxy_async_all();
+        int* sem = chain ? p.dq_sem + s_dq_row[1] : nullptr;
+        if (chain) {
+          while (ld_acquire_gpu(sem) != w.j) {
           }
-          if (row >= 0) {
-#pragma unroll
-            for (int b = 0; b < D / 32; ++b) tma_reduce_add_2d(&maps.dq, sDQ + b * (BQ * 128), 32 * b, row);
-            bulk_commit_group();
-            bulk_wait_group_read0();
-          }
+          fence_proxy_async_all();
         }
-        __syncwarp();
-        if (lane == 0) mbar_arrive(mb_dq_empty);
-        if (det && lane == 0) {
+        if (row >= 0) {
+#pragma unroll
+          for (int b = 0; b < C::kDqBoxes; ++b)
+            tma_reduce_add_2d(&maps.dq, sDQ + b * (BQ * 128), C::kDqBoxCols * b, row);
+          bulk_commit_group();
+          bulk_wait_group_read0();
+        }
+        mbar_arrive(mb_dq_empty);
+        if (chain) {
           if (row >= 0) bulk_wait_group0();
           fence_proxy_async_all();
           st_release_gpu(sem, w.j + 1);
         }
       }
-      if (lane == 0) bulk_wait_group0();
+      bulk_wait_group0();
     }
     return;
   }
@@ -326,11 +331,11 @@ __global__ void __launch_bounds__(384, 1)
     }
     if (recording) bwd_record_tile<BQ, BK>(p, w, h, qi, retain, ctid);
   };
-  // A skipped tile: its Q slot goes back (S^T is complete), and in deterministic mode its dQ counter
+  // A skipped tile: its Q slot goes back (S^T is complete), and in the chained mode its dQ counter
   // moves on all the same.
   auto skipped = [&](int qs, int h, int qi) {
     if (lane == 0) mbar_arrive(mb_q_empty + 8 * qs);
-    if (det) {
+    if (chain) {
       wait_dq_buffer();
       post_dq(-2, h, qi);
     }
@@ -436,6 +441,7 @@ __global__ void __launch_bounds__(384, 1)
     if (n_posts > 0) mbar_wait<true>(mb_dq_full, parity(n_posts - 1));
     const int ds = ring_t & 1, h = x.h(), q0 = x.qi() * BQ;
     const uint32_t sQs = sQ + qs * QTile::kBytes, sDOs = sDO + ds * QTile::kBytes;
+    const float* unit_t = reinterpret_cast<const float*>(smem + C::kOffUnit) + qs * C::kVecStride + vec0;
     // P = exp2(S - lse) while dP^T is computed.
     const float* lse_t = lse_s + qs * C::kVecStride + vec0;
 #pragma unroll
@@ -506,21 +512,34 @@ __global__ void __launch_bounds__(384, 1)
     wgmma_fence_operands(dv);
     wgmma_fence_operands(dq);
     if (lane == 0) mbar_arrive(mb_do_empty + 8 * ds);
-    // dQ -> the writer's buffer: D / 32 boxes of 32 columns x 64 rows, 128-byte swizzle (chunk c of
-    // row r at c ^ (r % 8)); warpgroup g writes boxes (D / 64) g ...  Accumulator element 4n + 2hh +
-    // c: row 16 wl + gid + 8 hh, column 8n + 2 tig + c of the warpgroup's D / 2.
+    // dQ -> the writer's buffer: boxes of 128 bytes (32 fp32 or 16 int64 columns) x 64 rows, 128-byte
+    // swizzle (16-byte chunk c of row r at c ^ (r % 8)); warpgroup g writes the boxes of its D / 2
+    // columns.  Accumulator element 4n + 2hh + c: row 16 wl + gid + 8 hh, column 8n + 2 tig + c of
+    // the warpgroup's D / 2.
     wait_dq_buffer();
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
       const int r = wl * 16 + gid + hh * 8;
+      if constexpr (kDet) {
+        // The row's fixed-point unit (BwdParams::dq_unit): the same integers whatever the order of adds.
+        const float unit = unit_t[r];
 #pragma unroll
-      for (int n = 0; n < kDqCols / 8; ++n) {
-        const uint32_t chunk = static_cast<uint32_t>(((n & 3) << 1) | (tig >> 1)) ^ static_cast<uint32_t>(r & 7);
-        const uint32_t addr =
-            sDQ + (dq_col0 / 32 + (n >> 2)) * (BQ * 128) + r * 128 + (chunk << 4) + ((tig & 1) << 3);
-        asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(dq[4 * n + 2 * hh]),
-                     "f"(dq[4 * n + 2 * hh + 1])
-                     : "memory");
+        for (int n = 0; n < kDqCols / 8; ++n) {
+          const uint32_t chunk = static_cast<uint32_t>(((n & 1) << 2) | tig) ^ static_cast<uint32_t>(r & 7);
+          const uint32_t addr = sDQ + (dq_col0 / 16 + (n >> 1)) * (BQ * 128) + r * 128 + (chunk << 4);
+          const long long lo = __float2ll_rn(dq[4 * n + 2 * hh] * unit), hi = __float2ll_rn(dq[4 * n + 2 * hh + 1] * unit);
+          asm volatile("st.shared.v2.b64 [%0], {%1, %2};\n" ::"r"(addr), "l"(lo), "l"(hi) : "memory");
+        }
+      } else {
+#pragma unroll
+        for (int n = 0; n < kDqCols / 8; ++n) {
+          const uint32_t chunk = static_cast<uint32_t>(((n & 3) << 1) | (tig >> 1)) ^ static_cast<uint32_t>(r & 7);
+          const uint32_t addr =
+              sDQ + (dq_col0 / 32 + (n >> 2)) * (BQ * 128) + r * 128 + (chunk << 4) + ((tig & 1) << 3);
+          asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(dq[4 * n + 2 * hh]),
+                       "f"(dq[4 * n + 2 * hh + 1])
+                       : "memory");
+        }
       }
     }
     fence_proxy_async_smem();
@@ -559,19 +578,26 @@ __global__ void __launch_bounds__(384, 1)
 #endif
 }
 
-// Launches the instance `dense` names (grid as the other backward kernels').
-template <typename T, int D>
-cudaError_t launch_bwd_sm90_ws(const BwdParams& p, const BwdTmaMaps& maps, bool dense, cudaStream_t stream) {
-  using C = BwdWs<D>;
-  auto kernel = dense         ? bwd_main_kernel_sm90_ws<T, D, true, false>
-                : p.fwd_mask ? bwd_main_kernel_sm90_ws<T, D, false, true>
-                             : bwd_main_kernel_sm90_ws<T, D, false, false>;
+// Launches mode kDet's instance that `dense` and p.fwd_mask name (grid as the other backward kernels').
+template <typename T, int D, bool kDet>
+cudaError_t launch_bwd_sm90_ws_mode(const BwdParams& p, const BwdTmaMaps& maps, bool dense, cudaStream_t stream) {
+  using C = BwdWs<D, kDet>;
+  auto kernel = dense         ? bwd_main_kernel_sm90_ws<T, D, true, false, kDet>
+                : p.fwd_mask ? bwd_main_kernel_sm90_ws<T, D, false, true, kDet>
+                             : bwd_main_kernel_sm90_ws<T, D, false, false, kDet>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmem);
   if (err != cudaSuccess) return err;
   const int64_t grid = static_cast<int64_t>(p.n_k_tiles) * p.batch * p.heads_kv * p.head_splits;
   if (grid <= 0) return cudaSuccess;
   kernel<<<static_cast<unsigned>(grid), C::kThreads, C::kSmem, stream>>>(p, maps);
   return cudaGetLastError();
+}
+
+// Launches the instance for `dense` in the call's mode (deterministic: BwdParams::dq_fixed).
+template <typename T, int D>
+cudaError_t launch_bwd_sm90_ws(const BwdParams& p, const BwdTmaMaps& maps, bool dense, cudaStream_t stream) {
+  return p.dq_fixed ? launch_bwd_sm90_ws_mode<T, D, true>(p, maps, dense, stream)
+                    : launch_bwd_sm90_ws_mode<T, D, false>(p, maps, dense, stream);
 }
 
 }  // namespace cuda

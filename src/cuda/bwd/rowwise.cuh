@@ -1,7 +1,8 @@
 // The backward's row-wise kernels, one warp per (row, head) of the dense or packed row space:
-// the preprocess kernel (D = rowsum(dO * O), lse in log2 units, the raw-score skip bound, bwd_slots
-// zeroed) before the main kernel, and the convert kernel (fp32 accumulators to the output dtype)
-// after it.
+// the preprocess kernel (D = rowsum(dO * O), lse in log2 units, the raw-score skip bound, the
+// fixed-point dQ unit, bwd_slots zeroed) before the main kernel, and the convert kernel (fp32 or
+// fixed-point accumulators to the output dtype) after it.  Deterministic mode first runs the K/V
+// maxima kernel, which the fixed-point unit needs.
 #pragma once
 
 #include <math.h>
@@ -26,6 +27,9 @@ struct RowParams {
   const void* dout;
   void* dst;          // convert: output tensor
   const float* src;   // convert: fp32 accumulator [heads, rows_cap, d]
+  const long long* src_fixed;  // convert, deterministic dQ: the fixed-point accumulator instead of src
+  float* dq_unit;      // preprocess (deterministic dQ, else null): the row's fixed-point unit; convert: read
+  const float* kv_max; // preprocess, dq_unit: max |K| and max ||V_j||^2 over the call (bwd_kv_max_kernel)
   RowStrides o_s, do_s, dst_s;
   float* dsum;
   float* lse2;        // preprocess: lse * log2(e), -inf -> 0, in dsum's layout
@@ -75,6 +79,74 @@ __device__ __forceinline__ float bwd_row_skip_bound(const RowParams& p, int64_t 
                               p.inv_scale_log2);
 }
 
+// The fixed-point unit of a dQ row (BwdParams::dq_unit): the power of two that takes `bound`, a bound
+// on the row's |dQ| before the softmax scale, to at most 2^kDqFixedBits.  (A zero or non-finite bound
+// belongs to a row whose dQ is zero, or not finite anyway.)
+__device__ __forceinline__ float bwd_dq_fixed_unit(float bound) {
+  int e = 0;
+  if (bound > 0.f && bound <= 3.402823466e38f) frexpf(bound, &e);  // bound < 2^e
+  const int s = min(max(kDqFixedBits - e, -126), 126);
+  return __int_as_float((s + 127) << 23);
+}
+
+// The K/V maxima of a deterministic backward: max |K| over every element and max ||V_j||^2 over every
+// row (every sequence and KV head), into kv_max[0] and [1] (zeroed; non-negative floats compare as
+// their bits).  With them |dQ_i| <= max|K| * sum_j |dS_ij| <= max|K| * (||dO_i|| max||V_j|| + |D_i|),
+// since dS_ij = P_ij (dO_i . V_j - D_i) and the P_ij of a row sum to 1.  Warps stride over the rows.
+struct KvMaxParams {
+  const void* k;
+  const void* v;
+  RowStrides k_s, v_s;
+  const int32_t* cu;  // varlen key offsets, or null
+  int batch, seqlen, heads;
+  int64_t rows_cap;
+  unsigned int* out;
+};
+
+template <typename T, int D>
+__global__ void bwd_kv_max_kernel(const KvMaxParams p) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t total = p.cu ? static_cast<int64_t>(p.cu[p.batch]) : p.rows_cap;
+  float kmax = 0.f, vmax = 0.f;
+  for (int64_t w = static_cast<int64_t>(blockIdx.x) * 8 + warp; w < total * p.heads;
+       w += static_cast<int64_t>(gridDim.x) * 8) {
+    const int64_t g = w / p.heads;
+    const int h = static_cast<int>(w % p.heads);
+    const int64_t bk = p.cu ? 0 : g / p.seqlen, rk = p.cu ? g : g % p.seqlen;
+    const T* k = static_cast<const T*>(p.k) + bk * p.k_s.b + rk * p.k_s.r + h * p.k_s.h;
+    const T* v = static_cast<const T*>(p.v) + bk * p.v_s.b + rk * p.v_s.r + h * p.v_s.h;
+    float v2 = 0.f;
+#pragma unroll
+    for (int c = lane * 8; c < D; c += 256) {
+      const uint4 kv = *reinterpret_cast<const uint4*>(k + c);
+      const uint4 vv = *reinterpret_cast<const uint4*>(v + c);
+      const T* ke = reinterpret_cast<const T*>(&kv);
+      const T* ve = reinterpret_cast<const T*>(&vv);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        kmax = fmaxf(kmax, fabsf(to_float<T>(ke[e])));
+        v2 += to_float<T>(ve[e]) * to_float<T>(ve[e]);
+      }
+    }
+#pragma unroll
+    for (int m = 16; m >= 1; m >>= 1) v2 += __shfl_xor_sync(0xffffffffu, v2, m);
+    vmax = fmaxf(vmax, v2);
+  }
+#pragma unroll
+  for (int m = 16; m >= 1; m >>= 1) kmax = fmaxf(kmax, __shfl_xor_sync(0xffffffffu, kmax, m));
+  __shared__ float part[2][8];
+  if (lane == 0) {
+    part[0][warp] = kmax;
+    part[1][warp] = vmax;
+  }
+  __syncthreads();
+  if (threadIdx.x < 2) {
+    float x = 0.f;
+    for (int i = 0; i < 8; ++i) x = fmaxf(x, part[threadIdx.x][i]);
+    atomicMax(p.out + threadIdx.x, __float_as_uint(x));
+  }
+}
+
 template <typename T, int D>
 __global__ void bwd_preprocess_kernel(const RowParams p) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -91,12 +163,13 @@ __global__ void bwd_preprocess_kernel(const RowParams p) {
       p.dsum[h * p.rows_cap + g] = 0.f;
       p.lse2[h * p.rows_cap + g] = 0.f;
       if (p.bound2) p.bound2[h * p.rows_cap + g] = INFINITY;
+      if (p.dq_unit) p.dq_unit[h * p.rows_cap + g] = 0.f;
     }
     return;
   }
   const T* o = static_cast<const T*>(p.o) + rp_offset(p, p.o_s, g, h);
   const T* dout = static_cast<const T*>(p.dout) + rp_offset(p, p.do_s, g, h);
-  float acc = 0.f;
+  float acc = 0.f, do2 = 0.f;
 #pragma unroll
   for (int c = lane * 8; c < D; c += 256) {
     const uint4 ov = *reinterpret_cast<const uint4*>(o + c);
@@ -104,12 +177,23 @@ __global__ void bwd_preprocess_kernel(const RowParams p) {
     const T* oe = reinterpret_cast<const T*>(&ov);
     const T* de = reinterpret_cast<const T*>(&dv);
 #pragma unroll
-    for (int e = 0; e < 8; ++e) acc += to_float<T>(oe[e]) * to_float<T>(de[e]);
+    for (int e = 0; e < 8; ++e) {
+      acc += to_float<T>(oe[e]) * to_float<T>(de[e]);
+      do2 += to_float<T>(de[e]) * to_float<T>(de[e]);
+    }
   }
 #pragma unroll
   for (int m = 16; m >= 1; m >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, m);
+  if (p.dq_unit) {
+#pragma unroll
+    for (int m = 16; m >= 1; m >>= 1) do2 += __shfl_xor_sync(0xffffffffu, do2, m);
+  }
   if (lane == 0) {
     p.dsum[h * p.rows_cap + g] = acc;
+    if (p.dq_unit) {
+      const float kmax = p.kv_max[0], vmax = sqrtf(p.kv_max[1]);
+      p.dq_unit[h * p.rows_cap + g] = bwd_dq_fixed_unit(kmax * (sqrtf(do2) * vmax + fabsf(acc)));
+    }
     const int64_t idx = p.cu ? h * total + g : ((g / p.seqlen) * p.heads + h) * p.seqlen + g % p.seqlen;
     // The main kernel's offline test and P = exp2(S - lse2) read this: converted once per row instead
     // of once per visited tile (and finite, so the test needs no -inf case).
@@ -128,8 +212,29 @@ __global__ void bwd_convert_kernel(const RowParams p) {
   const int64_t g = w / p.heads;
   const int h = static_cast<int>(w % p.heads);
   if (g >= rp_total(p)) return;
-  const float* src = p.src + (h * p.rows_cap + g) * D;
   T* dst = static_cast<T*>(p.dst) + rp_offset(p, p.dst_s, g, h);
+  if (p.src_fixed) {  // the fixed-point dQ: each sum to fp32 (rounded once), then out of the row's unit
+    const long long* src = p.src_fixed + (h * p.rows_cap + g) * D;
+    const float inv_unit = 1.f / p.dq_unit[h * p.rows_cap + g];  // (a power of two: exact)
+#pragma unroll
+    for (int c = lane * 8; c < D; c += 256) {
+      float x[8];
+#pragma unroll
+      for (int e = 0; e < 8; e += 2) {
+        const longlong2 y = *reinterpret_cast<const longlong2*>(src + c + e);
+        x[e] = __ll2float_rn(y.x) * inv_unit * p.mul;
+        x[e + 1] = __ll2float_rn(y.y) * inv_unit * p.mul;
+      }
+      uint4 out;
+      out.x = pack2<T>(x[0], x[1]);
+      out.y = pack2<T>(x[2], x[3]);
+      out.z = pack2<T>(x[4], x[5]);
+      out.w = pack2<T>(x[6], x[7]);
+      *reinterpret_cast<uint4*>(dst + c) = out;
+    }
+    return;
+  }
+  const float* src = p.src + (h * p.rows_cap + g) * D;
 #pragma unroll
   for (int c = lane * 8; c < D; c += 256) {
     float4 x0 = *reinterpret_cast<const float4*>(src + c);

@@ -138,7 +138,7 @@ __device__ __forceinline__ void named_barrier_sync(int id, int count) {
 }
 
 // GPU-scope acquire load and release store of a counter (cross-CTA ordering of the backward's
-// deterministic dQ adds).
+// chained deterministic dQ adds).
 __device__ __forceinline__ int ld_acquire_gpu(const int* p) {
   int v;
   asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
