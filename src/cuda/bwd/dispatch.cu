@@ -182,11 +182,12 @@ Plan make_plan(const BackwardArgs& a) {
       splits = next;
     };
     while (splits < group && base * splits < want) more();
-    // Long sequences: CTAs that loop over many heads drift apart (a CTA with fewer query tiles reaches
-    // the next head sooner), and once one head's dQ accumulator outgrows the L2 the CTAs running
-    // together no longer share its lines; at most two heads per CTA keeps them together (H100, 128K,
-    // d = 128: 172 ms instead of 197 ms).  (Not at d = 256, whose key-major kernel adds no dQ.)
-    if (a.head_dim != 256 && a.seqlen_q * a.head_dim * 4 > device_attribute(cudaDevAttrL2CacheSize, 50LL << 20) / 2)
+    // At most two heads per CTA: CTAs that loop over more heads drift apart (a CTA with fewer query
+    // tiles reaches the next head sooner) and stop sharing the L2 lines of the dQ rows they add to
+    // (H100, d = 128: 128K with 8 query heads 172 ms instead of 197; 32K with 16 query heads over 2 KV
+    // heads 21.3 instead of 23.7-24.0, with 12 of them 15.4-16.0 instead of 15.9-16.3).  (Not at
+    // d = 256, whose key-major kernel adds no dQ.)
+    if (a.head_dim != 256)
       while (group / splits > 2) more();
   }
   pl.head_splits = splits;
