@@ -203,8 +203,9 @@ Plan make_plan(const BackwardArgs& a) {
   pl.off_lse2 = off;
   off = align_up(off + sizeof(float) * static_cast<size_t>(a.heads_q * pl.rows_q_cap));
   pl.dq_direct = d256_direct(a, pl.n_q_tiles);
-  pl.dq_fixed = dq_scheme(a) == 2;
-  pl.dq_chain = dq_scheme(a) == 1;
+  const int scheme = dq_scheme(a);
+  pl.dq_fixed = scheme == 2;
+  pl.dq_chain = scheme == 1;
   pl.off_dq = off;
   if (!pl.dq_direct)
     off = align_up(off + (pl.dq_fixed ? 8 : 4) * static_cast<size_t>(a.heads_q * pl.rows_q_cap) * d);

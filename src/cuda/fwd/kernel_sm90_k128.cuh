@@ -12,8 +12,9 @@
 //     while the newest decision the consumers have published (read without waiting; each
 //     warpgroup publishes per tile whether it runs P V, through a ring of 8 slots) says some
 //     warpgroup ran; otherwise it waits for tile t's decision and loads V(t) only where a warpgroup
-//     runs it, else completes the slot's full barrier with a plain arrival (no bytes).  A producer that always waited for the decision was 4-5%
-//     slower where every tile is kept (bench/results/mala_bench_fwd_k128_tau_h100.log, item 7).
+//     runs it, else completes the slot's full barrier with a plain arrival (no bytes).  A producer
+//     that always waited for the decision was 4-5% slower where every tile is kept
+//     (bench/results/mala_bench_fwd_k128_tau_h100.log, item 7).
 //   consumers (warpgroups 1 and 2, 240 registers, 64 rows each; Q in registers, at d = 256 in shared
 //     memory): per key tile, from
 //     the diagonal down,
