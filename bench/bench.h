@@ -36,7 +36,7 @@ struct Options {
   uint64_t seed = 0;
   std::vector<int64_t> decode_batch = {1, 8};            // decode only
   // Kernel override (src/cuda/backend.h): --fwd-kernel, --bwd-kernel, --decode-kernel,
-  // --bwd-q-stages, --bwd-head-splits, --bwd-q-order; set for the whole run by main.
+  // --bwd-q-stages, --bwd-head-splits; set for the whole run by main.
   mala::cuda_backend::KernelOverride kernels;
   bool check = false;                                    // also compare with the CPU (small N only)
   bool deterministic = false;                            // backward: BackwardArgs::deterministic
@@ -153,8 +153,7 @@ inline int64_t parse_len(const std::string& s) {  // "4096", "4K", "128k"
 //   --fwd-mask (backward: with the forward's tile mask; forward: tau > 0 calls record it, as
 //               autograd's forward does where the backward reads it)
 //   --fwd-kernel auto|mma_sync|wgmma_cp_async|wgmma_ws   --bwd-kernel auto|mma_sync|wgmma_cp_async
-//   --decode-kernel auto|small_smem   --bwd-q-stages 2|3   --bwd-head-splits S   --bwd-q-order 0|1|2
-//   --bwd-det 0|1|2 (with --deterministic: the dispatch's scheme, chained, fixed point)
+//   --decode-kernel auto|small_smem   --bwd-q-stages 2|3   --bwd-head-splits S
 //   (the kernel override, for comparing kernels on one device)
 inline Options parse_options(int argc, char** argv) {
   Options o;
@@ -192,8 +191,6 @@ inline Options parse_options(int argc, char** argv) {
     else if (a == "--check") o.check = true;
     else if (a == "--deterministic") o.deterministic = true;
     else if (a == "--fwd-mask") o.fwd_mask = true;
-    else if (a == "--bwd-q-order") o.kernels.bwd_q_order = std::stoi(next());
-    else if (a == "--bwd-det") o.kernels.bwd_det = std::stoi(next());
     else if (a == "--interleave") o.interleave = true;
     else if (a == "--real") o.real = split_list(next());
     else if (a == "--varlen") o.varlen = true;

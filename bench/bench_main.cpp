@@ -28,12 +28,10 @@ int main(int argc, char** argv) {
     namespace cb = mala::cuda_backend;
     const cb::KernelOverride& k = opt.kernels;
     if (k.fwd != cb::FwdVariant::automatic || k.bwd != cb::BwdVariant::automatic ||
-        k.decode != cb::DecodeVariant::automatic || k.bwd_q_stages || k.bwd_head_splits || k.bwd_q_order ||
-        k.bwd_det)
-      std::printf("kernel override: fwd %s, bwd %s, decode %s, bwd q stages %d, bwd head splits %d, bwd q order %d, "
-                  "bwd det %d (0: auto)\n",
+        k.decode != cb::DecodeVariant::automatic || k.bwd_q_stages || k.bwd_head_splits)
+      std::printf("kernel override: fwd %s, bwd %s, decode %s, bwd q stages %d, bwd head splits %d (0: auto)\n",
                   cb::variant_name(k.fwd), cb::variant_name(k.bwd), cb::variant_name(k.decode), k.bwd_q_stages,
-                  k.bwd_head_splits, k.bwd_q_order, k.bwd_det);
+                  k.bwd_head_splits);
   }
   int rc = 0;
   const bool all = opt.op == "all";

@@ -153,17 +153,18 @@ struct BackwardArgs {
   // (MALA_SPEC: backward support is nested in forward support; the decisions are the same up to
   // rounding at the threshold).  Each backward tile must be a union of forward tiles (forward_block_q
   // divides backward_tiles().block_q, forward_block_k its block_k).  Used by the Hopper backward at
-  // d = 64 and 128 (with deterministic, only at 64); ignored elsewhere (the CPU backward included).
+  // d = 64 and 128 (deterministic or not); ignored elsewhere (the CPU backward included).
   const uint8_t* forward_tile_mask = nullptr;
   int forward_block_q = 0, forward_block_k = 0;
-  // dQ, dK and dV bit-identical from run to run: dQ is added in fixed point (d = 64: integer sums do
-  // not depend on the order of the adds), in a fixed order of key tiles (d = 128) or computed by a
-  // query-major kernel without atomics (d = 256), and the dK / dV partials of a split query-head
-  // group are summed in split order.  CUDA: the Hopper backward (sm_90, tensors
+  // dQ, dK and dV bit-identical from run to run: dQ is added in int32 fixed point (d = 64 and 128:
+  // integer sums do not depend on the order of the adds; each row's unit puts a bound on its |dQ| at
+  // 2^30, so each add's rounding is at most 2^-31 of that bound) or computed by a query-major kernel
+  // without atomics (d = 256), and the dK / dV partials of a split query-head group are summed in
+  // split order.  CUDA: the Hopper backward (sm_90, tensors
   // the TMA can describe) only; the CPU backward is deterministic anyway.
   bool deterministic = false;
   // CUDA: scratch of backward_workspace_size() bytes (rowsum(dO*O), lse in log2, the dQ accumulator
-  // -- fp32, int64 when deterministic at d = 64, none at d = 256 on Hopper, whose dQ kernel adds
+  // -- fp32, int32 when deterministic, none at d = 256 on Hopper, whose dQ kernel adds
   // nothing -- and at d = 256 and tau > 0 a tile mask for the dQ kernel when tile_mask is null).
   // Null = allocated stream-ordered inside the call.
   void* workspace = nullptr;

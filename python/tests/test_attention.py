@@ -192,8 +192,8 @@ def _sm90(device):
 @pytest.mark.parametrize("device", device_params())
 def test_forward_mask_tiles_says_where_the_backward_reads_it(device):
     """torch.ops.mala.forward_mask_tiles: the forward's tiles where the backward reads the forward's
-    tile mask (the Hopper backward at d = 64 and 128, tau > 0, and in deterministic mode only at d = 64,
-    whose fixed-point dQ adds need no order), else []."""
+    tile mask (the Hopper backward at d = 64 and 128, tau > 0, deterministic or not: the deterministic
+    mode's fixed-point dQ adds need no order), else []."""
     dtype = dtype_for(device)
     ask = lambda d, tau, det: torch.ops.mala.forward_mask_tiles(torch.device(device), dtype, 1, 4096, 4096, 8, 1,
                                                                 d, True, tau, det)
@@ -205,7 +205,7 @@ def test_forward_mask_tiles_says_where_the_backward_reads_it(device):
     assert ask(64, 1.0, False) != []
     assert ask(256, 1.0, False) == []
     assert ask(128, 0.0, False) == []
-    assert ask(128, 1.0, True) == []
+    assert ask(128, 1.0, True) == [bq, bk]
     assert ask(64, 1.0, True) != []
 
 

@@ -60,10 +60,6 @@ struct KernelOverride {
   DecodeVariant decode = DecodeVariant::automatic;
   int bwd_q_stages = 0;     // 0: 3 where the device's shared memory holds them, else 2; or 2, 3
   int bwd_head_splits = 0;  // 0: the occupancy heuristic; else CTAs per query-head group (a divisor)
-  int bwd_q_order = 0;      // warp-specialized backward: 0 the dispatch's order, 1 heads outer and query
-                            // tiles ascending, 2 query tiles descending and heads inner
-  int bwd_det = 0;          // deterministic backward at d = 64 / 128: 0 the dispatch's scheme, 1 chained
-                            // fp32 adds, 2 fixed-point adds (bwd/params.cuh)
 };
 void set_kernel_override(const KernelOverride& o);
 const KernelOverride& kernel_override();

@@ -41,6 +41,9 @@ struct Case {
   bool deterministic = false;
   bool fwd_mask = false;                // pass the forward's tile mask (forward_tile_mask)
   float dout_scale = 1.f;               // dO's magnitude (the fixed-point dQ's unit follows it)
+  float k_offset = 0.f;                 // added to every element of K: softmax is unchanged, but max|K|
+                                        // (the fixed-point dQ's bound) grows and dQ's adds cancel
+  double max_rel_l2 = 1e-2;             // each gradient's error against the CPU reference
   int64_t rows_before = -1;   // one split of a longer sequence: the threshold's whole row length
   uint64_t seed = 1;
   bool quiet = false;  // no per-case line (the fuzz test prints a summary)
@@ -100,7 +103,8 @@ void run_case(const Case& c, FuzzStats* stats = nullptr) {
                                     << " causal=" << c.causal << " tau=" << c.tau << " regime=" << c.regime
                                     << " strided=" << c.strided << " varlen=" << !c.varlen_q.empty()
                                     << " splits=" << c.head_splits << " deterministic=" << c.deterministic
-                                    << " fwd_mask=" << c.fwd_mask << " dout_scale=" << c.dout_scale);
+                                    << " fwd_mask=" << c.fwd_mask << " dout_scale=" << c.dout_scale
+                                    << " k_offset=" << c.k_offset);
   // The head splits through the kernel override, beside the fixture's kernel.
   auto set_head_splits = [](int splits) {
     mala::cuda_backend::KernelOverride o = mala::cuda_backend::kernel_override();
@@ -150,6 +154,7 @@ void run_case(const Case& c, FuzzStats* stats = nullptr) {
     ASSERT_TRUE(mala::make_workload(w, q.data(), k.data(), v.data(), dout.data()).ok);
   }
   for (auto& x : dout) x *= c.dout_scale;
+  for (auto& x : k) x += c.k_offset;
   const auto qb = round_to(q, c.dtype), kb = round_to(k, c.dtype), vb = round_to(v, c.dtype),
              dob = round_to(dout, c.dtype);
 
@@ -385,7 +390,7 @@ void run_case(const Case& c, FuzzStats* stats = nullptr) {
     EXPECT_EQ(count_nan(got), 0u) << gr.name << ": NaN";
     const std::vector<float> ref = pick(*gr.ref, *gr.off);
     const double err = rel_l2(got, ref);
-    EXPECT_LT(err, 1e-2) << gr.name << " rel L2 " << err << (exact_decisions ? "" : " (with flips)");
+    EXPECT_LT(err, c.max_rel_l2) << gr.name << " rel L2 " << err << (exact_decisions ? "" : " (with flips)");
     max_err = std::max(max_err, err);
   }
   if (stats) {
@@ -512,34 +517,29 @@ Case small_varlen() {
 
 // The dispatch's own kernel only: deterministic mode and varlen without totals (the cp.async
 // fallback).  Deterministic runs on Hopper's warp-specialized kernel; elsewhere it must be refused.
-// At d = 64 and 128 both dQ schemes run (the dispatch's, then each forced), the fixed point also at
-// gradients of 1e-30 and 1e15 (the rows' units at the clamp and far from 1), and with the forward's
-// tile mask.
+// Every head dim at tau 0 and 1 and with the forward's tile mask; at d = 64 and 128 (fixed-point dQ)
+// also gradients of 1e-30 and 1e15 (the rows' units at the clamp and far from 1).  The fixed point's
+// int32 has the least room where its bound is loosest: keys with a
+// large shared offset (max|K| 20x a typical element, dQ's adds cancelling) over 1024 keys, and tau = 4
+// (the bound's 1 + tau for P's row sum, which the forward's skips push past 1); there its error
+// against the CPU reference must stay that of the default mode's fp32 adds.  (Both modes' error is
+// larger there, about 2.6e-2: dS rounded to 16 bits for the dQ product leaves offset x 2^-9 that no
+// longer cancels.)
 TEST_P(BackwardGpuSmall, DeterministicAndFallbacks) {
   if (GetParam() != BwdVariant::automatic) GTEST_SKIP() << "the dispatch's choice only";
   if (!mala_test::device_is_sm90()) GTEST_SKIP() << "deterministic mode needs sm_90";
-  auto set_scheme = [](int scheme) {
-    mala::cuda_backend::KernelOverride o = mala::cuda_backend::kernel_override();
-    o.bwd_det = scheme;
-    mala::cuda_backend::set_kernel_override(o);
-  };
-  for (int scheme : {0, 1, 2}) {
-    set_scheme(scheme);
-    for (int64_t d : {64, 128, 256}) {
-      if (scheme != 0 && d == 256) continue;
-      for (float tau : {0.f, 1.f}) {
-        Case c = small_gqa(d, "sharp");
-        c.tau = tau;
-        c.deterministic = true;
-        run_case(c);
-      }
-      Case m = small_gqa(d, "sharp");
-      m.deterministic = true;
-      m.fwd_mask = true;
-      run_case(m);
+  for (int64_t d : {64, 128, 256}) {
+    for (float tau : {0.f, 1.f}) {
+      Case c = small_gqa(d, "sharp");
+      c.tau = tau;
+      c.deterministic = true;
+      run_case(c);
     }
+    Case m = small_gqa(d, "sharp");
+    m.deterministic = true;
+    m.fwd_mask = true;
+    run_case(m);
   }
-  set_scheme(2);
   for (int64_t d : {64, 128})
     for (float scale : {1e-30f, 1e15f}) {
       Case c = small_gqa(d, "random");
@@ -547,7 +547,21 @@ TEST_P(BackwardGpuSmall, DeterministicAndFallbacks) {
       c.dout_scale = scale;
       run_case(c);
     }
-  set_scheme(0);
+  for (int64_t d : {64, 128})
+    for (float tau : {0.f, 4.f}) {
+      Case c = small_gqa(d, "random");
+      c.nq = c.nk = 1024;
+      c.tau = tau;
+      c.k_offset = 16.f;
+      c.max_rel_l2 = 5e-2;
+      FuzzStats dflt, fixed;
+      run_case(c, &dflt);
+      c.deterministic = true;
+      run_case(c, &fixed);
+      EXPECT_LE(fixed.max_err, 1.25 * dflt.max_err + 1e-4) << "d=" << d << " tau=" << tau;
+      std::printf("  [bwd] fixed-point dQ, K offset 16, d=%lld tau=%g: max rel L2 %.3e (default %.3e)\n",
+                  (long long)d, tau, fixed.max_err, dflt.max_err);
+    }
   Case v = small_varlen();
   v.deterministic = true;
   run_case(v);
@@ -605,18 +619,11 @@ TEST(BackwardGpuQuery, ReadsForwardTileMask) {
   a.tau = 0.f;
   EXPECT_FALSE(mala::backward_reads_forward_tile_mask(a)) << "tau = 0";
   a.tau = 1.f;
-  a.deterministic = true;  // chained dQ adds at d = 128: every tile passes its counter
-  EXPECT_FALSE(mala::backward_reads_forward_tile_mask(a)) << "deterministic, d = 128";
-  a.head_dim = 64;  // fixed-point dQ: the order of the adds does not matter
+  a.deterministic = true;  // fixed-point dQ: the order of the adds does not matter
+  EXPECT_TRUE(mala::backward_reads_forward_tile_mask(a)) << "deterministic, d = 128";
+  a.head_dim = 64;
   EXPECT_TRUE(mala::backward_reads_forward_tile_mask(a)) << "deterministic, d = 64";
   a.head_dim = 128;
-  {
-    mala::cuda_backend::KernelOverride o;
-    o.bwd_det = 2;
-    mala::cuda_backend::set_kernel_override(o);
-    EXPECT_TRUE(mala::backward_reads_forward_tile_mask(a)) << "deterministic, d = 128, fixed point forced";
-    mala::cuda_backend::set_kernel_override({});
-  }
   a.deterministic = false;
   a.seqlen_q = a.seqlen_k = int64_t{1} << 20;  // 16384 query tiles: past the CTA's bitmap
   EXPECT_FALSE(mala::backward_reads_forward_tile_mask(a)) << "1M tokens";
@@ -628,10 +635,6 @@ TEST(BackwardGpuQuery, ReadsForwardTileMask) {
   o.bwd = mala::cuda_backend::BwdVariant::mma_sync;
   mala::cuda_backend::set_kernel_override(o);
   EXPECT_FALSE(mala::backward_reads_forward_tile_mask(a)) << "mma_sync override";
-  o = {};
-  o.bwd_q_order = 2;  // query tiles descending: not the bitmap's order
-  mala::cuda_backend::set_kernel_override(o);
-  EXPECT_FALSE(mala::backward_reads_forward_tile_mask(a)) << "descending query order";
   mala::cuda_backend::set_kernel_override({});
 }
 

@@ -57,17 +57,6 @@ struct BwdWork {
   __device__ __forceinline__ Tile next(Tile x) const {
     return x.qi() + 1 < i_start + n_iq ? Tile{x.v + 1} : Tile{(x.v & 0xffff0000u) + 0x10000u + i_start};
   }
-  // The warp-specialized kernel's deterministic order: query tiles descending, heads inner.  Every
-  // CTA then meets a (head, query tile) at about the same step, so the CTAs that add its dQ one
-  // after another in key-tile order wait little for each other.  desc = false: tile / next.
-  __device__ __forceinline__ Tile first(bool desc) const {
-    return desc ? Tile{static_cast<uint32_t>(h0) << 16 | static_cast<uint32_t>(i_start + n_iq - 1)} : tile(0);
-  }
-  __device__ __forceinline__ Tile step(Tile x, bool desc) const {
-    if (!desc) return next(x);
-    return x.h() + 1 < h0 + heads_per_cta ? Tile{x.v + 0x10000u}
-                                          : Tile{static_cast<uint32_t>(h0) << 16 | static_cast<uint32_t>(x.qi() - 1)};
-  }
   // (query head h, row) in lse and bwd_slots: [B, Hq, Nq], or [Hq, total rows] for varlen.
   __device__ __forceinline__ int64_t row_index(const BwdParams& p, int h, int row) const {
     return varlen ? h * total_q + qrow0 + row : (static_cast<int64_t>(b) * p.heads_q + h) * p.seqlen_q + row;

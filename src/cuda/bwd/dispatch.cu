@@ -8,10 +8,10 @@
 //     and 128 the two-warpgroup cp.async kernel (bwd/kernel_sm90.cuh);
 //   everything else: the mma.sync kernel (bwd/kernel_sm80.cuh).
 // deterministic = true runs only on the warp-specialized kernels (an error elsewhere): at d = 64 and
-// 128 their dQ adds are in fixed point, whose sums do not depend on the order of the adds, or chained
-// in key-tile order (dq_scheme); at d = 256 the dQ kernel adds nothing.  Each kernel's tau = 0
-// instance runs at tau = 0.  The kernel override (backend.h) forces another kernel, the Q stages, the
-// head splits, the visiting order or the deterministic scheme for tests and benchmarks.
+// 128 their dQ adds are in fixed point (int32), whose sums do not depend on the order of the adds; at
+// d = 256 the dQ kernel adds nothing.  Each kernel's tau = 0 instance runs at tau = 0.  The kernel
+// override (backend.h) forces another kernel, the Q stages or the head splits for tests and
+// benchmarks.
 //   0. fixed-point dQ: the K/V maxima kernel (bwd/rowwise.cuh), for the rows' fixed-point units.
 //   1. preprocess kernel (bwd/rowwise.cuh): D = rowsum(dO * O) (fp32) into the workspace, lse in
 //      log2 units, (tau > 0) each row's skip bound on raw scores and (fixed point) the row's dQ
@@ -105,7 +105,7 @@ bool make_input_maps(const BackwardArgs& a, cuda::BwdTmaMaps* m) {
          (d != 256 || (cuda::make_kv_tensor_map(&m->k32, a.k, bf16, d, rk, hkv, batch, ks.r, ks.h, ks.b, 32) &&
                        cuda::make_kv_tensor_map(&m->v32, a.v, bf16, d, rk, hkv, batch, vs.r, vs.h, vs.b, 32)));
 }
-// ... and of the workspace: the dQ accumulator [heads_q * rows_q_cap, d] (fp32, or int64 for
+// ... and of the workspace: the dQ accumulator [heads_q * rows_q_cap, d] (fp32, or int32 for
 // fixed-point dQ) in boxes of 128 bytes x 64 rows (not at d = 256, whose kernels need none), the
 // per-row lse, bound, D and fixed-point unit [heads_q * rows_q_cap] in boxes of 68 (64 rows from the
 // 16-byte boundary before the first).
@@ -140,25 +140,12 @@ struct Plan {
   bool kv_atomic = false;  // dK/dV through the fp32 workspace (head splits)
   int kv_slices = 0;       // > 0: one workspace slice per split (deterministic), else atomics
   bool dq_direct = false;  // d = 256 on the warp-specialized kernels: dQ needs no fp32 accumulator
-  bool dq_fixed = false;   // deterministic, fixed point: the dQ accumulator in int64 (dq_scheme)
-  bool dq_chain = false;   // deterministic, chained: the dQ counters
+  bool dq_fixed = false;   // deterministic at d = 64 / 128: the dQ accumulator in int32 fixed point
   size_t off_dsum = 0, off_lse2 = 0, off_bound2 = 0, off_dq = 0, off_dk = 0, off_dv = 0, off_unit = 0, off_kv_max = 0,
-         off_sem = 0, off_mask = 0, bytes = 0;
+         off_mask = 0, bytes = 0;
 };
 
 size_t align_up(size_t x) { return (x + 255) & ~static_cast<size_t>(255); }
-
-// The deterministic mode's dQ at d = 64 and 128 (BwdParams): 2 = fixed point, 1 = chained fp32 adds,
-// 0 = neither (not deterministic, or d = 256, whose dQ kernel adds nothing).  Fixed point at d = 64,
-// where it beat the chain on every input measured; chained at d = 128, where the fixed point's 8-byte
-// adds run into the L2's reduction rate on inputs that keep most tiles (docs/kernels.md,
-// "Deterministic backward").  The override may force either.
-int dq_scheme(const BackwardArgs& a) {
-  if (!a.deterministic || a.head_dim == 256) return 0;
-  const int forced = kernel_override().bwd_det;
-  if (forced == 1 || forced == 2) return forced;
-  return a.head_dim == 64 ? 2 : 1;
-}
 
 Plan make_plan(const BackwardArgs& a) {
   Plan pl;
@@ -203,12 +190,10 @@ Plan make_plan(const BackwardArgs& a) {
   pl.off_lse2 = off;
   off = align_up(off + sizeof(float) * static_cast<size_t>(a.heads_q * pl.rows_q_cap));
   pl.dq_direct = d256_direct(a, pl.n_q_tiles);
-  const int scheme = dq_scheme(a);
-  pl.dq_fixed = scheme == 2;
-  pl.dq_chain = scheme == 1;
+  pl.dq_fixed = a.deterministic && a.head_dim != 256;  // (at d = 256 the dQ kernel adds nothing)
   pl.off_dq = off;
   if (!pl.dq_direct)
-    off = align_up(off + (pl.dq_fixed ? 8 : 4) * static_cast<size_t>(a.heads_q * pl.rows_q_cap) * d);
+    off = align_up(off + 4 * static_cast<size_t>(a.heads_q * pl.rows_q_cap) * d);
   if (pl.kv_atomic) {
     const size_t n = static_cast<size_t>(std::max(pl.kv_slices, 1)) * static_cast<size_t>(a.heads_kv * pl.rows_k_cap) * d;
     pl.off_dk = off;
@@ -231,10 +216,6 @@ Plan make_plan(const BackwardArgs& a) {
     pl.off_kv_max = off;
     off = align_up(off + 2 * sizeof(float));
   }
-  if (pl.dq_chain) {
-    pl.off_sem = off;
-    off = align_up(off + sizeof(int32_t) * static_cast<size_t>(a.batch * a.heads_q) * pl.n_q_tiles);
-  }
   pl.bytes = off;
   return pl;
 }
@@ -246,23 +227,13 @@ bool wgmma_fits(const BackwardArgs& a, const Plan& pl) {
   return pl.n_q_tiles < 65536 && a.heads_q < 65536 && cuda::bwd_wgmma_usable<T, D>();
 }
 
-// The warp-specialized kernel's visiting order (BwdParams::q_desc): query tiles descending with the
-// heads inner for chained dQ adds (the CTAs that add to a tile one after another reach it at about the
-// same step), else ascending with the heads outer; the override may force one.
-bool q_desc_order(const BackwardArgs& a) {
-  const int forced = kernel_override().bwd_q_order;
-  return forced == 1 || forced == 2 ? forced == 2 : dq_scheme(a) == 1;
-}
-
 // Whether the main kernel reads the forward's tile mask (BackwardArgs::forward_tile_mask): only the
-// warp-specialized kernel at d = 64 / 128 does, in the ascending order its scored-tile bitmap
-// follows, and not at tau = 0 (nothing is skipped), nor with chained dQ adds, where every key tile
-// passes every query tile's counter, nor where a CTA's tiles outnumber the bitmap.  (Where
-// choose_kernel falls back to another kernel for want of tensor maps, that kernel ignores the mask.)
+// warp-specialized kernel at d = 64 / 128 does (deterministic or not), and not at tau = 0 (nothing is
+// skipped), nor where a CTA's tiles outnumber its scored-tile bitmap.  (Where choose_kernel falls back
+// to another kernel for want of tensor maps, that kernel ignores the mask.)
 template <typename T, int D>
 bool reads_fwd_mask(const BackwardArgs& a, const Plan& pl) {
-  return D != 256 && !rule::dense(a.tau) && dq_scheme(a) != 1 && !q_desc_order(a) &&
-         kernel_override().bwd == BwdVariant::automatic && wgmma_fits<T, D>(a, pl) &&
+  return D != 256 && !rule::dense(a.tau) && kernel_override().bwd == BwdVariant::automatic && wgmma_fits<T, D>(a, pl) &&
          static_cast<int64_t>(pl.heads_per_cta) * pl.n_q_tiles <= cuda::kBwdWsScoredTiles;
 }
 
@@ -360,16 +331,14 @@ cudaError_t run_typed(const BackwardArgs& a, const Plan& pl, char* ws, cudaStrea
   p.heads_per_cta = pl.heads_per_cta;
   p.q_stages = pick_q_stages(cuda::bwd_smem_bytes<D>(3));
   p.head_splits = pl.head_splits;
-  // Deterministic mode: dQ in fixed point (before the kernel choice: its tensor maps) or chained.
-  p.dq_fixed = pl.dq_fixed ? reinterpret_cast<long long*>(ws + pl.off_dq) : nullptr;
+  // Deterministic mode: dQ in fixed point (before the kernel choice: its tensor maps).
+  p.dq_fixed = pl.dq_fixed ? reinterpret_cast<int32_t*>(ws + pl.off_dq) : nullptr;
   p.dq_unit = pl.dq_fixed ? reinterpret_cast<float*>(ws + pl.off_unit) : nullptr;
-  p.dq_sem = pl.dq_chain ? reinterpret_cast<int32_t*>(ws + pl.off_sem) : nullptr;
   p.fwd_mask = a.forward_tile_mask != nullptr && reads_fwd_mask<T, D>(a, pl) ? a.forward_tile_mask : nullptr;
   p.fwd_bq = std::max(a.forward_block_q, 1);
   p.fwd_bk = std::max(a.forward_block_k, 1);
   p.fwd_n_q_tiles = static_cast<int>(rule::ceil_div(static_cast<int64_t>(a.seqlen_q), int64_t{p.fwd_bq}));
   p.fwd_n_k_tiles = static_cast<int>(rule::ceil_div(static_cast<int64_t>(a.seqlen_k), int64_t{p.fwd_bk}));
-  p.q_desc = q_desc_order(a);
   cuda::BwdTmaMaps maps;
   const cuda::BwdLaunch launch = choose_kernel<T, D>(a, pl, p, dense, &maps);
   if (launch.kernel == cuda::BwdKernelKind::sm90_ws && launch.maps == nullptr) return cudaErrorInvalidValue;
@@ -384,16 +353,12 @@ cudaError_t run_typed(const BackwardArgs& a, const Plan& pl, char* ws, cudaStrea
   }
   // 1. zero accumulators, tile_mask; D and slot zeroing.
   if (!dq_direct) {
-    err = cudaMemsetAsync(ws + pl.off_dq, 0, (pl.dq_fixed ? 8 : 4) * static_cast<size_t>(a.heads_q * pl.rows_q_cap * d),
+    err = cudaMemsetAsync(ws + pl.off_dq, 0, 4 * static_cast<size_t>(a.heads_q * pl.rows_q_cap * d),
                           stream);
     if (err != cudaSuccess) return err;
   }
   if (pl.kv_atomic && pl.kv_slices == 0) {  // (slices: every valid row is stored)
     err = cudaMemsetAsync(ws + pl.off_dk, 0, pl.bytes - pl.off_dk, stream);
-    if (err != cudaSuccess) return err;
-  }
-  if (p.dq_sem) {
-    err = cudaMemsetAsync(p.dq_sem, 0, sizeof(int32_t) * static_cast<size_t>(a.batch * a.heads_q) * pl.n_q_tiles, stream);
     if (err != cudaSuccess) return err;
   }
   // Fixed-point dQ: the K/V maxima that the rows' units come from.
@@ -431,6 +396,7 @@ cudaError_t run_typed(const BackwardArgs& a, const Plan& pl, char* ws, cudaStrea
   rq.dsum = dsum;
   rq.dq_unit = pl.dq_fixed ? reinterpret_cast<float*>(ws + pl.off_unit) : nullptr;
   rq.kv_max = reinterpret_cast<const float*>(kv_max);
+  rq.dq_mass = 1.f + std::max(a.tau, 0.f);
   rq.lse2 = lse2;
   rq.bound2 = dense ? nullptr : bound2;
   rq.cu_k = a.cu_seqlens_k;

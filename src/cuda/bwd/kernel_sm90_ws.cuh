@@ -7,19 +7,17 @@
 //
 // Three warpgroups (384 threads):
 //   producer (warpgroup 0, 24 registers):
-//     warp 0  K and V once, then Q_t with its rows' lse, skip bound (and with fixed-point dQ the
-//             rows' units) into a ring of kQStages slots (one thread issues every TMA load;
+//     warp 0  K and V once, then Q_t with its rows' lse, skip bound (and in the deterministic mode
+//             the rows' dQ units) into a ring of kQStages slots (one thread issues every TMA load;
 //             full/empty mbarriers);
 //     warp 1  dO_t with D = rowsum(dO * O) into a ring of 2 slots: speculatively when tile t - 2 was
 //             retained (always at tau = 0), else once the consumers have decided tile t, and only if
 //             they retain it.  The slot's full barrier completes once per tile either way (with no
 //             bytes when dO_t is not loaded), so every phase is static;
 //     warp 2  dQ writer: adds each retained tile's dQ (64 x d in shared memory: fp32, or in the
-//             fixed-point deterministic mode the integers of BwdParams::dq_fixed, whose sums do not
-//             depend on the order of the adds) into the dQ accumulator with one TMA reduce-add per
-//             128-byte column box, off the consumers' path (a buffer handed over through a full and an
-//             empty mbarrier); in the chained deterministic mode (BwdParams::dq_sem) each tile's adds
-//             wait for the key tiles before it.
+//             deterministic mode the int32 of BwdParams::dq_fixed, whose sums do not depend on the
+//             order of the adds) into the dQ accumulator with one TMA reduce-add per 128-byte column
+//             box, off the consumers' path (a buffer handed over through a full and an empty mbarrier).
 //   consumers (warpgroups 1 and 2, 240 registers; warpgroup g owns keys 64g..64g+63 of the tile):
 //     S^T_g  = K_g Q^T                 (dP^T_g = V_g dO^T right behind it when dO_t is expected)
 //     mask, offline test against each row's raw-score bound, CTA vote (tau > 0)
@@ -44,20 +42,19 @@
 namespace mala {
 namespace cuda {
 
-// kDet: the fixed-point deterministic mode, whose dQ buffer of 8-byte integers takes two of the four
-// Q stages at d = 128.
+// kDet: the fixed-point deterministic mode (int32 dQ in the fp32 buffer's layout, and the rows' units).
 template <int D_, bool kDet_ = false>
 struct BwdWs {
   static constexpr int D = D_, BQ = 64, BK = 128, kThreads = 384;
   static constexpr bool kDet = kDet_;
-  static constexpr int kQStages = kDet && D == 128 ? 2 : 4;
+  static constexpr int kQStages = 4;
   static_assert(D == 64 || D == 128, "warp-specialized backward: head dim 64 or 128");
   using KTile = GmmaTile<BK, D>;
   using QTile = GmmaTile<BQ, D>;
   using STile = GmmaTile<BK, BQ>;            // dS^T [key][query]
-  // dQ's element (fp32 or int64) and its boxes of 128 bytes x 64 rows: 32 or 16 columns each.
-  static constexpr int kDqElem = kDet ? 8 : 4, kDqBoxCols = 128 / kDqElem, kDqBoxes = D / kDqBoxCols;
-  static constexpr int kDqBytes = kDet ? BQ * D * 8 : BQ * 128 * 4;  // (fp32: room for 4 boxes at d = 64)
+  // dQ (fp32 or int32) in boxes of 128 bytes x 64 rows: 32 columns each.
+  static constexpr int kDqBoxCols = 32, kDqBoxes = D / kDqBoxCols;
+  static constexpr int kDqBytes = BQ * 128 * 4;  // (room for 4 boxes at d = 64)
   static constexpr int kOffK = 0;
   static constexpr int kOffV = kOffK + KTile::kBytes;
   static constexpr int kOffQ = kOffV + KTile::kBytes;
@@ -83,7 +80,7 @@ struct BwdWs {
   static constexpr int kOffDec = kOffVote + 4 * 4;    // [8] (u << 1) | retained, for the dO producer (the
                                                       // u-th scored tile in slot u % 8, published through
                                                       // mbarrier dec[u % 8])
-  // To the dQ writer: the tile's first accumulator row (-2: skipped, -1: no more tiles), its counter.
+  // To the dQ writer: the tile's first accumulator row (-1: no more tiles).
   static constexpr int kOffDqRow = kOffDec + 8 * 4;
   // forward_tile_mask: bit t of the CTA's tiles in the visiting order, whether tile t is scored (some
   // forward tile inside it retained); up to kBwdWsScoredTiles tiles (dispatch.cu passes the mask only
@@ -123,11 +120,8 @@ __global__ void __launch_bounds__(384, 1)
                  mb_dq_full = mb_vote + 32, mb_dq_empty = mb_dq_full + 8, mb_dec = mb_dq_empty + 8;
   uint32_t* vote_w = reinterpret_cast<uint32_t*>(smem + C::kOffVote);
   volatile int* s_dec = reinterpret_cast<volatile int*>(smem + C::kOffDec);
-  volatile int* s_dq_row = reinterpret_cast<volatile int*>(smem + C::kOffDqRow);  // [0] row, [1] counter
-  // The chained deterministic mode (BwdParams::dq_sem; never with kDet).
-  const bool chain = !kDet && p.dq_sem != nullptr, desc = p.q_desc;
-  // kFwdMask: tiles that no forward tile inside was retained in are skipped unscored (the dispatch
-  // passes forward_tile_mask only in the ascending order, outside the chained mode).
+  volatile int* s_dq_row = reinterpret_cast<volatile int*>(smem + C::kOffDqRow);
+  // kFwdMask: tiles that no forward tile inside was retained in are skipped unscored.
   static_assert(!(kDense && kFwdMask), "the forward's mask serves tau > 0");
   if (tid == 0) {
     mbar_init(mb_kv, 2);  // K's and V's expect_tx arrivals
@@ -184,8 +178,8 @@ __global__ void __launch_bounds__(384, 1)
         tma_load_tile<BK, D>(sK, &maps.k, mb_kv, k_row0 + kb, w.hk, map_b);
         tma_load_tile<BK, D>(sV, &maps.v, mb_kv, k_row0 + kb, w.hk, map_b);
       }
-      BwdWork::Tile x = w.first(desc);
-      for (int t = 0, s = 0, use = 0; t < n_iter; ++t, x = w.step(x, desc)) {
+      BwdWork::Tile x = w.tile(0);
+      for (int t = 0, s = 0, use = 0; t < n_iter; ++t, x = w.next(x)) {
         if constexpr (kFwdMask)
           if (!is_scored(t)) continue;
         if (use > 0) mbar_wait<true>(mb_q_empty + 8 * s, parity(use - 1));
@@ -214,8 +208,8 @@ __global__ void __launch_bounds__(384, 1)
         return s_dec[t & 7];
       };
       // The rings count scored tiles only (r: u with kFwdMask, else t).
-      BwdWork::Tile x = w.first(desc);
-      for (int t = 0, u = 0; t < n_iter; ++t, x = w.step(x, desc)) {
+      BwdWork::Tile x = w.tile(0);
+      for (int t = 0, u = 0; t < n_iter; ++t, x = w.next(x)) {
         if constexpr (kFwdMask)
           if (!is_scored(t)) continue;
         const int r = kFwdMask ? u++ : t;
@@ -238,32 +232,17 @@ __global__ void __launch_bounds__(384, 1)
         }
       }
     } else if (warp == 2 && lane == 0) {
-      // The buffer goes back to the consumers as soon as the TMA has read it.  Chained mode: the
-      // tile's adds wait until the counter says that every key tile before this one has added (or
-      // skipped) it, and complete before the counter moves on.
+      // The buffer goes back to the consumers as soon as the TMA has read it.
       for (int k = 0;; ++k) {
         mbar_wait<true>(mb_dq_full, parity(k));
         const int row = s_dq_row[0];  // (read before the arrival that gives the buffer back)
-        if (row == -1) break;
-        int* sem = chain ? p.dq_sem + s_dq_row[1] : nullptr;
-        if (chain) {
-          while (ld_acquire_gpu(sem) != w.j) {
-          }
-          fence_proxy_async_all();
-        }
-        if (row >= 0) {
+        if (row < 0) break;
 #pragma unroll
-          for (int b = 0; b < C::kDqBoxes; ++b)
-            tma_reduce_add_2d(&maps.dq, sDQ + b * (BQ * 128), C::kDqBoxCols * b, row);
-          bulk_commit_group();
-          bulk_wait_group_read0();
-        }
+        for (int b = 0; b < C::kDqBoxes; ++b)
+          tma_reduce_add_2d(&maps.dq, sDQ + b * (BQ * 128), C::kDqBoxCols * b, row);
+        bulk_commit_group();
+        bulk_wait_group_read0();
         mbar_arrive(mb_dq_empty);
-        if (chain) {
-          if (row >= 0) bulk_wait_group0();
-          fence_proxy_async_all();
-          st_release_gpu(sem, w.j + 1);
-        }
       }
       bulk_wait_group0();
     }
@@ -291,16 +270,14 @@ __global__ void __launch_bounds__(384, 1)
 
   mbar_wait<true>(mb_kv, 0);
   // The dQ writer's handshake: wait_dq_buffer() before the k-th post writes the buffer (the writer
-  // is done with post k - 1), post_dq(): the tile (row; its counter) and this warp's arrival.
+  // is done with post k - 1), post_dq(): the tile's first accumulator row (-1: no more) and this
+  // warp's arrival.
   int n_posts = 0;
   auto wait_dq_buffer = [&]() {
     if (n_posts > 0) mbar_wait<true>(mb_dq_empty, parity(n_posts - 1));
   };
-  auto post_dq = [&](int row, int h, int qi) {
-    if (ctid == 0) {
-      s_dq_row[0] = row;
-      s_dq_row[1] = static_cast<int>((static_cast<int64_t>(w.b) * p.heads_q + h) * p.n_q_tiles + qi);
-    }
+  auto post_dq = [&](int row) {
+    if (ctid == 0) s_dq_row[0] = row;
     __syncwarp();
     if (lane == 0) mbar_arrive(mb_dq_full);
     ++n_posts;
@@ -331,14 +308,9 @@ __global__ void __launch_bounds__(384, 1)
     }
     if (recording) bwd_record_tile<BQ, BK>(p, w, h, qi, retain, ctid);
   };
-  // A skipped tile: its Q slot goes back (S^T is complete), and in the chained mode its dQ counter
-  // moves on all the same.
-  auto skipped = [&](int qs, int h, int qi) {
+  // A skipped tile: its Q slot goes back (S^T is complete).
+  auto skipped = [&](int qs) {
     if (lane == 0) mbar_arrive(mb_q_empty + 8 * qs);
-    if (chain) {
-      wait_dq_buffer();
-      post_dq(-2, h, qi);
-    }
   };
   // A skipped tile's dO slot goes back once its (byte-less) phase has completed, a tile late so that
   // the skip path does not wait for the producer.
@@ -351,7 +323,7 @@ __global__ void __launch_bounds__(384, 1)
     }
   };
 
-  BwdWork::Tile x = w.first(desc);
+  BwdWork::Tile x = w.tile(0);
   int n_mvotes = 0;                 // mbarrier votes so far (their ring's index)
   bool retain_1 = true, retain_2 = true;  // the last two scored tiles' decisions: a tile's dO was
                                           // loaded speculatively when the one two scored tiles
@@ -361,7 +333,7 @@ __global__ void __launch_bounds__(384, 1)
   int t = 0, u = 0, qs = 0, quse = 0;
   auto advance = [&](bool was_scored) {
     ++t;
-    x = w.step(x, desc);
+    x = w.next(x);
     if (!kFwdMask || was_scored) {
       if constexpr (kFwdMask) ++u;
       if (++qs == NQS) {
@@ -410,7 +382,7 @@ __global__ void __launch_bounds__(384, 1)
       if (!retain) {
         wgmma_wait<0>();  // dP^T's reads of dO_t end before its slot goes back
         if (lane == 0) mbar_arrive(mb_do_empty + 8 * (ring_t & 1));
-        skipped(qs, x.h(), x.qi());
+        skipped(qs);
         return;
       }
     } else {
@@ -423,7 +395,7 @@ __global__ void __launch_bounds__(384, 1)
       decided(ring_t, x.h(), x.qi(), retain);
       if (!retain) {
         pend_do = ring_t;
-        skipped(qs, x.h(), x.qi());
+        skipped(qs);
         retain_2 = retain_1;
         retain_1 = false;
         return;
@@ -512,7 +484,7 @@ __global__ void __launch_bounds__(384, 1)
     wgmma_fence_operands(dv);
     wgmma_fence_operands(dq);
     if (lane == 0) mbar_arrive(mb_do_empty + 8 * ds);
-    // dQ -> the writer's buffer: boxes of 128 bytes (32 fp32 or 16 int64 columns) x 64 rows, 128-byte
+    // dQ -> the writer's buffer: boxes of 128 bytes (32 fp32 or int32 columns) x 64 rows, 128-byte
     // swizzle (16-byte chunk c of row r at c ^ (r % 8)); warpgroup g writes the boxes of its D / 2
     // columns.  Accumulator element 4n + 2hh + c: row 16 wl + gid + 8 hh, column 8n + 2 tig + c of
     // the warpgroup's D / 2.
@@ -520,30 +492,24 @@ __global__ void __launch_bounds__(384, 1)
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
       const int r = wl * 16 + gid + hh * 8;
-      if constexpr (kDet) {
-        // The row's fixed-point unit (BwdParams::dq_unit): the same integers whatever the order of adds.
-        const float unit = unit_t[r];
+      // Fixed point: the row's unit (BwdParams::dq_unit) gives the same integers whatever the order of adds.
+      [[maybe_unused]] const float unit = kDet ? unit_t[r] : 1.f;
 #pragma unroll
-        for (int n = 0; n < kDqCols / 8; ++n) {
-          const uint32_t chunk = static_cast<uint32_t>(((n & 1) << 2) | tig) ^ static_cast<uint32_t>(r & 7);
-          const uint32_t addr = sDQ + (dq_col0 / 16 + (n >> 1)) * (BQ * 128) + r * 128 + (chunk << 4);
-          const long long lo = __float2ll_rn(dq[4 * n + 2 * hh] * unit), hi = __float2ll_rn(dq[4 * n + 2 * hh + 1] * unit);
-          asm volatile("st.shared.v2.b64 [%0], {%1, %2};\n" ::"r"(addr), "l"(lo), "l"(hi) : "memory");
-        }
-      } else {
-#pragma unroll
-        for (int n = 0; n < kDqCols / 8; ++n) {
-          const uint32_t chunk = static_cast<uint32_t>(((n & 3) << 1) | (tig >> 1)) ^ static_cast<uint32_t>(r & 7);
-          const uint32_t addr =
-              sDQ + (dq_col0 / 32 + (n >> 2)) * (BQ * 128) + r * 128 + (chunk << 4) + ((tig & 1) << 3);
-          asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(dq[4 * n + 2 * hh]),
-                       "f"(dq[4 * n + 2 * hh + 1])
+      for (int n = 0; n < kDqCols / 8; ++n) {
+        const uint32_t chunk = static_cast<uint32_t>(((n & 3) << 1) | (tig >> 1)) ^ static_cast<uint32_t>(r & 7);
+        const uint32_t addr =
+            sDQ + (dq_col0 / 32 + (n >> 2)) * (BQ * 128) + r * 128 + (chunk << 4) + ((tig & 1) << 3);
+        const float lo = dq[4 * n + 2 * hh], hi = dq[4 * n + 2 * hh + 1];
+        if constexpr (kDet)
+          asm volatile("st.shared.v2.b32 [%0], {%1, %2};\n" ::"r"(addr), "r"(__float2int_rn(lo * unit)),
+                       "r"(__float2int_rn(hi * unit))
                        : "memory");
-        }
+        else
+          asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(lo), "f"(hi) : "memory");
       }
     }
     fence_proxy_async_smem();
-    post_dq(static_cast<int>(h * p.rows_q_cap + w.qrow0 + q0), h, x.qi());
+    post_dq(static_cast<int>(h * p.rows_q_cap + w.qrow0 + q0));
     wgmma_wait<0>();  // dK: Q_t is free
     wgmma_fence_operands(dk);
     if (lane == 0) mbar_arrive(mb_q_empty + 8 * qs);
@@ -564,7 +530,7 @@ __global__ void __launch_bounds__(384, 1)
   }
   // The writer stops once it has added the last tile.
   wait_dq_buffer();
-  post_dq(-1, 0, 0);
+  post_dq(-1);
 
   // Epilogue: dK (scaled), dV.  Accumulator element 4n + 2hh + c: key krow + 8hh, dim 8n + 2tig + c.
 #pragma unroll

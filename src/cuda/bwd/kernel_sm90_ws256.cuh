@@ -112,8 +112,8 @@ __global__ void __launch_bounds__(384, 1)
     if (lane == 0 && warp == 0) {
       tma_load_tile<BK, D>(sK, &maps.k, mb_kv, k_row0 + kb, w.hk, map_b);
       tma_load_tile<BK, D>(sV, &maps.v, mb_kv, k_row0 + kb, w.hk, map_b);
-      BwdWork::Tile x = w.first(false);
-      for (int t = 0; t < n_iter; ++t, x = w.step(x, false)) {
+      BwdWork::Tile x = w.tile(0);
+      for (int t = 0; t < n_iter; ++t, x = w.next(x)) {
         const int s = t & 1;
         if (t >= NS) mbar_wait<true>(mb_q_empty + 8 * s, parity((t >> 1) - 1));
         const int at = vec_at(x);
@@ -124,8 +124,8 @@ __global__ void __launch_bounds__(384, 1)
         if (!kDense) tma_load_1d(sbase + C::kOffBound + s * C::kVecStride * 4, &maps.bound, full, at & ~3);
       }
     } else if (lane == 0 && warp == 1) {
-      BwdWork::Tile x = w.first(false);
-      for (int t = 0; t < n_iter; ++t, x = w.step(x, false)) {
+      BwdWork::Tile x = w.tile(0);
+      for (int t = 0; t < n_iter; ++t, x = w.next(x)) {
         const int s = t & 1;
         if (t >= NS) mbar_wait<true>(mb_do_empty + 8 * s, parity((t >> 1) - 1));
         const uint32_t full = mb_do_full + 8 * s;
@@ -193,9 +193,9 @@ __global__ void __launch_bounds__(384, 1)
     }
   };
 
-  BwdWork::Tile x = w.first(false);
+  BwdWork::Tile x = w.tile(0);
   if (n_iter > 0) issue_s_dp(0);
-  for (int t = 0; t < n_iter; ++t, x = w.step(x, false)) {
+  for (int t = 0; t < n_iter; ++t, x = w.next(x)) {
     const int qs = t & 1, h = x.h(), q0 = x.qi() * BQ;
     wgmma_wait<0>();  // S^T(t), dP^T(t)
     wgmma_fence_operands(s);

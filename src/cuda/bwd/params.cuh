@@ -66,32 +66,28 @@ struct BwdParams {
   int heads_per_cta;    // query heads of one KV group handled by one CTA
   int head_splits;      // group / heads_per_cta
   int q_stages;         // 2 or 3 shared-memory stages of Q (3 where the shared memory allows)
-  // Deterministic mode (warp-specialized kernel, d = 64 and 128), one of two schemes (dispatch.cu
-  // picks):
-  //   fixed point: dq_fixed instead of dq_acc.  Each CTA adds its partial of row g as the integers
-  //     rint(x * dq_unit[g]) into dq_fixed [heads_q, rows_q_cap, d]; integer adds give the same sum in
-  //     any order.  dq_unit (a power of two per row, dsum's layout; bwd_dq_fixed_unit) puts the row's
-  //     largest possible |dQ| at 2^kDqFixedBits.
-  //   chained: dq_sem, [batch, heads_q, n_q_tiles] counters, zeroed; the CTA of key tile j adds its
-  //     fp32 dQ to query tile i once the counter reads j.
-  // Both null: fp32 adds into dq_acc in arrival order.
-  long long* dq_fixed;
+  // Deterministic mode (warp-specialized kernel, d = 64 and 128): dq_fixed instead of dq_acc.  Each
+  // CTA adds its partial of row g as the int32 rint(x * dq_unit[g]) into dq_fixed [heads_q,
+  // rows_q_cap, d]; integer adds give the same sum in any order.  dq_unit (a power of two per row,
+  // dsum's layout; bwd_dq_fixed_unit) puts the row's largest possible |dQ| at 2^kDqFixedBits.
+  // Null: fp32 adds into dq_acc in arrival order.
+  int32_t* dq_fixed;
   const float* dq_unit;
-  int32_t* dq_sem;
   // BackwardArgs::forward_tile_mask, [batch, heads_q, fwd_n_q_tiles, fwd_n_k_tiles] over forward tiles
-  // of fwd_bq x fwd_bk; null: every legal tile is scored.  (Warp-specialized kernel, d = 64 and 128,
-  // not in the chained deterministic mode.)
+  // of fwd_bq x fwd_bk; null: every legal tile is scored.  (Warp-specialized kernel, d = 64 and 128.)
   const uint8_t* fwd_mask;
   int fwd_bq, fwd_bk, fwd_n_q_tiles, fwd_n_k_tiles;
-  // Warp-specialized kernel's visiting order: query tiles descending with the heads inner (BwdWork::first
-  // and step), else heads outer with query tiles ascending.
-  bool q_desc;
 };
 
-// Fixed-point dQ (deterministic mode): the bound on a row's |dQ| (before the softmax scale) maps to
-// 2^kDqFixedBits, so an element keeps 52 bits below the bound and the sum has 2^11 of headroom in an
-// int64 for P summing past 1 (an lse from a forward that skipped tiles, rounding).
-constexpr int kDqFixedBits = 52;
+// Fixed-point dQ (deterministic mode): the bound on a row's |dQ| (before the softmax scale, with P's
+// row sum bounded by 1 + tau: the forward's lse leaves out the skipped tiles' mass, less than tau
+// times the retained) maps to at most 2^kDqFixedBits, so every partial sum fits an int32 with 2x to
+// spare for rounding.  Each add's rounding error is at most 2^-31 of the bound: an fp32 add's is
+// 2^-24 of the running sum, the same once that sum reaches 1/128 of the bound, and over 1024 adds
+// either typically stays below the bf16/fp16 output's rounding on any row whose |dQ| is above 2^-17
+// of the bound (docs/kernels.md, "Deterministic mode").  4-byte integers move the bytes of the
+// default mode's fp32 adds through the L2.
+constexpr int kDqFixedBits = 30;
 
 // Bytes of dynamic shared memory of the main kernel with q_stages Q stages (host-computable).
 template <int D>

@@ -27,9 +27,10 @@ struct RowParams {
   const void* dout;
   void* dst;          // convert: output tensor
   const float* src;   // convert: fp32 accumulator [heads, rows_cap, d]
-  const long long* src_fixed;  // convert, deterministic dQ: the fixed-point accumulator instead of src
+  const int32_t* src_fixed;  // convert, deterministic dQ: the fixed-point accumulator instead of src
   float* dq_unit;      // preprocess (deterministic dQ, else null): the row's fixed-point unit; convert: read
   const float* kv_max; // preprocess, dq_unit: max |K| and max ||V_j||^2 over the call (bwd_kv_max_kernel)
+  float dq_mass;       // preprocess, dq_unit: 1 + tau, the bound on a row's sum of P (kDqFixedBits)
   RowStrides o_s, do_s, dst_s;
   float* dsum;
   float* lse2;        // preprocess: lse * log2(e), -inf -> 0, in dsum's layout
@@ -192,7 +193,7 @@ __global__ void bwd_preprocess_kernel(const RowParams p) {
     p.dsum[h * p.rows_cap + g] = acc;
     if (p.dq_unit) {
       const float kmax = p.kv_max[0], vmax = sqrtf(p.kv_max[1]);
-      p.dq_unit[h * p.rows_cap + g] = bwd_dq_fixed_unit(kmax * (sqrtf(do2) * vmax + fabsf(acc)));
+      p.dq_unit[h * p.rows_cap + g] = bwd_dq_fixed_unit(p.dq_mass * kmax * (sqrtf(do2) * vmax + fabsf(acc)));
     }
     const int64_t idx = p.cu ? h * total + g : ((g / p.seqlen) * p.heads + h) * p.seqlen + g % p.seqlen;
     // The main kernel's offline test and P = exp2(S - lse2) read this: converted once per row instead
@@ -214,16 +215,18 @@ __global__ void bwd_convert_kernel(const RowParams p) {
   if (g >= rp_total(p)) return;
   T* dst = static_cast<T*>(p.dst) + rp_offset(p, p.dst_s, g, h);
   if (p.src_fixed) {  // the fixed-point dQ: each sum to fp32 (rounded once), then out of the row's unit
-    const long long* src = p.src_fixed + (h * p.rows_cap + g) * D;
+    const int32_t* src = p.src_fixed + (h * p.rows_cap + g) * D;
     const float inv_unit = 1.f / p.dq_unit[h * p.rows_cap + g];  // (a power of two: exact)
 #pragma unroll
     for (int c = lane * 8; c < D; c += 256) {
       float x[8];
 #pragma unroll
-      for (int e = 0; e < 8; e += 2) {
-        const longlong2 y = *reinterpret_cast<const longlong2*>(src + c + e);
-        x[e] = __ll2float_rn(y.x) * inv_unit * p.mul;
-        x[e + 1] = __ll2float_rn(y.y) * inv_unit * p.mul;
+      for (int e = 0; e < 8; e += 4) {
+        const int4 y = *reinterpret_cast<const int4*>(src + c + e);
+        x[e] = __int2float_rn(y.x) * inv_unit * p.mul;
+        x[e + 1] = __int2float_rn(y.y) * inv_unit * p.mul;
+        x[e + 2] = __int2float_rn(y.z) * inv_unit * p.mul;
+        x[e + 3] = __int2float_rn(y.w) * inv_unit * p.mul;
       }
       uint4 out;
       out.x = pack2<T>(x[0], x[1]);

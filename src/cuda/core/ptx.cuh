@@ -137,16 +137,6 @@ __device__ __forceinline__ void named_barrier_sync(int id, int count) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
 }
 
-// GPU-scope acquire load and release store of a counter (cross-CTA ordering of the backward's
-// chained deterministic dQ adds).
-__device__ __forceinline__ int ld_acquire_gpu(const int* p) {
-  int v;
-  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-__device__ __forceinline__ void st_release_gpu(int* p, int v) {
-  asm volatile("st.release.gpu.global.b32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
-}
 // Publishes a word through an mbarrier when pred: the store, then an arrival (release at CTA scope,
 // so a thread that sees the phase complete reads the word).  Predicated rather than branched on, so
 // that the caller's code stays warp-uniform.
@@ -157,8 +147,6 @@ __device__ __forceinline__ void smem_store_arrive_if(uint32_t word, int v, uint3
       "r"(v), "r"(mbar), "r"((uint32_t)pred)
       : "memory");
 }
-// Orders this thread's generic-proxy accesses with its async-proxy (TMA) ones, in every state space.
-__device__ __forceinline__ void fence_proxy_async_all() { asm volatile("fence.proxy.async;\n" ::: "memory"); }
 
 // Barrier of one warpgroup of the wgmma kernels (ids 1 and 2; 0 is __syncthreads).  The id from a
 // register: one instruction instead of a branch between two immediate ids (ptxas then reserves all

@@ -64,7 +64,7 @@ __device__ __forceinline__ void tma_load_tile(uint32_t dst, const CUtensorMap* m
 }
 
 // Element-wise add of a shared-memory box into global memory at (c0 = column, c1 = row) of a rank-2
-// fp32 or 8-byte integer tensor map (make_acc_tensor_map) (each element's add is atomic, so CTAs may add to the same rows); one thread
+// fp32 or int32 tensor map (make_acc_tensor_map) (each element's add is atomic, so CTAs may add to the same rows); one thread
 // issues it, after the writers' fence.proxy.async and a barrier.  Completion is tracked by bulk groups.
 __device__ __forceinline__ void tma_reduce_add_2d(const CUtensorMap* map, uint32_t src, int c0, int c1) {
   asm volatile(
@@ -137,14 +137,13 @@ inline bool make_f32_vec_tensor_map(CUtensorMap* map, float* base, int64_t n, in
                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
-// Tensor map of a row-major accumulator [rows, cols] of fp32 or (fixed64) 8-byte integers (cols
-// contiguous, 128 bytes a multiple of a row) for boxes of 128 bytes (32 or 16 columns) x box_rows rows in
-// the 128-byte swizzle: chunk c of a box row r at c ^ (r % 8), so that the backward's warps store their
-// dQ fragments without bank conflicts.  The reduce-add then adds fp32 or 64-bit integers (two's
-// complement: the same bits whether signed or not).
-inline bool make_acc_tensor_map(CUtensorMap* map, void* base, bool fixed64, int cols, int64_t rows, int box_rows) {
+// Tensor map of a row-major accumulator [rows, cols] of fp32 or (fixed) int32 (cols contiguous, 128
+// bytes a multiple of a row) for boxes of 128 bytes (32 columns) x box_rows rows in the 128-byte
+// swizzle: chunk c of a box row r at c ^ (r % 8), so that the backward's warps store their dQ
+// fragments without bank conflicts.  The reduce-add then adds fp32 or int32.
+inline bool make_acc_tensor_map(CUtensorMap* map, void* base, bool fixed, int cols, int64_t rows, int box_rows) {
   const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
-  const int elem = fixed64 ? 8 : 4, box_cols = 128 / elem;
+  const int elem = 4, box_cols = 128 / elem;
   if (encode == nullptr || (reinterpret_cast<uintptr_t>(base) & 15) != 0 || cols % box_cols != 0 || rows <= 0 ||
       rows >= (int64_t(1) << 31))
     return false;
@@ -152,7 +151,7 @@ inline bool make_acc_tensor_map(CUtensorMap* map, void* base, bool fixed64, int 
   const cuuint64_t strides[1] = {(cuuint64_t)cols * elem};
   const cuuint32_t box[2] = {(cuuint32_t)box_cols, (cuuint32_t)box_rows};
   const cuuint32_t elem_strides[2] = {1, 1};
-  return encode(map, fixed64 ? CU_TENSOR_MAP_DATA_TYPE_UINT64 : CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 2, base, dims,
+  return encode(map, fixed ? CU_TENSOR_MAP_DATA_TYPE_INT32 : CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 2, base, dims,
                 strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
                 CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
