@@ -426,10 +426,11 @@ def load_mala():
 class Mala(System):
     sparse = True
 
-    def __init__(self, tau: float):
+    def __init__(self, tau: float, deterministic: bool = False):
         self.tau = float(tau)
-        self.name = f"mala_tau{self.tau:g}"
-        self.label = f"MALA tau={self.tau:g}"
+        self.deterministic = bool(deterministic)  # the backward's deterministic mode
+        self.name = f"mala_tau{self.tau:g}" + ("_det" if deterministic else "")
+        self.label = f"MALA tau={self.tau:g}" + (", deterministic" if deterministic else "")
 
     def available(self):
         if load_mala() is None:
@@ -437,7 +438,7 @@ class Mala(System):
         return None
 
     def attn(self, q, k, v):
-        return _MALA["mod"].attention(q, k, v, tau=self.tau, causal=True)
+        return _MALA["mod"].attention(q, k, v, tau=self.tau, causal=True, deterministic=self.deterministic)
 
     def outputs(self, q, k, v):
         with torch.no_grad():

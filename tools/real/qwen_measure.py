@@ -329,13 +329,14 @@ def step_speed(args, res, layers, deadline):
     import systems
     import timing
 
-    syss = [systems.Mala(args.tau), systems.Mala(0.0), systems.SDPA("cudnn")]
+    syss = [systems.Mala(args.tau), systems.Mala(0.0), systems.SDPA("cudnn"), systems.Mala(args.tau, deterministic=True)]
     for sysm in syss:
         why = sysm.available()  # also imports mala into the suite's registry
         if why:
             raise RuntimeError(f"speed: {sysm.name} unavailable: {why}")
     names = {syss[0].name: "mala_tau1" if args.tau == 1.0 else f"mala_tau{args.tau:g}", syss[1].name: "mala_tau0",
              syss[2].name: "cudnn"}
+    names[syss[3].name] = names[syss[0].name] + "_det"  # the backward's deterministic mode
     sp = res.data.setdefault("speed", {})
     gen = torch.Generator(device=DEVICE["name"]).manual_seed(7)
     for n in args.lengths:
