@@ -329,18 +329,13 @@ __global__ void __launch_bounds__(384, 1)
                                           // loaded speculatively when the one two scored tiles
                                           // before it was retained
   // t: the tile in the visiting order; u (kFwdMask): the tiles scored so far.  The rings' index is
-  // u with kFwdMask, else t.
-  int t = 0, u = 0, qs = 0, quse = 0;
+  // u with kFwdMask, else t; the Q ring's slot and use follow from it (no counters of their own: the
+  // consumers' registers are few, and ptxas spilled the kFwdMask instance's loop state).
+  int t = 0, u = 0;
   auto advance = [&](bool was_scored) {
     ++t;
     x = w.next(x);
-    if (!kFwdMask || was_scored) {
-      if constexpr (kFwdMask) ++u;
-      if (++qs == NQS) {
-        qs = 0;
-        ++quse;
-      }
-    }
+    if constexpr (kFwdMask) u += was_scored ? 1 : 0;
   };
   // The tile in two copies: dO_t prefetched (tile t - 2 retained; dP^T issued right behind S^T), or
   // loaded only once the tile is retained.  (One copy with a run-time branch
@@ -349,7 +344,8 @@ __global__ void __launch_bounds__(384, 1)
     constexpr bool dp_early = decltype(early)::value;
     float s[32], dp[32];
     const int ring_t = kFwdMask ? u : t;  // the rings' index
-    mbar_wait<true>(mb_q_full + 8 * qs, parity(quse));
+    const int qs = ring_t % NQS;
+    mbar_wait<true>(mb_q_full + 8 * qs, parity(ring_t / NQS));
     // This tile's rows in the scalar slots (kVec above).
     const int vec0 = static_cast<int>((x.h() * p.rows_q_cap + w.qrow0 + x.qi() * BQ) & 3);
     const float* bound_t = bound_s + qs * C::kVecStride + vec0;
@@ -489,6 +485,11 @@ __global__ void __launch_bounds__(384, 1)
     // columns.  Accumulator element 4n + 2hh + c: row 16 wl + gid + 8 hh, column 8n + 2 tig + c of
     // the warpgroup's D / 2.
     wait_dq_buffer();
+    // The buffer's address through an empty asm: the stores' 8 swizzled addresses are then computed
+    // here, per tile, instead of being hoisted out of the loop, where they held 8 registers and ptxas
+    // spilled the kFwdMask instance's loop state (spill reloads on every tile).
+    uint32_t sDQt = sDQ;
+    asm volatile("" : "+r"(sDQt));
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
       const int r = wl * 16 + gid + hh * 8;
@@ -498,7 +499,7 @@ __global__ void __launch_bounds__(384, 1)
       for (int n = 0; n < kDqCols / 8; ++n) {
         const uint32_t chunk = static_cast<uint32_t>(((n & 3) << 1) | (tig >> 1)) ^ static_cast<uint32_t>(r & 7);
         const uint32_t addr =
-            sDQ + (dq_col0 / 32 + (n >> 2)) * (BQ * 128) + r * 128 + (chunk << 4) + ((tig & 1) << 3);
+            sDQt + (dq_col0 / 32 + (n >> 2)) * (BQ * 128) + r * 128 + (chunk << 4) + ((tig & 1) << 3);
         const float lo = dq[4 * n + 2 * hh], hi = dq[4 * n + 2 * hh + 1];
         if constexpr (kDet)
           asm volatile("st.shared.v2.b32 [%0], {%1, %2};\n" ::"r"(addr), "r"(__float2int_rn(lo * unit)),
