@@ -329,13 +329,18 @@ __global__ void __launch_bounds__(384, 1)
                                           // loaded speculatively when the one two scored tiles
                                           // before it was retained
   // t: the tile in the visiting order; u (kFwdMask): the tiles scored so far.  The rings' index is
-  // u with kFwdMask, else t; the Q ring's slot and use follow from it (no counters of their own: the
-  // consumers' registers are few, and ptxas spilled the kFwdMask instance's loop state).
-  int t = 0, u = 0;
+  // u with kFwdMask, else t.  The Q ring's slot and use: counters, or with kFwdMask computed from u
+  // (that instance holds more loop state, and ptxas spilled it with the counters).
+  int t = 0, u = 0, qs_n = 0, quse_n = 0;
   auto advance = [&](bool was_scored) {
     ++t;
     x = w.next(x);
-    if constexpr (kFwdMask) u += was_scored ? 1 : 0;
+    if constexpr (kFwdMask) {
+      u += was_scored ? 1 : 0;
+    } else if (++qs_n == NQS) {
+      qs_n = 0;
+      ++quse_n;
+    }
   };
   // The tile in two copies: dO_t prefetched (tile t - 2 retained; dP^T issued right behind S^T), or
   // loaded only once the tile is retained.  (One copy with a run-time branch
@@ -344,8 +349,8 @@ __global__ void __launch_bounds__(384, 1)
     constexpr bool dp_early = decltype(early)::value;
     float s[32], dp[32];
     const int ring_t = kFwdMask ? u : t;  // the rings' index
-    const int qs = ring_t % NQS;
-    mbar_wait<true>(mb_q_full + 8 * qs, parity(ring_t / NQS));
+    const int qs = kFwdMask ? ring_t % NQS : qs_n;
+    mbar_wait<true>(mb_q_full + 8 * qs, parity(kFwdMask ? ring_t / NQS : quse_n));
     // This tile's rows in the scalar slots (kVec above).
     const int vec0 = static_cast<int>((x.h() * p.rows_q_cap + w.qrow0 + x.qi() * BQ) & 3);
     const float* bound_t = bound_s + qs * C::kVecStride + vec0;
@@ -485,11 +490,13 @@ __global__ void __launch_bounds__(384, 1)
     // columns.  Accumulator element 4n + 2hh + c: row 16 wl + gid + 8 hh, column 8n + 2 tig + c of
     // the warpgroup's D / 2.
     wait_dq_buffer();
-    // The buffer's address through an empty asm: the stores' 8 swizzled addresses are then computed
-    // here, per tile, instead of being hoisted out of the loop, where they held 8 registers and ptxas
-    // spilled the kFwdMask instance's loop state (spill reloads on every tile).
+    // kFwdMask: the buffer's address through an empty asm, so that the stores' 8 swizzled addresses
+    // are computed here, per tile, instead of being hoisted out of the loop, where they held 8
+    // registers and ptxas spilled that instance's loop state (reloads on every tile: the real model's
+    // tau = 1 backward 1.18x of tau = 0 instead of 1.07x).  The other instances fit, and run faster
+    // with the addresses hoisted.
     uint32_t sDQt = sDQ;
-    asm volatile("" : "+r"(sDQt));
+    if constexpr (kFwdMask) asm volatile("" : "+r"(sDQt));
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
       const int r = wl * 16 + gid + hh * 8;
