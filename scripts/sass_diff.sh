@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# Compares the SASS (sm_90a) of every kernel in some instantiation files at two revisions, kernel by
+# Compares the SASS (sm_90a) of every kernel in some CUDA sources at two revisions, kernel by
 # kernel, instruction by instruction (addresses and encodings dropped): "same" means ptxas produced
 # the same code, so timings of one revision hold for the other.  Also prints each kernel's spills.
-#   scripts/sass_diff.sh REV_A REV_B [FILE ...]   FILE: under src/cuda/instantiations/ (default
-#                                                  bwd_bf16_d128.cu); REV_B may be WORKTREE (the
-#                                                  working tree as it is)
+#   scripts/sass_diff.sh REV_A REV_B [FILE ...]   FILE: under src/cuda/ (default
+#                                                  instantiations/bwd_bf16_d128.cu; bwd/dispatch.cu
+#                                                  holds the row-wise kernels); REV_B may be WORKTREE
+#                                                  (the working tree as it is)
 # Needs nvcc here and cuobjdump / nvdisasm, which CUDA installs without nvcc's own bin/ may lack:
 # they come from NVIDIA's PyPI wheels, pinned below, into $SASS_TOOLS (default .sass-tools/).
 set -euo pipefail
@@ -13,7 +14,7 @@ cd "$(dirname "$0")/.."
 rev_a=$1 rev_b=$2
 shift 2
 files=("$@")
-[ ${#files[@]} -gt 0 ] || files=(bwd_bf16_d128.cu)
+[ ${#files[@]} -gt 0 ] || files=(instantiations/bwd_bf16_d128.cu)
 TOOLS=${SASS_TOOLS:-$PWD/.sass-tools}
 if [ ! -x "$TOOLS/nvidia/cu13/bin/nvdisasm" ] || [ ! -x "$TOOLS/nvidia/cu13/bin/cuobjdump" ]; then
   python3 -m pip install -q --no-deps --target "$TOOLS" nvidia-cuda-cuobjdump==13.5.37 nvidia-cuda-nvdisasm==13.5.37
@@ -28,17 +29,18 @@ tree() {  # rev dir: the sources at rev (WORKTREE: as they are here)
 }
 tree "$rev_a" "$work/a"
 tree "$rev_b" "$work/b"
-for f in "${files[@]}"; do
+for path in "${files[@]}"; do
+  f=${path//\//_}
   for side in a b; do
     (nvcc -O3 -DNDEBUG -arch=sm_90a -cubin --use_fast_math -lineinfo --expt-relaxed-constexpr -std=c++17 \
        -Xptxas=-warn-spills -I "$work/$side/include" -I "$work/$side/src" \
-       -o "$work/$side.$f.cubin" "$work/$side/src/cuda/instantiations/$f" 2> "$work/$side.$f.log" ||
+       -o "$work/$side.$f.cubin" "$work/$side/src/cuda/$path" 2> "$work/$side.$f.log" ||
      { cat "$work/$side.$f.log" >&2; exit 1; }) &
   done
   wait
   mapfile -t kernels < <(for side in a b; do cuobjdump -sass "$work/$side.$f.cubin"; done |
                          sed -nE 's/^\s+Function : (\S+)/\1/p' | sort -u)
-  echo "== $f ($rev_a vs $rev_b)"
+  echo "== $path ($rev_a vs $rev_b)"
   for k in "${kernels[@]}"; do
     for side in a b; do
       cuobjdump -sass -fun "$k" "$work/$side.$f.cubin" 2>/dev/null |

@@ -363,24 +363,27 @@ cudaError_t run_typed(const BackwardArgs& a, const Plan& pl, char* ws, cudaStrea
   }
   // Fixed-point dQ: the K/V maxima that the rows' units come from.
   unsigned int* kv_max = pl.dq_fixed ? reinterpret_cast<unsigned int*>(ws + pl.off_kv_max) : nullptr;
-  if (kv_max) {
-    if ((err = cudaMemsetAsync(kv_max, 0, 2 * sizeof(unsigned int), stream)) != cudaSuccess) return err;
-    cuda::KvMaxParams km{};
-    km.k = a.k;
-    km.v = a.v;
-    km.k_s = ks;
-    km.v_s = vs;
-    km.cu = a.cu_seqlens_k;
-    km.batch = static_cast<int>(a.batch);
-    km.seqlen = static_cast<int>(a.seqlen_k);
-    km.heads = static_cast<int>(a.heads_kv);
-    km.rows_cap = pl.rows_k_cap;
-    km.out = kv_max;
-    const int64_t warps = pl.rows_k_cap * a.heads_kv;
-    const int blocks = static_cast<int>(std::min<int64_t>((warps + 7) / 8, 1024));
-    if (blocks > 0) {
-      cuda::bwd_kv_max_kernel<T, D><<<blocks, 256, 0, stream>>>(km);
-      if ((err = cudaGetLastError()) != cudaSuccess) return err;
+  // (Never at d = 256, where make_plan sets no fixed point: no instance of the kernel there.)
+  if constexpr (D != 256) {
+    if (kv_max) {
+      if ((err = cudaMemsetAsync(kv_max, 0, 2 * sizeof(unsigned int), stream)) != cudaSuccess) return err;
+      cuda::KvMaxParams km{};
+      km.k = a.k;
+      km.v = a.v;
+      km.k_s = ks;
+      km.v_s = vs;
+      km.cu = a.cu_seqlens_k;
+      km.batch = static_cast<int>(a.batch);
+      km.seqlen = static_cast<int>(a.seqlen_k);
+      km.heads = static_cast<int>(a.heads_kv);
+      km.rows_cap = pl.rows_k_cap;
+      km.out = kv_max;
+      const int64_t warps = pl.rows_k_cap * a.heads_kv;
+      const int blocks = static_cast<int>(std::min<int64_t>((warps + 7) / 8, 1024));
+      if (blocks > 0) {
+        cuda::bwd_kv_max_kernel<T, D><<<blocks, 256, 0, stream>>>(km);
+        if ((err = cudaGetLastError()) != cudaSuccess) return err;
+      }
     }
   }
   if (a.tile_mask) {

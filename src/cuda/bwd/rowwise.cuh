@@ -58,6 +58,32 @@ __device__ __forceinline__ int64_t rp_offset(const RowParams& p, const RowStride
   return (g / p.seqlen) * s.b + (g % p.seqlen) * s.r + h * s.h;
 }
 
+// This lane's elements of two rows of D elements (16-byte loads of 8, the warp's lanes 256 elements
+// apart): f(a_e, b_e) for each pair, in fp32.
+template <typename T, int D, typename F>
+__device__ __forceinline__ void for_lane_pairs(const T* a, const T* b, int lane, F&& f) {
+#pragma unroll
+  for (int c = lane * 8; c < D; c += 256) {
+    const uint4 av = *reinterpret_cast<const uint4*>(a + c);
+    const uint4 bv = *reinterpret_cast<const uint4*>(b + c);
+    const T* ae = reinterpret_cast<const T*>(&av);
+    const T* be = reinterpret_cast<const T*>(&bv);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) f(to_float<T>(ae[e]), to_float<T>(be[e]));
+  }
+}
+
+// 8 values times mul, as T, in one 16-byte store at dst.
+template <typename T>
+__device__ __forceinline__ void store8(T* dst, const float (&x)[8], float mul) {
+  uint4 out;
+  out.x = pack2<T>(x[0] * mul, x[1] * mul);
+  out.y = pack2<T>(x[2] * mul, x[3] * mul);
+  out.z = pack2<T>(x[4] * mul, x[5] * mul);
+  out.w = pack2<T>(x[6] * mul, x[7] * mul);
+  *reinterpret_cast<uint4*>(dst) = out;
+}
+
 // The offline test of row g solved for the raw score (rule::skip_bound_raw): a tile's entries of the
 // row allow the skip iff none exceeds this bound, so the wgmma kernel compares its raw S^T against it
 // and scales only retained tiles.  A row without legal keys gets +inf (it never blocks a skip).
@@ -116,19 +142,12 @@ __global__ void bwd_kv_max_kernel(const KvMaxParams p) {
     const int64_t bk = p.cu ? 0 : g / p.seqlen, rk = p.cu ? g : g % p.seqlen;
     const T* k = static_cast<const T*>(p.k) + bk * p.k_s.b + rk * p.k_s.r + h * p.k_s.h;
     const T* v = static_cast<const T*>(p.v) + bk * p.v_s.b + rk * p.v_s.r + h * p.v_s.h;
-    float v2 = 0.f;
-#pragma unroll
-    for (int c = lane * 8; c < D; c += 256) {
-      const uint4 kv = *reinterpret_cast<const uint4*>(k + c);
-      const uint4 vv = *reinterpret_cast<const uint4*>(v + c);
-      const T* ke = reinterpret_cast<const T*>(&kv);
-      const T* ve = reinterpret_cast<const T*>(&vv);
-#pragma unroll
-      for (int e = 0; e < 8; ++e) {
-        kmax = fmaxf(kmax, fabsf(to_float<T>(ke[e])));
-        v2 += to_float<T>(ve[e]) * to_float<T>(ve[e]);
-      }
-    }
+    float km = kmax, v2 = 0.f;
+    for_lane_pairs<T, D>(k, v, lane, [&](float ke, float ve) {
+      km = fmaxf(km, fabsf(ke));
+      v2 += ve * ve;
+    });
+    kmax = km;
 #pragma unroll
     for (int m = 16; m >= 1; m >>= 1) v2 += __shfl_xor_sync(0xffffffffu, v2, m);
     vmax = fmaxf(vmax, v2);
@@ -171,18 +190,10 @@ __global__ void bwd_preprocess_kernel(const RowParams p) {
   const T* o = static_cast<const T*>(p.o) + rp_offset(p, p.o_s, g, h);
   const T* dout = static_cast<const T*>(p.dout) + rp_offset(p, p.do_s, g, h);
   float acc = 0.f, do2 = 0.f;
-#pragma unroll
-  for (int c = lane * 8; c < D; c += 256) {
-    const uint4 ov = *reinterpret_cast<const uint4*>(o + c);
-    const uint4 dv = *reinterpret_cast<const uint4*>(dout + c);
-    const T* oe = reinterpret_cast<const T*>(&ov);
-    const T* de = reinterpret_cast<const T*>(&dv);
-#pragma unroll
-    for (int e = 0; e < 8; ++e) {
-      acc += to_float<T>(oe[e]) * to_float<T>(de[e]);
-      do2 += to_float<T>(de[e]) * to_float<T>(de[e]);
-    }
-  }
+  for_lane_pairs<T, D>(o, dout, lane, [&](float oe, float de) {
+    acc += oe * de;
+    do2 += de * de;
+  });
 #pragma unroll
   for (int m = 16; m >= 1; m >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, m);
   if (p.dq_unit) {
@@ -223,17 +234,12 @@ __global__ void bwd_convert_kernel(const RowParams p) {
 #pragma unroll
       for (int e = 0; e < 8; e += 4) {
         const int4 y = *reinterpret_cast<const int4*>(src + c + e);
-        x[e] = __int2float_rn(y.x) * inv_unit * p.mul;
-        x[e + 1] = __int2float_rn(y.y) * inv_unit * p.mul;
-        x[e + 2] = __int2float_rn(y.z) * inv_unit * p.mul;
-        x[e + 3] = __int2float_rn(y.w) * inv_unit * p.mul;
+        x[e] = __int2float_rn(y.x) * inv_unit;
+        x[e + 1] = __int2float_rn(y.y) * inv_unit;
+        x[e + 2] = __int2float_rn(y.z) * inv_unit;
+        x[e + 3] = __int2float_rn(y.w) * inv_unit;
       }
-      uint4 out;
-      out.x = pack2<T>(x[0], x[1]);
-      out.y = pack2<T>(x[2], x[3]);
-      out.z = pack2<T>(x[4], x[5]);
-      out.w = pack2<T>(x[6], x[7]);
-      *reinterpret_cast<uint4*>(dst + c) = out;
+      store8<T>(dst + c, x, p.mul);
     }
     return;
   }
@@ -248,12 +254,8 @@ __global__ void bwd_convert_kernel(const RowParams p) {
       x0 = make_float4(x0.x + y0.x, x0.y + y0.y, x0.z + y0.z, x0.w + y0.w);
       x1 = make_float4(x1.x + y1.x, x1.y + y1.y, x1.z + y1.z, x1.w + y1.w);
     }
-    uint4 out;
-    out.x = pack2<T>(x0.x * p.mul, x0.y * p.mul);
-    out.y = pack2<T>(x0.z * p.mul, x0.w * p.mul);
-    out.z = pack2<T>(x1.x * p.mul, x1.y * p.mul);
-    out.w = pack2<T>(x1.z * p.mul, x1.w * p.mul);
-    *reinterpret_cast<uint4*>(dst + c) = out;
+    const float x[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+    store8<T>(dst + c, x, p.mul);
   }
 }
 

@@ -1,4 +1,4 @@
-// Tensor Memory Accelerator (TMA, sm_90): loads of 2-byte tiles (K, V, Q, dO), the fp32 or int64
+// Tensor Memory Accelerator (TMA, sm_90): loads of 2-byte tiles (K, V, Q, dO), the fp32 or int32
 // reduce-add of a tile into a global accumulator (the backward's dQ), and the host side that
 // describes those tensors to it.
 //
@@ -64,8 +64,9 @@ __device__ __forceinline__ void tma_load_tile(uint32_t dst, const CUtensorMap* m
 }
 
 // Element-wise add of a shared-memory box into global memory at (c0 = column, c1 = row) of a rank-2
-// fp32 or int32 tensor map (make_acc_tensor_map) (each element's add is atomic, so CTAs may add to the same rows); one thread
-// issues it, after the writers' fence.proxy.async and a barrier.  Completion is tracked by bulk groups.
+// fp32 or int32 tensor map (make_acc_tensor_map; each element's add is atomic, so CTAs may add to
+// the same rows); one thread issues it, after the writers' fence.proxy.async and a barrier.
+// Completion is tracked by bulk groups.
 __device__ __forceinline__ void tma_reduce_add_2d(const CUtensorMap* map, uint32_t src, int c0, int c1) {
   asm volatile(
       "cp.reduce.async.bulk.tensor.2d.global.shared::cta.add.tile.bulk_group [%0, {%2, %3}], [%1];\n" ::"l"(
@@ -143,13 +144,12 @@ inline bool make_f32_vec_tensor_map(CUtensorMap* map, float* base, int64_t n, in
 // fragments without bank conflicts.  The reduce-add then adds fp32 or int32.
 inline bool make_acc_tensor_map(CUtensorMap* map, void* base, bool fixed, int cols, int64_t rows, int box_rows) {
   const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
-  const int elem = 4, box_cols = 128 / elem;
-  if (encode == nullptr || (reinterpret_cast<uintptr_t>(base) & 15) != 0 || cols % box_cols != 0 || rows <= 0 ||
+  if (encode == nullptr || (reinterpret_cast<uintptr_t>(base) & 15) != 0 || cols % 32 != 0 || rows <= 0 ||
       rows >= (int64_t(1) << 31))
     return false;
   const cuuint64_t dims[2] = {(cuuint64_t)cols, (cuuint64_t)rows};
-  const cuuint64_t strides[1] = {(cuuint64_t)cols * elem};
-  const cuuint32_t box[2] = {(cuuint32_t)box_cols, (cuuint32_t)box_rows};
+  const cuuint64_t strides[1] = {(cuuint64_t)cols * 4};
+  const cuuint32_t box[2] = {32, (cuuint32_t)box_rows};
   const cuuint32_t elem_strides[2] = {1, 1};
   return encode(map, fixed ? CU_TENSOR_MAP_DATA_TYPE_INT32 : CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 2, base, dims,
                 strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
