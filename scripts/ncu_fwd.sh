@@ -3,11 +3,13 @@
 #   bash scripts/ncu_fwd.sh BENCH_XZ_OR_BINARY [N]
 #   MALA_NCU_OP=bwd bash scripts/ncu_fwd.sh ...   the wgmma backward's main kernel instead (the
 #                                                  benchmark's second launch of it, a timed one)
-# Profiles one launch of the warp-specialized forward at tau = 0 and at tau = 1 (random inputs; the
-# benchmark's second launch of it, its untimed run that records the tile mask, so the kRecord
-# instance, which ncu names; the timed runs use the other one) and writes, under $OUT,
+# Profiles one launch of the 128-key forward at tau = 0 and at tau = 1 (random inputs unless
+# MALA_NCU_ARGS says otherwise, e.g. "--regime synthetic --sharpness 16"; the benchmark's third
+# launch, its first timed one: the first computes the dense lse, the second records the tile mask)
+# and writes, under $OUT,
 # each report (.ncu-rep), its SASS with the sampled stall reasons per instruction (source page, CSV)
-# and its details page (CSV).  bench/results/mala_fwd_ncu_h100_tau.txt is a summary of two such runs.
+# and its details page (CSV).  bench/results/prof/fwd128_k128_ncu_stalls_random32k.txt summarizes two
+# such runs of the 128-key forward by region of its loop.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 bin=$1
@@ -19,11 +21,13 @@ ncu=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*
 echo "ncu: $ncu"
 [ -n "$ncu" ] || { echo "no ncu"; exit 1; }
 op=${MALA_NCU_OP:-fwd}
-kernel=sm90_ws
-[ "$op" = bwd ] && kernel=bwd_main_kernel_sm90
+kernel=sm90_k128
+skip=2
+[ "$op" = bwd ] && kernel=bwd_main_kernel_sm90 && skip=1
+read -r -a extra <<< "${MALA_NCU_ARGS:---regime random}"
 for tau in 0 1; do
-  "$ncu" --kernel-name regex:$kernel --launch-skip 1 --launch-count 1 --set full --import-source no \
-    -o "$out/${op}_tau$tau" -f "$bin" --op $op --n "$n" --regime random --tau $tau --iters 2 > "$out/ncu_tau$tau.log" 2>&1
+  "$ncu" --kernel-name regex:$kernel --launch-skip $skip --launch-count 1 --set full --import-source no \
+    -o "$out/${op}_tau$tau" -f "$bin" --op $op --n "$n" "${extra[@]}" --tau $tau --iters 2 > "$out/ncu_tau$tau.log" 2>&1
   tail -3 "$out/ncu_tau$tau.log"
   "$ncu" --import "$out/${op}_tau$tau.ncu-rep" --page source --csv --print-source sass > "$out/sass_tau$tau.csv" 2>&1
   "$ncu" --import "$out/${op}_tau$tau.ncu-rep" --page details --csv > "$out/details_tau$tau.csv" 2>&1
