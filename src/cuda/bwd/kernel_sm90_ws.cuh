@@ -348,9 +348,14 @@ __global__ void __launch_bounds__(384, 1)
   auto step = [&](auto early) {
     constexpr bool dp_early = decltype(early)::value;
     float s[32], dp[32];
-    const int ring_t = kFwdMask ? u : t;  // the rings' index
-    const int qs = kFwdMask ? ring_t % NQS : qs_n;
-    mbar_wait<true>(mb_q_full + 8 * qs, parity(kFwdMask ? ring_t / NQS : quse_n));
+    // kFwdMask: u through a warp reduction, which ptxas keeps in a uniform register (u is the same in
+    // every lane, but its increments follow a shared-memory bit): the rings' slots and the wgmma
+    // descriptors built from them then stay in the uniform datapath.
+    const int ring_t = kFwdMask ? static_cast<int>(__reduce_max_sync(0xffffffffu, static_cast<unsigned>(u))) : t;
+    static_assert((NQS & (NQS - 1)) == 0, "the Q ring's slot and use from ring_t by mask and shift");
+    const int qs = kFwdMask ? ring_t & (NQS - 1) : qs_n;
+    const int quse = kFwdMask ? static_cast<int>(static_cast<unsigned>(ring_t) / NQS) : quse_n;
+    mbar_wait<true>(mb_q_full + 8 * qs, parity(quse));
     // This tile's rows in the scalar slots (kVec above).
     const int vec0 = static_cast<int>((x.h() * p.rows_q_cap + w.qrow0 + x.qi() * BQ) & 3);
     const float* bound_t = bound_s + qs * C::kVecStride + vec0;
@@ -490,23 +495,31 @@ __global__ void __launch_bounds__(384, 1)
     // columns.  Accumulator element 4n + 2hh + c: row 16 wl + gid + 8 hh, column 8n + 2 tig + c of
     // the warpgroup's D / 2.
     wait_dq_buffer();
-    // kFwdMask: the buffer's address through an empty asm, so that the stores' 8 swizzled addresses
-    // are computed here, per tile, instead of being hoisted out of the loop, where they held 8
-    // registers and ptxas spilled that instance's loop state (reloads on every tile: the real model's
-    // tau = 1 backward 1.18x of tau = 0 instead of 1.07x).  The other instances fit, and run faster
-    // with the addresses hoisted.
-    uint32_t sDQt = sDQ;
-    if constexpr (kFwdMask) asm volatile("" : "+r"(sDQt));
+    // The address of accumulator elements 4n + 2hh, 4n + 2hh + 1: row r = 16 wl + gid + 8 hh, chunk
+    // ((n % 4) << 1 | tig / 2) ^ (r % 8) of box n / 4.  kFwdMask: r % 8 = gid for both hh, so every
+    // address is dq_a ^ ((n % 4) << 5) plus immediates (8 rows for hh, a box for n / 4), dq_a holding
+    // this thread's chunk bits; dq_a goes through an empty asm, so that ptxas keeps that one register
+    // across the loop and forms 4 addresses per tile (4 LOP3s).  Left to itself it holds 8 addresses
+    // across the loop, which spilled that instance's loop state (reloads on every tile: the real
+    // model's tau = 1 backward 1.18x of tau = 0 instead of 1.07x); the other instances fit, and run
+    // faster with the addresses hoisted.
+    uint32_t dq_a = sDQ + (dq_col0 / 32) * (BQ * 128) + (wl * 16 + gid) * 128 +
+                    ((static_cast<uint32_t>((tig >> 1) ^ gid) << 4) | static_cast<uint32_t>((tig & 1) << 3));
+    if constexpr (kFwdMask) asm volatile("" : "+r"(dq_a));
+    auto dq_addr = [&](int n, int hh) -> uint32_t {
+      if constexpr (kFwdMask)
+        return (dq_a ^ static_cast<uint32_t>((n & 3) << 5)) + (n >> 2) * (BQ * 128) + hh * 8 * 128;
+      const int r = wl * 16 + gid + hh * 8;
+      const uint32_t chunk = static_cast<uint32_t>(((n & 3) << 1) | (tig >> 1)) ^ static_cast<uint32_t>(r & 7);
+      return sDQ + (dq_col0 / 32 + (n >> 2)) * (BQ * 128) + r * 128 + (chunk << 4) + ((tig & 1) << 3);
+    };
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
-      const int r = wl * 16 + gid + hh * 8;
       // Fixed point: the row's unit (BwdParams::dq_unit) gives the same integers whatever the order of adds.
-      [[maybe_unused]] const float unit = kDet ? unit_t[r] : 1.f;
+      [[maybe_unused]] const float unit = kDet ? unit_t[wl * 16 + gid + hh * 8] : 1.f;
 #pragma unroll
       for (int n = 0; n < kDqCols / 8; ++n) {
-        const uint32_t chunk = static_cast<uint32_t>(((n & 3) << 1) | (tig >> 1)) ^ static_cast<uint32_t>(r & 7);
-        const uint32_t addr =
-            sDQt + (dq_col0 / 32 + (n >> 2)) * (BQ * 128) + r * 128 + (chunk << 4) + ((tig & 1) << 3);
+        const uint32_t addr = dq_addr(n, hh);
         const float lo = dq[4 * n + 2 * hh], hi = dq[4 * n + 2 * hh + 1];
         if constexpr (kDet)
           asm volatile("st.shared.v2.b32 [%0], {%1, %2};\n" ::"r"(addr), "r"(__float2int_rn(lo * unit)),
