@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Compares the SASS (sm_90a) of every kernel in some CUDA sources at two revisions, kernel by
 # kernel, instruction by instruction (addresses and encodings dropped): "same" means ptxas produced
-# the same code, so timings of one revision hold for the other.  Also prints each kernel's spills.
+# the same code, so timings of one revision hold for the other.  Also prints each kernel's spills and
+# its R2UR count (wgmma descriptors built outside the uniform registers show up there).
 #   scripts/sass_diff.sh REV_A REV_B [FILE ...]   FILE: under src/cuda/ (default
 #                                                  instantiations/bwd_bf16_d128.cu; bwd/dispatch.cu
 #                                                  holds the row-wise kernels); REV_B may be WORKTREE
@@ -51,6 +52,10 @@ for path in "${files[@]}"; do
     elif cmp -s "$work/a.sass" "$work/b.sass"; then verdict=same
     else verdict="differ ($(diff "$work/a.sass" "$work/b.sass" | grep -c '^[<>]' || true) lines)"; fi
     spill() { sed -nE "s/.*in function '$k', ([0-9]+) bytes spill stores, ([0-9]+) bytes spill loads.*/ \1+\2 B spilled/p" "$work/$1.$f.log"; }
-    printf '  %-8s %5d / %5d instr%s |%s  %s\n' "${verdict%% *}" "$na" "$nb" "$(spill a)" "$(spill b)" "$k"
+    # R2UR: a value moved from a regular to a uniform register, before every wgmma whose descriptor
+    # ptxas built in regular registers (a loop that lost its uniform slot index shows dozens more).
+    ra=$(grep -c 'R2UR' "$work/a.sass" || true) rb=$(grep -c 'R2UR' "$work/b.sass" || true)
+    printf '  %-8s %5d / %5d instr %4d / %4d R2UR%s |%s  %s\n' "${verdict%% *}" "$na" "$nb" "$ra" "$rb" \
+      "$(spill a)" "$(spill b)" "$k"
   done
 done
