@@ -329,17 +329,22 @@ __global__ void __launch_bounds__(384, 1)
                                           // loaded speculatively when the one two scored tiles
                                           // before it was retained
   // t: the tile in the visiting order; u (kFwdMask): the tiles scored so far.  The rings' index is
-  // u with kFwdMask, else t.  The Q ring's slot and use: counters, or with kFwdMask computed from u
-  // (that instance holds more loop state, and ptxas spilled it with the counters).
+  // u with kFwdMask, else t; the Q ring's slot and use are counters of the same.
   int t = 0, u = 0, qs_n = 0, quse_n = 0;
   auto advance = [&](bool was_scored) {
     ++t;
     x = w.next(x);
-    if constexpr (kFwdMask) {
-      u += was_scored ? 1 : 0;
-    } else if (++qs_n == NQS) {
-      qs_n = 0;
-      ++quse_n;
+    // kFwdMask: the empty asm stops LLVM carrying values derived from the tile (its head, row and
+    // mask word) across iterations.  Without it that instance's ring slots left the uniform
+    // datapath (127 R2UR per kernel against 31: every wgmma descriptor built in regular registers
+    // and moved over) and its loop state spilled.
+    if constexpr (kFwdMask) asm volatile("" : "+r"(x.v));
+    if (!kFwdMask || was_scored) {
+      if constexpr (kFwdMask) ++u;
+      if (++qs_n == NQS) {
+        qs_n = 0;
+        ++quse_n;
+      }
     }
   };
   // The tile in two copies: dO_t prefetched (tile t - 2 retained; dP^T issued right behind S^T), or
@@ -348,14 +353,9 @@ __global__ void __launch_bounds__(384, 1)
   auto step = [&](auto early) {
     constexpr bool dp_early = decltype(early)::value;
     float s[32], dp[32];
-    // kFwdMask: u through a warp reduction, which ptxas keeps in a uniform register (u is the same in
-    // every lane, but its increments follow a shared-memory bit): the rings' slots and the wgmma
-    // descriptors built from them then stay in the uniform datapath.
-    const int ring_t = kFwdMask ? static_cast<int>(__reduce_max_sync(0xffffffffu, static_cast<unsigned>(u))) : t;
-    static_assert((NQS & (NQS - 1)) == 0, "the Q ring's slot and use from ring_t by mask and shift");
-    const int qs = kFwdMask ? ring_t & (NQS - 1) : qs_n;
-    const int quse = kFwdMask ? static_cast<int>(static_cast<unsigned>(ring_t) / NQS) : quse_n;
-    mbar_wait<true>(mb_q_full + 8 * qs, parity(quse));
+    const int ring_t = kFwdMask ? u : t;
+    const int qs = qs_n;
+    mbar_wait<true>(mb_q_full + 8 * qs, parity(quse_n));
     // This tile's rows in the scalar slots (kVec above).
     const int vec0 = static_cast<int>((x.h() * p.rows_q_cap + w.qrow0 + x.qi() * BQ) & 3);
     const float* bound_t = bound_s + qs * C::kVecStride + vec0;
@@ -496,22 +496,8 @@ __global__ void __launch_bounds__(384, 1)
     // the warpgroup's D / 2.
     wait_dq_buffer();
     // The address of accumulator elements 4n + 2hh, 4n + 2hh + 1: row r = 16 wl + gid + 8 hh, chunk
-    // ((n % 4) << 1 | tig / 2) ^ (r % 8) of box n / 4.  kFwdMask: r % 8 = gid for both hh, so every
-    // address is dq_a ^ ((n % 4) << 5) plus immediates (8 rows for hh, a box for n / 4), dq_a holding
-    // this thread's chunk bits; dq_a goes through an empty asm, so that ptxas keeps that one register
-    // across the loop and forms 4 addresses per tile (4 LOP3s).  Left to itself it holds 8 addresses
-    // across the loop, which spilled that instance's loop state (reloads on every tile: the real
-    // model's tau = 1 backward 1.18x of tau = 0 instead of 1.07x); the other instances fit, and run
-    // faster with the addresses hoisted.
-    [[maybe_unused]] uint32_t dq_a = 0;
-    if constexpr (kFwdMask) {
-      dq_a = sDQ + (dq_col0 / 32) * (BQ * 128) + (wl * 16 + gid) * 128 +
-             ((static_cast<uint32_t>((tig >> 1) ^ gid) << 4) | static_cast<uint32_t>((tig & 1) << 3));
-      asm volatile("" : "+r"(dq_a));
-    }
+    // ((n % 4) << 1 | tig / 2) ^ (r % 8) of box n / 4.
     auto dq_addr = [&](int n, int hh) -> uint32_t {
-      if constexpr (kFwdMask)
-        return (dq_a ^ static_cast<uint32_t>((n & 3) << 5)) + (n >> 2) * (BQ * 128) + hh * 8 * 128;
       const int r = wl * 16 + gid + hh * 8;
       const uint32_t chunk = static_cast<uint32_t>(((n & 3) << 1) | (tig >> 1)) ^ static_cast<uint32_t>(r & 7);
       return sDQ + (dq_col0 / 32 + (n >> 2)) * (BQ * 128) + r * 128 + (chunk << 4) + ((tig & 1) << 3);
