@@ -1,0 +1,70 @@
+"""Synthetic states whose skipped tiles follow the key tile (a column-structured skip pattern).
+
+Writes PREFIX_q.npy, PREFIX_k.npy, PREFIX_v.npy ([N, H, d] float16, the layout of the real
+states that `mala_bench --real PREFIX` reads).  Every element is N(0, 1), as in the random
+regime, except for one channel: every query carries `beta` there, and the keys of a "dull" key
+tile (a fraction `--dull` of the 128-key tiles of each KV head, drawn at random) carry
+`-delta * sqrt(d) / beta`, so their scores sit `delta` (natural-log units) below the others'.
+The tiles a backward CTA (one key tile) skips then depend on its column, so the CTAs' durations
+vary with the column, which the random and synthetic regimes keep uniform.  A dull tile is skipped
+at tau = 1 once its largest entry over a decision tile sits below the bound: at d = 128 and 32K
+that takes delta >= 6 (75% of backward tiles kept; delta 4 keeps 96%).  On the H100 these inputs
+run the tau = 1 backward 1.2x faster than tau = 0, so per-column durations alone do not explain
+the real layers where it runs 1.3-1.4x slower
+(bench/results/mala_bench_bwd_columns_h100.log, bench/results/real/mala_bench_bwd_real_h100.log).
+
+    python3 tools/real/column_states.py --out /tmp/cols/d6 --dull 0.25 --delta 6
+    mala_bench --op bwd --real /tmp/cols/d6 --tau 0,1 --fwd-mask --interleave
+"""
+
+import argparse
+import os
+
+import numpy as np
+
+
+def make(n, hq, hkv, d, dull, delta, beta, seed, tile=128):
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((n, hq, d), dtype=np.float32)
+    k = rng.standard_normal((n, hkv, d), dtype=np.float32)
+    v = rng.standard_normal((n, hkv, d), dtype=np.float32)
+    q[:, :, 0] += beta
+    n_tiles = -(-n // tile)
+    dull_tiles = rng.random((n_tiles, hkv)) < dull
+    dull_tiles[0, :] = False  # the first tile (an attention sink's place) stays
+    per_key = np.repeat(dull_tiles, tile, axis=0)[:n]  # [n, hkv]
+    k[:, :, 0] += np.where(per_key, -delta * np.sqrt(d) / beta, 0.0).astype(np.float32)
+    return q.astype(np.float16), k.astype(np.float16), v.astype(np.float16), dull_tiles
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True, help="path prefix of the three .npy files")
+    ap.add_argument("--n", type=int, default=32768)
+    ap.add_argument("--hq", type=int, default=12)
+    ap.add_argument("--hkv", type=int, default=2)
+    ap.add_argument("--d", type=int, default=128)
+    ap.add_argument("--dull", type=float, default=0.25, help="fraction of dull key tiles per KV head")
+    ap.add_argument("--delta", type=float, default=6.0, help="how far below the others a dull tile's scores sit")
+    ap.add_argument("--beta", type=float, default=8.0, help="the queries' value on the shared channel")
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args()
+    for name, val in (("--n", a.n), ("--hq", a.hq), ("--hkv", a.hkv), ("--d", a.d)):
+        if val < 1:
+            ap.error(f"{name} must be >= 1")
+    if a.hq % a.hkv:
+        ap.error("--hq must be a multiple of --hkv")
+    if not 0.0 <= a.dull <= 1.0:
+        ap.error("--dull must be in [0, 1]")
+    if a.beta <= 0:
+        ap.error("--beta must be > 0")
+    q, k, v, dull_tiles = make(a.n, a.hq, a.hkv, a.d, a.dull, a.delta, a.beta, a.seed)
+    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        np.save(f"{a.out}_{name}.npy", x)
+    print(f"{a.out}: N={a.n} Hq={a.hq} Hkv={a.hkv} d={a.d}, {dull_tiles.mean():.1%} of key tiles dull "
+          f"(delta {a.delta:g}, beta {a.beta:g}, seed {a.seed})")
+
+
+if __name__ == "__main__":
+    main()
