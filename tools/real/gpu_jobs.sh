@@ -28,6 +28,11 @@ STORE=${MALA_REAL_STORE:-/tmp/mala-real}
 RES=$STORE/res
 GGUF=$STORE/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf
 export PYTHONPATH=$STORE/site${PYTHONPATH:+:$PYTHONPATH}
+# The commit of the mala build (stage.sh build), which qwen_measure.py records in its results.
+if [ -z "${MALA_COMMIT:-}" ] && [ -f "$STORE/mala-src/COMMIT" ]; then
+  MALA_COMMIT=$(cat "$STORE/mala-src/COMMIT")
+  export MALA_COMMIT
+fi
 
 job() {
   case "$1" in
