@@ -10,7 +10,7 @@ vary with the column, which the random and synthetic regimes keep uniform.  A du
 at tau = 1 once its largest entry over a decision tile sits below the bound: at d = 128 and 32K
 that takes delta >= 6 (75% of backward tiles kept; delta 4 keeps 96%).  On the H100 these inputs
 run the tau = 1 backward 1.2x faster than tau = 0, so per-column durations alone do not explain
-the real layers where it runs 1.3-1.4x slower
+the real layers where it runs 1.3-1.4x slower than tau = 0 (layers 6 and 19, mala_bench)
 (bench/results/mala_bench_bwd_columns_h100.log, bench/results/real/mala_bench_bwd_real_h100.log).
 
     python3 tools/real/column_states.py --out /tmp/cols/d6 --dull 0.25 --delta 6
