@@ -12,9 +12,14 @@ that takes delta >= 6 (75% of backward tiles kept; delta 4 keeps 96%).  On the H
 run the tau = 1 backward 1.2x faster than tau = 0, so per-column durations alone do not explain
 the real layers where it runs 1.3-1.4x slower than tau = 0 (layers 6 and 19, mala_bench)
 (bench/results/mala_bench_bwd_columns_h100.log, bench/results/real/mala_bench_bwd_real_h100.log).
+There a CTA that skips skips everything and adds no dQ, while the real layers' CTAs skip part of
+their tiles at rates that differ by column, so all of them add dQ, at different paces.
+`--pattern mixed` (make_mixed) builds that: tile-level skips at a rate drawn per key tile, not yet
+run on a GPU.
 
     python3 tools/real/column_states.py --out /tmp/cols/d6 --dull 0.25 --delta 6
     mala_bench --op bwd --real /tmp/cols/d6 --tau 0,1 --fwd-mask --interleave
+    python3 tools/real/column_states.py --out /tmp/cols/mixed --pattern mixed --dull 0.2
 """
 
 import argparse
@@ -37,6 +42,36 @@ def make(n, hq, hkv, d, dull, delta, beta, seed, tile=128):
     return q.astype(np.float16), k.astype(np.float16), v.astype(np.float16), dull_tiles
 
 
+def make_mixed(n, hq, hkv, d, dull, delta, beta, seed, channels=16, q_tile=64, tile=128):
+    """Tile-level skips whose rate varies by key tile: key tile J of KV head g is dull on each of
+    `channels` channels with probability f (drawn per tile, uniform in [0, 2 dull], at most 1), and
+    each 64-row query block of each query head reads one channel (drawn per block and head): the
+    block's scores against J sit delta below the others' where J is dull on its channel.  The
+    channels carry no noise; the other d - channels dimensions are N(0, 1).  Returns q, k, v and
+    the [query block, query head, key tile] map of dull tiles."""
+    if not 1 <= channels < d:
+        raise ValueError("channels must be in [1, d)")
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((n, hq, d), dtype=np.float32)
+    k = rng.standard_normal((n, hkv, d), dtype=np.float32)
+    v = rng.standard_normal((n, hkv, d), dtype=np.float32)
+    n_qb, n_kt, group = -(-n // q_tile), -(-n // tile), hq // hkv
+    chan = rng.integers(0, channels, size=(n_qb, hq))
+    rate = np.minimum(rng.uniform(0.0, 2.0 * dull, size=(n_kt, hkv)), 1.0)
+    dull_ch = rng.random((n_kt, hkv, channels)) < rate[:, :, None]
+    dull_ch[0] = False  # the first key tile (an attention sink's place) stays
+    q[:, :, :channels] = 0.0
+    onehot = np.zeros((n_qb, hq, channels), dtype=np.float32)
+    np.put_along_axis(onehot, chan[:, :, None], beta, axis=2)
+    q[:, :, :channels] = np.repeat(onehot, q_tile, axis=0)[:n]
+    k[:, :, :channels] = np.repeat(np.where(dull_ch, -delta * np.sqrt(d) / beta, 0.0), tile, axis=0)[:n]
+    heads_g = np.arange(hq) // group  # each query head's KV head
+    dull_map = dull_ch[:, heads_g, :]  # [key tile, query head, channel]
+    dull_map = np.take_along_axis(dull_map[None], chan[:, None, :, None], axis=3)[..., 0]  # [qb, kt, hq]
+    return (q.astype(np.float16), k.astype(np.float16), v.astype(np.float16),
+            np.transpose(dull_map, (0, 2, 1)))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="path prefix of the three .npy files")
@@ -48,6 +83,8 @@ def main():
     ap.add_argument("--delta", type=float, default=6.0, help="how far below the others a dull tile's scores sit")
     ap.add_argument("--beta", type=float, default=8.0, help="the queries' value on the shared channel")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--pattern", choices=("columns", "mixed"), default="columns",
+                    help="columns: whole key tiles dull; mixed: per query block and key tile (make_mixed)")
     a = ap.parse_args()
     for name, val in (("--n", a.n), ("--hq", a.hq), ("--hkv", a.hkv), ("--d", a.d)):
         if val < 1:
@@ -58,11 +95,12 @@ def main():
         ap.error("--dull must be in [0, 1]")
     if a.beta <= 0:
         ap.error("--beta must be > 0")
-    q, k, v, dull_tiles = make(a.n, a.hq, a.hkv, a.d, a.dull, a.delta, a.beta, a.seed)
+    build = make if a.pattern == "columns" else make_mixed
+    q, k, v, dull_tiles = build(a.n, a.hq, a.hkv, a.d, a.dull, a.delta, a.beta, a.seed)
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     for name, x in (("q", q), ("k", k), ("v", v)):
         np.save(f"{a.out}_{name}.npy", x)
-    print(f"{a.out}: N={a.n} Hq={a.hq} Hkv={a.hkv} d={a.d}, {dull_tiles.mean():.1%} of key tiles dull "
+    print(f"{a.out}: N={a.n} Hq={a.hq} Hkv={a.hkv} d={a.d}, {a.pattern}, {dull_tiles.mean():.1%} of tiles dull "
           f"(delta {a.delta:g}, beta {a.beta:g}, seed {a.seed})")
 
 

@@ -32,3 +32,19 @@ def test_dull_tiles_score_delta_below_the_others():
     assert not dull0.any()
     assert abs(q0[:, :, 0].astype(np.float64).mean() - beta) < 0.2
     assert abs(k0[:, :, 0].astype(np.float64).mean()) < 0.2
+
+
+def test_mixed_pattern_scores_follow_the_dull_map():
+    import column_states
+
+    n, hq, hkv, d, delta, beta = 640, 4, 2, 64, 6.0, 8.0
+    q, k, _, dull = column_states.make_mixed(n, hq, hkv, d, dull=0.3, delta=delta, beta=beta, seed=2, channels=8)
+    assert dull.shape == (10, 4, 5)  # [64-row query blocks, query heads, 128-key tiles]
+    assert not dull[:, :, 0].any() and dull.any() and not dull.all()
+    qf, kf = q.astype(np.float64), k.astype(np.float64)
+    for h in range(hq):
+        g = h // (hq // hkv)
+        # The channels' part of every score: exactly -delta where the map says dull, else 0.
+        part = qf[:, h, :8] @ kf[:, g, :8].T / np.sqrt(d)  # [n, n]
+        want = np.where(np.repeat(np.repeat(dull[:, h, :], 64, axis=0), 128, axis=1)[:n, :n], -delta, 0.0)
+        assert np.abs(part - want).max() < 0.05
