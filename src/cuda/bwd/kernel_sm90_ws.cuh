@@ -495,20 +495,16 @@ __global__ void __launch_bounds__(384, 1)
     // columns.  Accumulator element 4n + 2hh + c: row 16 wl + gid + 8 hh, column 8n + 2 tig + c of
     // the warpgroup's D / 2.
     wait_dq_buffer();
-    // The address of accumulator elements 4n + 2hh, 4n + 2hh + 1: row r = 16 wl + gid + 8 hh, chunk
-    // ((n % 4) << 1 | tig / 2) ^ (r % 8) of box n / 4.
-    auto dq_addr = [&](int n, int hh) -> uint32_t {
-      const int r = wl * 16 + gid + hh * 8;
-      const uint32_t chunk = static_cast<uint32_t>(((n & 3) << 1) | (tig >> 1)) ^ static_cast<uint32_t>(r & 7);
-      return sDQ + (dq_col0 / 32 + (n >> 2)) * (BQ * 128) + r * 128 + (chunk << 4) + ((tig & 1) << 3);
-    };
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
+      const int r = wl * 16 + gid + hh * 8;
       // Fixed point: the row's unit (BwdParams::dq_unit) gives the same integers whatever the order of adds.
-      [[maybe_unused]] const float unit = kDet ? unit_t[wl * 16 + gid + hh * 8] : 1.f;
+      [[maybe_unused]] const float unit = kDet ? unit_t[r] : 1.f;
 #pragma unroll
       for (int n = 0; n < kDqCols / 8; ++n) {
-        const uint32_t addr = dq_addr(n, hh);
+        // Elements 4n + 2hh and 4n + 2hh + 1: row r, chunk ((n % 4) << 1 | tig / 2) ^ (r % 8) of box n / 4.
+        const uint32_t chunk = static_cast<uint32_t>(((n & 3) << 1) | (tig >> 1)) ^ static_cast<uint32_t>(r & 7);
+        const uint32_t addr = sDQ + (dq_col0 / 32 + (n >> 2)) * (BQ * 128) + r * 128 + (chunk << 4) + ((tig & 1) << 3);
         const float lo = dq[4 * n + 2 * hh], hi = dq[4 * n + 2 * hh + 1];
         if constexpr (kDet)
           asm volatile("st.shared.v2.b32 [%0], {%1, %2};\n" ::"r"(addr), "r"(__float2int_rn(lo * unit)),
