@@ -28,11 +28,15 @@ import os
 import numpy as np
 
 
+def _random_qkv(rng, n, hq, hkv, d):
+    """The random regime's q, k, v (fp32, [N, H, d]) from rng."""
+    return (rng.standard_normal((n, hq, d), dtype=np.float32), rng.standard_normal((n, hkv, d), dtype=np.float32),
+            rng.standard_normal((n, hkv, d), dtype=np.float32))
+
+
 def make(n, hq, hkv, d, dull, delta, beta, seed, tile=128):
     rng = np.random.default_rng(seed)
-    q = rng.standard_normal((n, hq, d), dtype=np.float32)
-    k = rng.standard_normal((n, hkv, d), dtype=np.float32)
-    v = rng.standard_normal((n, hkv, d), dtype=np.float32)
+    q, k, v = _random_qkv(rng, n, hq, hkv, d)
     q[:, :, 0] += beta
     n_tiles = -(-n // tile)
     dull_tiles = rng.random((n_tiles, hkv)) < dull
@@ -52,15 +56,12 @@ def make_mixed(n, hq, hkv, d, dull, delta, beta, seed, channels=16, q_tile=64, t
     if not 1 <= channels < d:
         raise ValueError("channels must be in [1, d)")
     rng = np.random.default_rng(seed)
-    q = rng.standard_normal((n, hq, d), dtype=np.float32)
-    k = rng.standard_normal((n, hkv, d), dtype=np.float32)
-    v = rng.standard_normal((n, hkv, d), dtype=np.float32)
+    q, k, v = _random_qkv(rng, n, hq, hkv, d)
     n_qb, n_kt, group = -(-n // q_tile), -(-n // tile), hq // hkv
     chan = rng.integers(0, channels, size=(n_qb, hq))
     rate = np.minimum(rng.uniform(0.0, 2.0 * dull, size=(n_kt, hkv)), 1.0)
     dull_ch = rng.random((n_kt, hkv, channels)) < rate[:, :, None]
     dull_ch[0] = False  # the first key tile (an attention sink's place) stays
-    q[:, :, :channels] = 0.0
     onehot = np.zeros((n_qb, hq, channels), dtype=np.float32)
     np.put_along_axis(onehot, chan[:, :, None], beta, axis=2)
     q[:, :, :channels] = np.repeat(onehot, q_tile, axis=0)[:n]
