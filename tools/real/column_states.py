@@ -9,13 +9,12 @@ The tiles a backward CTA (one key tile) skips then depend on its column, so the 
 vary with the column, which the random and synthetic regimes keep uniform.  A dull tile is skipped
 at tau = 1 once its largest entry over a decision tile sits below the bound: at d = 128 and 32K
 that takes delta >= 6 (75% of backward tiles kept; delta 4 keeps 96%).  On the H100 these inputs
-run the tau = 1 backward 1.2x faster than tau = 0, so per-column durations alone do not explain
-the real layers where it runs 1.3-1.4x slower than tau = 0 (layers 6 and 19, mala_bench)
-(bench/results/mala_bench_bwd_columns_h100.log, bench/results/real/mala_bench_bwd_real_h100.log).
-There a CTA that skips skips everything and adds no dQ, while the real layers' CTAs skip part of
-their tiles at rates that differ by column, so all of them add dQ, at different paces.
-`--pattern mixed` (make_mixed) builds that: tile-level skips at a rate drawn per key tile, not yet
-run on a GPU.
+run the tau = 1 backward 1.2x faster than tau = 0 (bench/results/mala_bench_bwd_columns_h100.log):
+a CTA that skips skips everything and adds no dQ.  `--pattern mixed` (make_mixed) gives tile-level
+skips at a rate drawn per key tile, so every CTA adds dQ at its own pace, as in the real layers; with
+--dull 0.35 it reproduced the H100's slow tau = 1 backward of real layers 6 and 19 (18.75 against
+14.3-14.9 ms at tau = 0, L2 hit rate 42%), which the backward's launch order fixed
+(bench/results/mala_bench_bwd_launch_order_h100.log).
 
     python3 tools/real/column_states.py --out /tmp/cols/d6 --dull 0.25 --delta 6
     mala_bench --op bwd --real /tmp/cols/d6 --tau 0,1 --fwd-mask --interleave
