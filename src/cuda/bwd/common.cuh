@@ -9,6 +9,7 @@
 #include "common/rule.h"
 #include "cuda/attn/mask.cuh"
 #include "cuda/attn/tile_test.cuh"
+#include "cuda/bwd/cta_order.h"
 #include "cuda/bwd/params.cuh"
 #include "cuda/core/ptx.cuh"
 #include "mala/mala.h"
@@ -84,28 +85,18 @@ __device__ __forceinline__ uint32_t bwd_forward_retained32(const BwdParams& p, c
   return __ballot_sync(0xffffffffu, t < w.n_iter && bwd_forward_retained<BQ, BK>(p, w, w.head(t), w.q_tile(t)));
 }
 
-// The CTA's work; kb >= klen means none (a key tile past this sequence's end).
-template <int BQ, int BK>
+// The CTA's work; kb >= klen means none (a key tile past this sequence's end).  kKeySlowest: the
+// mma.sync kernel's launch order (bwd/cta_order.h).
+template <int BQ, int BK, bool kKeySlowest = false>
 __device__ __forceinline__ BwdWork bwd_cta_work(const BwdParams& p) {
   BwdWork w;
-  // Launch order: first key tile 0 of every (sequence, KV head, head split), then each of those in
-  // turn with its other key tiles ascending (the longest first).  The GPU runs neighbouring CTAs
-  // together, so the resident ones share their query heads and the dQ rows they add to stay few
-  // (two query heads' rows at 32K, d = 128: 32 MB) wherever their skips carry each of them; with key
-  // tiles slowest, every head's CTAs ran together and, at tau > 0, drifted over more dQ rows than the
-  // L2 holds (ncu, H100: 42% L2 hits, 2.3 TB/s of DRAM).  Key tile 0 comes first everywhere: causal,
-  // it has the most query tiles, and where attention has a sink every row keeps it, so where the
-  // rest is skipped it is the critical path (a head's tile 0 started last would end last).
+  // Launch order: key tile 0 of every (sequence, KV head, head split) first, then each of those with
+  // its other key tiles ascending (bwd/cta_order.h says why).
   const int per_j = p.batch * p.heads_kv * p.head_splits;
-  int rest;
-  if (static_cast<int>(blockIdx.x) < per_j) {
-    w.j = 0;
-    rest = blockIdx.x;
-  } else {
-    const int x = blockIdx.x - per_j, others = p.n_k_tiles - 1;
-    w.j = 1 + x % others;
-    rest = x / others;
-  }
+  const BwdCtaSlot slot =
+      kKeySlowest ? bwd_cta_slot_key_slowest(blockIdx.x, per_j) : bwd_cta_slot(blockIdx.x, p.n_k_tiles, per_j);
+  w.j = slot.j;
+  int rest = slot.rest;
   w.hs = rest % p.head_splits;
   rest /= p.head_splits;
   w.hk = rest % p.heads_kv;

@@ -105,7 +105,7 @@ __global__ void __launch_bounds__(256, 1) bwd_main_kernel(const BwdParams p) {
   extern __shared__ __align__(128) unsigned char smem[];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
 
-  const BwdWork w = bwd_cta_work<BQ, BK>(p);
+  const BwdWork w = bwd_cta_work<BQ, BK, true>(p);
   if (w.kb >= w.klen) return;
   const int qlen = w.qlen, klen = w.klen, kb = w.kb, kn = w.kn, n_iter = w.n_iter, h0 = w.h0, n_iq = w.n_iq,
             i_start = w.i_start;
