@@ -72,7 +72,7 @@ bool supported_head_dim(int64_t d) { return d == 64 || d == 128 || d == 256; }
 // The decision tile of the kernel l names.
 Tiles launch_tiles(const cuda::FwdLaunch& l, int64_t d) {
   if (l.kernel == cuda::FwdKernelKind::sm90_k128)
-    return {cuda::kFwdK128DecRows, cuda::fwd_k128_bk(static_cast<int>(d))};
+    return {cuda::fwd_k128_dec_rows(static_cast<int>(d)), cuda::fwd_k128_bk(static_cast<int>(d))};
   switch (d) {
     case 64: return {16 * cuda::FwdConfig<64>::kMT, cuda::FwdConfig<64>::kBk};
     case 256: return {16 * cuda::FwdConfig<256>::kMT, cuda::FwdConfig<256>::kBk};

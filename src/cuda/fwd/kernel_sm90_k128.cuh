@@ -1,30 +1,31 @@
 // The 128-key forward on Hopper (wgmma + TMA), every head dim, sm_90a: every tau wherever the TMA
-// can describe K and V (fwd/dispatch.cu).  Its decision tile is 32 query rows (a warp pair) x BK keys
-// (128; 64 at d = 256, where Q stays in shared memory), one test and one vote per key tile
-// (forward_tiles reports it).  Two 32 x 64 decisions per
-// 128-key tile cost more than 64-key tiles save: the second test waits for the first half's
-// exponentials (docs/kernels.md, "128-key forward").
+// can describe K and V (fwd/dispatch.cu).  Its decision tile is kDecRows query rows x BK keys (BK:
+// 128, 64 at d = 256, where Q stays in shared memory; kDecRows: a warp's 16 rows at d = 128, a warp
+// pair's 32 at d = 64 and 256), one test and one vote per key tile (forward_tiles reports it).  Two
+// 32 x 64 decisions per 128-key tile cost more than 64-key tiles save: the second test waits for the
+// first half's exponentials (docs/kernels.md, "128-key forward").
 //
 // A CTA is three warpgroups over 128 query rows (causal: the longest query tiles first):
 //   producer (warpgroup 0, 24 registers; one thread issues every TMA load): K(t) and V(t) into rings
 //     of kStages slots (full/empty mbarriers), in the consumers' order: K(top), then K(t - 1)
 //     before V(t).  Dense, and d = 64 (FwdK128::kVSkip): V(t) always.  tau > 0: V(t) at once
-//     while the newest decision the consumers have published (read without waiting; each
-//     warpgroup publishes per tile whether it runs P V, through a ring of 8 slots) says some
-//     warpgroup ran; otherwise it waits for tile t's decision and loads V(t) only where a warpgroup
-//     runs it, else completes the slot's full barrier with a plain arrival (no bytes).  A producer
-//     that always waited for the decision was 4-5% slower where every tile is kept
+//     while the newest decision the consumers have published (read without waiting; each warp at
+//     d = 128, each warpgroup otherwise, publishes per tile whether it runs it, through a ring of 8
+//     slots) says some ran; otherwise it waits for tile t's decisions and loads V(t) only where
+//     some warp runs it, else completes the slot's full barrier with a plain arrival (no bytes).  A
+//     producer that always waited for the decision was 4-5% slower where every tile is kept
 //     (bench/results/mala_bench_fwd_k128_tau_h100.log, item 7).
 //   consumers (warpgroups 1 and 2, 240 registers, 64 rows each; Q in registers, at d = 256 in shared
-//     memory): per key tile, from
-//     the diagonal down,
-//       issue S(t - 1) = Q K(t - 1)^T and, where tile t is retained, O += P(t) V(t) (P(t) packed in
-//         registers);
+//     memory): per key tile, from the diagonal down,
+//       issue S(t - 1) = Q K(t - 1)^T; at d = 128 the warpgroup's vote on tile t (one bar.red.or,
+//         whose wait overlaps S(t - 1)); where the warpgroup runs tile t, O += P(t) V(t) (P(t)
+//         packed in registers, 0 for a warp or pair that skips it);
 //       once S(t - 1) is complete: mask, row max, at tau > 0 the test (each lane's part of the raw
-//         row max against a bound per row) and the pair vote (one bar.red.popc per warpgroup), then
-//         P(t - 1) = exp2(S - m) with the lazy rescale's base where the warpgroup retains the tile
-//         (its exponentials run while P V(t) is on the tensor cores; a skipping pair's rows get
-//         P = 0 and keep m and l);
+//         row max against a bound per row) and the vote (d = 128: the warp's own, so nothing waits
+//         for another warp before the exponentials; otherwise the pair vote, one bar.red.popc per
+//         warpgroup), then, where the warp (pair vote: the warpgroup) runs the tile,
+//         P(t - 1) = exp2(S - m) with the lazy rescale's base (its exponentials run while P V(t) is
+//         on the tensor cores);
 //       once P V(t) is complete: O rescaled where a row's base moved, P(t - 1) packed.
 //   One S accumulator and one packed P per thread (64 + 32 registers at 128 keys) instead of two S
 //   accumulators: what lets 128-key tiles fit beside O and Q.
@@ -49,7 +50,12 @@ struct FwdK128 {
   // d = 256: O takes 128 registers a thread, which leaves none for Q's 64; Q stays in shared memory
   // (an operand of an ss wgmma).
   static constexpr bool kQSmem = D == 256;
-  static constexpr int kDecRows = kFwdK128DecRows;  // the decision tile: a warp pair's rows x BK keys
+  // The decision tile: kDecRows x BK.  d = 128: a warp's 16 rows, and the warpgroup's vote on whether
+  // to run P V waits until the next S is issued (kWarpVote).  d = 64 and 256: a warp pair's 32 rows,
+  // voted on before the exponentials; per-warp decisions there were 13% (d = 64) and 6% (d = 256)
+  // slower on random inputs where every tile is kept (docs/kernels.md, "Decision tile").
+  static constexpr int kDecRows = fwd_k128_dec_rows(D);
+  static constexpr bool kWarpVote = kDecRows == 16;
   using QTile = std::conditional_t<kQSmem, GmmaTile<64, D>, SmemTile<64, D>>;
   using KVTile = GmmaTile<BK, D>;
   // K and V rings: 3 x (32 + 32) KB at d = 128 (224 KB with Q), 4 x (16 + 16) KB at d = 64.  One slot
@@ -59,9 +65,10 @@ struct FwdK128 {
   static constexpr int kOffV = kOffK + kStages * KVTile::kBytes;
   static constexpr int kOffQ = kOffV + kStages * KVTile::kBytes;  // [2] one per consumer warpgroup
   static constexpr int kOffMbar = kOffQ + 2 * QTile::kBytes;       // full_k, empty_k, full_v, empty_v [kStages]
-  // tau > 0 only: the decision ring for the producer's V loads, kDecSlots mbarriers (arrival count 2:
-  // one per consumer warpgroup) and kDecSlots flag pairs, 8 bytes apart as the mbarriers are (byte g:
-  // whether warpgroup g runs P V on the tile; one offset addresses both).
+  // tau > 0 only: the decision ring for the producer's V loads, kDecSlots mbarriers (one arrival per
+  // publisher: each consumer warp where kWarpVote, else each consumer warpgroup) and kDecSlots flag
+  // words of 8 bytes, as the mbarriers are (byte i: whether publisher i retains the tile; one offset
+  // addresses both).
   // kDecSlots >= kStages + 2 keeps a slot from being reused before the producer has read it (the
   // consumers run at most kStages + 1 uses ahead of the producer's reads: see the producer).
   // kVSkip: whether V waits on the decision at tau > 0.  Not at d = 64, where a tile's products are
@@ -69,6 +76,7 @@ struct FwdK128 {
   // saved 6% where 0.5% of tiles are (docs/kernels.md, "V loads after a skip").
   static constexpr bool kVSkip = D != 64;
   static constexpr int kDecSlots = 8;  // a power of 2
+  static constexpr int kPublishers = kWarpVote ? 8 : 2;
   static_assert(kDecSlots >= kStages + 2, "decision ring: a slot reused before the producer read it");
   static constexpr int kOffDec = kOffMbar + 4 * kStages * 8;
   static constexpr int kOffDecFlag = kOffDec + 8 * kDecSlots;
@@ -137,7 +145,7 @@ __global__ void __launch_bounds__(384, 1)
       mbar_init(mb_empty_v + 8 * i, 8);
     }
     if constexpr (!kDense && C::kVSkip)
-      for (int i = 0; i < C::kDecSlots; ++i) mbar_init(mb_dec + 8 * i, 2);  // one arrival per consumer warpgroup
+      for (int i = 0; i < C::kDecSlots; ++i) mbar_init(mb_dec + 8 * i, C::kPublishers);
     fence_mbarrier_init();
   }
   __syncthreads();
@@ -159,22 +167,28 @@ __global__ void __launch_bounds__(384, 1)
         }
       } else {
         // V(i) (use i) at once while the newest decision published so far (read without waiting)
-        // says some warpgroup ran P V; otherwise once use i's own decision is out, and only if some
-        // warpgroup runs it: else the slot's full barrier completes with a plain arrival (no bytes),
+        // says some publisher retained; otherwise once use i's own decision is out, and only if some
+        // publisher retains it (its warpgroup then runs P V): else the slot's full barrier completes with a plain arrival (no bytes),
         // so the consumers' waits and the ring's phases are as with a load.  Nobody reads the slot.
-        // Progress: a warpgroup publishes use i's decision after waiting only for K(<= i) and
-        // V(<= i - 1) (above its first tile: after K(i), before V(i)), all issued before V(i) here.
+        // Progress: a publisher publishes use i's decision after waiting only for K(<= i),
+        // V(<= i - 1) and its warpgroup's other warps at a vote (on use i, or with kWarpVote on use
+        // i - 1; above its first tile: after K(i), before V(i)), all issued before V(i) here.
         // Ring (ND slots): use u's decision is published only once K(u) is full.  `seen` (the next
         // decision to read) is > i - NS after V(i)'s empty wait (a warpgroup gives V(i - NS) back
         // after publishing use i - NS's decision), and during step i no decision past use i + 1 can
         // be out (K(i + 1) is the newest K issued): a slot read in step i (use >= i - NS) is not
         // reused while ND >= NS + 2, and use u - ND's phase has completed before use u's is tested
-        // (parity waits are exact).  One warpgroup cannot arrive twice on a slot before the other
-        // arrived once: it publishes use u + ND after K(u + ND), issued after both warpgroups gave
-        // K(u + ND - NS) back, by which time both had published use u (ND >= NS + 1).
-        // Use u's decision: slot u % ND, phase parity (u / ND) & 1; whether some warpgroup runs it.
+        // (parity waits are exact).  One publisher cannot arrive twice on a slot before every other
+        // arrived once: it publishes use u + ND after K(u + ND), issued after every consumer warp gave
+        // K(u + ND - NS) back, by which time each publisher had published use u (ND >= NS + 1).
+        // Use u's decision: slot u % ND, phase parity (u / ND) & 1; whether some publisher retains it.
         auto dec_bar = [&](uint32_t u) { return mb_dec + 8 * (u % ND); };
-        auto dec_run = [&](uint32_t u) { return *reinterpret_cast<volatile uint16_t*>(s_dec + 8 * (u % ND)) != 0; };
+        auto dec_run = [&](uint32_t u) {
+          if constexpr (C::kWarpVote)
+            return *reinterpret_cast<volatile uint64_t*>(s_dec + 8 * (u % ND)) != 0;
+          else
+            return *reinterpret_cast<volatile uint16_t*>(s_dec + 8 * (u % ND)) != 0;
+        };
         uint32_t seen = 0;
         bool last = true;  // nothing decided yet: load
         for (int i = 0; i <= top; ++i) {
@@ -203,15 +217,17 @@ __global__ void __launch_bounds__(384, 1)
   const int ctid = tid - 128, warp = __shfl_sync(0xffffffffu, ctid >> 5, 0), lane = ctid & 31, wg = warp >> 2,
             wl = warp & 3, pair = wl >> 1;
   const int row_wg = row_cta + 64 * wg;
-  const int row_pair = row_wg + C::kDecRows * pair;
   const int row_w = row_wg + 16 * wl;
+  // The first row of this warp's decision tile (its own rows where kWarpVote, else its pair's).
+  const int row_dec = C::kWarpVote ? row_w : row_wg + C::kDecRows * pair;
   // This warpgroup's first tile; the tiles above it (only where its rows end before the CTA's last
-  // row sees them) are passed through the rings untouched.  pair_hi: the pair's newest legal tile.
+  // row sees them) are passed through the rings untouched.  dec_hi: the decision tile's newest legal
+  // tile.
   const int wg_hi = sq.last_tile(row_wg, 64, BK, p.causal);
-  const int pair_hi = sq.last_tile(row_pair, C::kDecRows, BK, p.causal);
+  const int dec_hi = sq.last_tile(row_dec, C::kDecRows, BK, p.causal);
   const int min_L_w = row_w + 16 <= Nq ? rule::visible_keys(row_w, Nq, Nk, p.causal) : 0;
   // The test compares each lane's part of the raw row max with a bound per row (rule::skip_bound_raw),
-  // recomputed after each tile the warpgroup retains: one comparison per row before the vote.
+  // recomputed after each tile the warp retains: one comparison per row before the vote.
   float log_thr[1][2], bound[1][2];
   const float inv_scale = 1.f / p.scale_log2;
   FwdAnchors anchors{false, 1, 0};
@@ -220,13 +236,15 @@ __global__ void __launch_bounds__(384, 1)
     wgmma_fwd_test_inputs(log_thr, log_norm, b, h, row_w, lane, Nq, Nk, p);
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) bound[0][hh] = rule::skip_bound_raw(log_norm[0][hh], log_thr[0][hh], inv_scale);
-    if constexpr (kSeeded) anchors = fwd_held_anchors<BK>(p, row_pair, pair_hi, Nq, Nk);
+    if constexpr (kSeeded) anchors = fwd_held_anchors<BK>(p, row_dec, dec_hi, Nq, Nk);
   }
-  // The vote's count (tile_test.cuh, pair_vote_popc): every lane of a retaining pair-0 warp, lane 0
+  // Pair vote (tile_test.cuh, pair_vote_popc): every lane of a retaining pair-0 warp counts, lane 0
   // of a retaining pair-1 warp.
   const uint32_t vote_counted = wl < 2 || lane == 0;
-  uint8_t* mask_row =
-      kRecord && wl % 2 == 0 ? wgmma_fwd_mask_row(p, b, h, row_pair, C::kDecRows, pair_hi, lane) : nullptr;
+  // One warp per decision tile stores its decisions.
+  uint8_t* mask_row = kRecord && (C::kWarpVote || wl % 2 == 0)
+                          ? wgmma_fwd_mask_row(p, b, h, row_dec, C::kDecRows, dec_hi, lane)
+                          : nullptr;
   float m[1][2], l[1][2], acc[1][DT][4];
   softmax_init<1, DT>(m, l, acc);
   // tau > 0: this lane's parts of the last retained tile's row sums, not yet in l (settle, below).
@@ -241,17 +259,18 @@ __global__ void __launch_bounds__(384, 1)
   SFlat& s_flat = *reinterpret_cast<SFlat*>(&s[0][0][0]);
   uint32_t pa[BK / 16][4];
   RingPos kr{0, 0u}, vr{0, 0u};
-  // tau > 0: whether this warpgroup runs P V on tile t, for the producer (thread 0 of the warpgroup),
-  // published once S(t) is decided and before V(t) is waited for.
+  // tau > 0: whether this warp (kWarpVote: lane 0 of each warp) or this warpgroup (its thread 0)
+  // runs tile t, for the producer, published once S(t) is decided and before V(t) is waited for.
   // Predicated in PTX rather than branched around: a branch on lane == 0 costs a BSSY/BSYNC pair.
-  const uint32_t publisher = wl == 0 && lane == 0;
-  auto publish = [&](int t, bool run) {
+  const uint32_t publisher = lane == 0 && (C::kWarpVote || wl == 0);
+  const int pub_index = C::kWarpVote ? warp : wg;
+  auto publish = [&](int t, bool retain) {
     if constexpr (!kDense && C::kVSkip) {
       const uint32_t u8 = static_cast<uint32_t>(top - t) % ND * 8;
       asm volatile(
           "{\n .reg .pred p;\n .reg .b64 st;\n setp.ne.u32 p, %0, 0;\n @p st.shared.u8 [%1], %2;\n"
           " @p mbarrier.arrive.shared.b64 st, [%3];\n}\n" ::"r"(publisher),
-          "r"(sbase + C::kOffDecFlag + wg + u8), "r"(run ? 1u : 0u), "r"(mb_dec + u8)
+          "r"(sbase + C::kOffDecFlag + pub_index + u8), "r"(retain ? 1u : 0u), "r"(mb_dec + u8)
           : "memory");
     }
   };
@@ -292,7 +311,7 @@ __global__ void __launch_bounds__(384, 1)
       for (int kk = 0; kk < BK / 16; ++kk) WgmmaRS<D, 1, T>::run(acc_flat, pa[kk], wgmma_desc_advance(dV, kk * 2048));
     }
   };
-  // tau > 0, once the next tile's wgmmas are issued where the warpgroup retained the last tile: its
+  // tau > 0, once the next tile's wgmmas are issued where the warp retained the last tile: its
   // row sums into l (reduced over the quad) and the bound from the new m + log2 l, bit for bit what
   // the test would get were they computed right after the exponentials (softmax_step_deferred, kDeferSum),
   // but off the path from the exponentials to P V: the shuffles and lg2 wait behind the wgmmas.
@@ -310,35 +329,62 @@ __global__ void __launch_bounds__(384, 1)
     if (lane == 0) mbar_arrive(mb_empty_v + 8 * vr.slot);
     vr.next<NS>();
   };
-  // The complete S(t): mask, row max, (tau > 0) the test and the pair vote, and, where the
-  // warpgroup retains the tile (returned in `run`), P.  Returns true when O needs
+  // The complete S(t): mask, row max, (tau > 0) the test and the vote, and, where this warp runs
+  // the tile (returned in `retain`, warp-uniform), P.  Returns true when O needs
   // softmax_rescale(alpha) first.
+  //   kWarpVote: the warp's own vote; the warpgroup's (whether it runs P V) waits until the next S is
+  //     issued (warpgroup_runs).
+  //   Otherwise: the pair vote, whose count gives both pairs' decisions; the warpgroup runs the tile
+  //     where either pair retains it (retain), and a skipping pair's rows get P = 0 and keep m and l.
   int retained = 0;
-  auto scores = [&](int t, float(&alpha)[1][2], bool& run) {
+  auto scores = [&](int t, float(&alpha)[1][2], bool& retain) {
     warp_mask_max<NT>(s, mx, t * BK, min_L_w, row_w, lane, Nq, Nk, p.causal);
     if constexpr (kDense) {
       quad_row_max<1>(mx);
-      run = true;
+      retain = true;
       return softmax_step_deferred<1, NT, false>(s, mx, p.scale_log2, true, m, l, alpha);
     } else {
       bool lane_retain = lane_rows_block_skip_raw<1>(mx, bound);  // false for rows without legal keys
-      if constexpr (kSeeded) lane_retain = lane_retain || (t <= pair_hi && fwd_forced_tile(anchors, t));
-      const uint32_t cnt = pair_vote_popc(wg + 1, 128, lane_retain, vote_counted);
-      // (The quad reduction sits after the barrier in the source, but ptxas reads the barrier's
-      // result right after issuing it, so the wait is not hidden: docs/kernels.md.)
-      quad_row_max<1>(mx);
-      const bool pair_retain = (cnt & (pair ? 31u : ~31u)) != 0u;
-      run = __any_sync(0xffffffffu, cnt != 0u);  // warp-uniform for ptxas: no divergence handling
-      if (kRecord && mask_row && lane == 0 && t <= pair_hi) mask_row[t] = pair_retain ? kTileRetained : kTileSkipped;
-      if (!run) return false;
-      if constexpr (kRecord) retained += pair_retain ? 1 : 0;
+      if constexpr (kSeeded) lane_retain = lane_retain || (t <= dec_hi && fwd_forced_tile(anchors, t));
+      bool dec_retain;
+      if constexpr (C::kWarpVote) {
+        retain = dec_retain = !warp_vote_skip(!lane_retain);
+      } else {
+        const uint32_t cnt = pair_vote_popc(wg + 1, 128, lane_retain, vote_counted);
+        // (The quad reduction sits after the barrier in the source, but ptxas reads the barrier's
+        // result right after issuing it, so the wait is not hidden: docs/kernels.md.)
+        quad_row_max<1>(mx);
+        dec_retain = (cnt & (pair ? 31u : ~31u)) != 0u;
+        retain = __any_sync(0xffffffffu, cnt != 0u);  // warp-uniform for ptxas: no divergence handling
+      }
+      if (kRecord && mask_row && lane == 0 && t <= dec_hi) mask_row[t] = dec_retain ? kTileRetained : kTileSkipped;
+      if (!retain) return false;
+      if constexpr (C::kWarpVote) quad_row_max<1>(mx);  // only where the warp runs the tile
+      if constexpr (kRecord) retained += dec_retain ? 1 : 0;
       // l and the bound: settle, once the next tile's wgmmas are issued.
-      return softmax_step_deferred<1, NT, true, true>(s, mx, p.scale_log2, pair_retain, m, l, alpha, part);
+      return softmax_step_deferred<1, NT, true, true>(s, mx, p.scale_log2, dec_retain, m, l, alpha, part);
     }
   };
-  auto pack_p = [&]() {
+  // Whether the warpgroup runs P V on the tile its warps decided (retain: this warp's decision), once
+  // the next S is issued: the barrier's wait for the other warps then overlaps that product, where
+  // the warps would meet anyway (none can go on before the tensor cores have S).
+  // (Without kWarpVote, scores' retain is already the warpgroup's decision.)
+  auto warpgroup_runs = [&](bool retain) {
+    if constexpr (kDense || !C::kWarpVote)
+      return retain;
+    else
+      return __any_sync(0xffffffffu, barrier_vote_or(wg + 1, 128, retain));  // warp-uniform for ptxas
+  };
+  // P for the next P V.  kWarpVote: a warp that skips the tile gives P = 0 (its m, l and O stay as
+  // they were), in case its warpgroup runs the tile.
+  auto pack_p = [&](bool retain) {
+    if (retain) {
 #pragma unroll
-    for (int kk = 0; kk < BK / 16; ++kk) p_to_a<T, 1, NT>(s, 0, kk, pa[kk]);
+      for (int kk = 0; kk < BK / 16; ++kk) p_to_a<T, 1, NT>(s, 0, kk, pa[kk]);
+    } else if constexpr (C::kWarpVote) {
+#pragma unroll
+      for (int kk = 0; kk < BK / 16; ++kk) pa[kk][0] = pa[kk][1] = pa[kk][2] = pa[kk][3] = 0u;
+    }
   };
   if (wg_hi >= 0) {
     int t = wg_hi;
@@ -346,40 +392,42 @@ __global__ void __launch_bounds__(384, 1)
     wgmma_commit();
     wgmma_wait<0>();
     s_done();
-    bool run;
+    bool retain;
     {
       float alpha[1][2];
-      (void)scores(t, alpha, run);  // O is still zero
-      publish(t, run);
-      if (run) pack_p();
+      (void)scores(t, alpha, retain);  // O is still zero
+      publish(t, retain);
+      pack_p(retain);
     }
     for (; t > 0; --t) {
       issue_s(t - 1);
       wgmma_commit();
+      const bool run = warpgroup_runs(retain);
       // No empty commit group for a skipped tile: ptxas closes one with a dummy wgmma placed after
       // the join, on both paths, and wait<1> then waits for P V(t) too (the exponentials below no
       // longer overlap it).
       issue_pv(run);
       if (run) {
         wgmma_commit();
-        settle();
+        if (retain) settle();
         wgmma_wait<1>();
       } else {
         wgmma_wait<0>();
       }
       s_done();
       float alpha[1][2];
-      const bool rescale = scores(t - 1, alpha, run);
-      publish(t - 1, run);
+      const bool rescale = scores(t - 1, alpha, retain);
+      publish(t - 1, retain);
       wgmma_wait<0>();
       pv_done();
       if (rescale) softmax_rescale<1, DT>(alpha, acc);
-      if (run) pack_p();
+      pack_p(retain);
     }
+    const bool run = warpgroup_runs(retain);
     issue_pv(run);
     if (run) {
       wgmma_commit();
-      settle();  // l for the epilogue
+      if (retain) settle();  // l for the epilogue
     }
     wgmma_wait<0>();
     pv_done();
@@ -387,10 +435,10 @@ __global__ void __launch_bounds__(384, 1)
   int slots;
   if constexpr (kDense) {
     softmax_quad_row_sums<1>(l);
-    // Every legal tile of the pair retained.
+    // Every legal tile of the decision tile retained.
     if (mask_row)
-      for (int kt = lane; kt <= pair_hi; kt += 32) mask_row[kt] = kTileRetained;
-    slots = (pair_hi + 1) * BK;
+      for (int kt = lane; kt <= dec_hi; kt += 32) mask_row[kt] = kTileRetained;
+    slots = (dec_hi + 1) * BK;
   } else {
     slots = retained * BK;  // 0 where !kRecord: the call asked for no slots
   }
