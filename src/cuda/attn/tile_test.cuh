@@ -4,16 +4,19 @@
 //
 // The vote kinds (a tile is skipped iff every row of its decision tile allows it):
 //   warp_vote_skip        one warp owns the decision tile: __all_sync (mma.sync forward, the
-//                         two-warpgroup forward's per-warp part, decode after the exchange below)
+//                         two-warpgroup forward's per-warp part, the 128-key forward at d = 128,
+//                         decode after the exchange below)
 //   pair_vote_flags       a warp pair owns it (two-warpgroup forward): per-warp flags in shared
 //                         memory and the warpgroup's named barrier
-//   pair_vote_popc        a warp pair owns it (warp-specialized forward): one bar.red.popc over
-//                         the warpgroup, whose count carries both pairs' decisions
+//   pair_vote_popc        a warp pair owns it (warp-specialized forwards; the 128-key one at d = 64
+//                         and 256): one bar.red.popc over the warpgroup, whose count carries both
+//                         pairs' decisions
 //   cta_vote_mbarrier     the CTA owns it (backward): flags and an mbarrier that only warps that
 //                         would skip wait on (cta_vote_arrive / cta_vote_result: the same with
 //                         tagged words, for the warp-specialized backward)
 //   barrier_vote_or       the CTA owns it and every warp waits anyway (the warp-specialized
-//                         backward after a skipped tile): one bar.red.or
+//                         backward after a skipped tile): one bar.red.or; also whether a warpgroup
+//                         runs a tile its warps decided alone (the 128-key forward at d = 128)
 //   cta_row_max_exchange  the CTA's warps split the tile's keys (decode): the row maxima through
 //                         shared memory, so every warp takes the same decision
 //   warpgroup_vote_words  a warpgroup owns it and the warpgroups meet at a barrier anyway (the d = 256
