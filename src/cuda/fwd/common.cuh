@@ -205,15 +205,15 @@ __device__ __forceinline__ void wgmma_fwd_issue_s(float (&s_flat)[BK / 2], const
   }
 }
 
-// The tile-mask row of the decision tile (`rows` rows from row_pair: a warp pair's 32, or one
-// warp's 16 at d = 256) when the caller records decisions, with its tiles past pair_hi marked
+// The tile-mask row of the decision tile (`rows` rows from row0: a warp pair's 32, or one warp's
+// 16) when the caller records decisions, with its tiles past last_tile (its newest legal one) marked
 // illegal (the warp's 32 lanes write them); nullptr otherwise.
-__device__ __forceinline__ uint8_t* wgmma_fwd_mask_row(const FwdParams& p, int b, int h, int row_pair, int rows,
-                                                       int pair_hi, int lane) {
-  const int qt = row_pair / rows;
+__device__ __forceinline__ uint8_t* wgmma_fwd_mask_row(const FwdParams& p, int b, int h, int row0, int rows,
+                                                       int last_tile, int lane) {
+  const int qt = row0 / rows;
   if (p.tile_mask == nullptr || qt >= p.n_q_tiles_mask) return nullptr;
   uint8_t* mask_row = p.tile_mask + (((int64_t)b * p.heads_q + h) * p.n_q_tiles_mask + qt) * p.n_k_tiles_mask;
-  for (int kt = pair_hi + 1 + lane; kt < p.n_k_tiles_mask; kt += 32) mask_row[kt] = kTileIllegal;
+  for (int kt = last_tile + 1 + lane; kt < p.n_k_tiles_mask; kt += 32) mask_row[kt] = kTileIllegal;
   return mask_row;
 }
 

@@ -168,14 +168,15 @@ __global__ void __launch_bounds__(384, 1)
       } else {
         // V(i) (use i) at once while the newest decision published so far (read without waiting)
         // says some publisher retained; otherwise once use i's own decision is out, and only if some
-        // publisher retains it (its warpgroup then runs P V): else the slot's full barrier completes with a plain arrival (no bytes),
-        // so the consumers' waits and the ring's phases are as with a load.  Nobody reads the slot.
+        // publisher retains it (its warpgroup then runs P V): else the slot's full barrier completes
+        // with a plain arrival (no bytes), so the consumers' waits and the ring's phases are as with a
+        // load.  Nobody reads the slot.
         // Progress: a publisher publishes use i's decision after waiting only for K(<= i),
         // V(<= i - 1) and its warpgroup's other warps at a vote (on use i, or with kWarpVote on use
         // i - 1; above its first tile: after K(i), before V(i)), all issued before V(i) here.
         // Ring (ND slots): use u's decision is published only once K(u) is full.  `seen` (the next
-        // decision to read) is > i - NS after V(i)'s empty wait (a warpgroup gives V(i - NS) back
-        // after publishing use i - NS's decision), and during step i no decision past use i + 1 can
+        // decision to read) is > i - NS after V(i)'s empty wait (every consumer warp gives V(i - NS)
+        // back after its publisher published use i - NS's decision), and during step i no decision past use i + 1 can
         // be out (K(i + 1) is the newest K issued): a slot read in step i (use >= i - NS) is not
         // reused while ND >= NS + 2, and use u - ND's phase has completed before use u's is tested
         // (parity waits are exact).  One publisher cannot arrive twice on a slot before every other
