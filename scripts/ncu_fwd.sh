@@ -6,7 +6,7 @@
 # Profiles one launch of the 128-key forward at tau = 0 and at tau = 1 (random inputs unless
 # MALA_NCU_ARGS says otherwise, e.g. "--regime synthetic --sharpness 16"; the benchmark's third
 # launch, its first timed one: the first computes the dense lse, the second records the tile mask)
-# and writes, under $OUT,
+# with the GPU's own clocks (--clock-control none, as the device notes ask), and writes, under $OUT,
 # each report (.ncu-rep), its SASS with the sampled stall reasons per instruction (source page, CSV)
 # and its details page (CSV).  bench/results/prof/fwd128_k128_ncu_stalls_random32k.txt summarizes two
 # such runs of the 128-key forward by region of its loop.
@@ -26,7 +26,7 @@ skip=2
 [ "$op" = bwd ] && kernel=bwd_main_kernel_sm90 && skip=1
 read -r -a extra <<< "${MALA_NCU_ARGS:---regime random}"
 for tau in 0 1; do
-  "$ncu" --kernel-name regex:$kernel --launch-skip $skip --launch-count 1 --set full --import-source no \
+  "$ncu" --kernel-name regex:$kernel --launch-skip $skip --launch-count 1 --set full --clock-control none --import-source no \
     -o "$out/${op}_tau$tau" -f "$bin" --op $op --n "$n" "${extra[@]}" --tau $tau --iters 2 > "$out/ncu_tau$tau.log" 2>&1
   tail -3 "$out/ncu_tau$tau.log"
   "$ncu" --import "$out/${op}_tau$tau.ncu-rep" --page source --csv --print-source sass > "$out/sass_tau$tau.csv" 2>&1
