@@ -176,8 +176,8 @@ __global__ void __launch_bounds__(384, 1)
         // i - 1; above its first tile: after K(i), before V(i)), all issued before V(i) here.
         // Ring (ND slots): use u's decision is published only once K(u) is full.  `seen` (the next
         // decision to read) is > i - NS after V(i)'s empty wait (every consumer warp gives V(i - NS)
-        // back after its publisher published use i - NS's decision), and during step i no decision past use i + 1 can
-        // be out (K(i + 1) is the newest K issued): a slot read in step i (use >= i - NS) is not
+        // back after its publisher published use i - NS's decision), and during step i no decision
+        // past use i + 1 can be out (K(i + 1) is the newest K issued): a slot read in step i (use >= i - NS) is not
         // reused while ND >= NS + 2, and use u - ND's phase has completed before use u's is tested
         // (parity waits are exact).  One publisher cannot arrive twice on a slot before every other
         // arrived once: it publishes use u + ND after K(u + ND), issued after every consumer warp gave
@@ -377,7 +377,9 @@ __global__ void __launch_bounds__(384, 1)
       return __any_sync(0xffffffffu, barrier_vote_or(wg + 1, 128, retain));  // warp-uniform for ptxas
   };
   // P for the next P V.  kWarpVote: a warp that skips the tile gives P = 0 (its m, l and O stay as
-  // they were), in case its warpgroup runs the tile.
+  // they were), in case its warpgroup runs the tile.  ptxas zeroes P ahead of the branch on every
+  // tile (16 CS2R) and lets the pack overwrite it; zeroing behind a branch instead measured the same
+  // (docs/kernels.md, "Forward skip path").
   auto pack_p = [&](bool retain) {
     if (retain) {
 #pragma unroll
