@@ -9,12 +9,15 @@
 #   bash scripts/fwd_ab.sh [ROUNDS] [mala_bench flags...]
 # Logs go to $OUT (or ab-logs/); the last lines printed are the table of every binary's forward rows
 # (backward rows, whose N is not the first column, are in ab.log under each "== round" line).
+# Each binary runs alone and its taus one after the other: under --interleave two builds' identical
+# dense instances once read 6-8% apart (docs/kernels.md, "Measured"), so pass it only to compare
+# the taus of one build.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 rounds=${1:-2}
 shift || true
 args=("$@")
-[ ${#args[@]} -eq 0 ] && args=(--op fwd --n 128K --regime random,synthetic --sharpness 4,16 --tau 0,1 --iters 10 --interleave)
+[ ${#args[@]} -eq 0 ] && args=(--op fwd --n 128K --regime random,synthetic --sharpness 4,16 --tau 0,1 --iters 10)
 out=${OUT:-ab-logs}
 mkdir -p "$out" /tmp/ab
 for f in .carry/ab/*.xz; do
