@@ -177,11 +177,12 @@ __global__ void __launch_bounds__(384, 1)
         // Ring (ND slots): use u's decision is published only once K(u) is full.  `seen` (the next
         // decision to read) is > i - NS after V(i)'s empty wait (every consumer warp gives V(i - NS)
         // back after its publisher published use i - NS's decision), and during step i no decision
-        // past use i + 1 can be out (K(i + 1) is the newest K issued): a slot read in step i (use >= i - NS) is not
-        // reused while ND >= NS + 2, and use u - ND's phase has completed before use u's is tested
-        // (parity waits are exact).  One publisher cannot arrive twice on a slot before every other
-        // arrived once: it publishes use u + ND after K(u + ND), issued after every consumer warp gave
-        // K(u + ND - NS) back, by which time each publisher had published use u (ND >= NS + 1).
+        // past use i + 1 can be out (K(i + 1) is the newest K issued): a slot read in step i (use
+        // >= i - NS) is not reused while ND >= NS + 2, and use u - ND's phase has completed before
+        // use u's is tested (parity waits are exact).  One publisher cannot arrive twice on a slot
+        // before every other arrived once: it publishes use u + ND after K(u + ND), issued after
+        // every consumer warp gave K(u + ND - NS) back, by which time each publisher had published
+        // use u (ND >= NS + 1).
         // Use u's decision: slot u % ND, phase parity (u / ND) & 1; whether some publisher retains it.
         auto dec_bar = [&](uint32_t u) { return mb_dec + 8 * (u % ND); };
         auto dec_run = [&](uint32_t u) {
@@ -379,7 +380,7 @@ __global__ void __launch_bounds__(384, 1)
   // P for the next P V.  kWarpVote: a warp that skips the tile gives P = 0 (its m, l and O stay as
   // they were), in case its warpgroup runs the tile.  ptxas zeroes P ahead of the branch on every
   // tile (16 CS2R) and lets the pack overwrite it; zeroing behind a branch instead measured the same
-  // (docs/kernels.md, "Forward skip path").
+  // (docs/kernels.md, "128-key forward", measured alternatives).
   auto pack_p = [&](bool retain) {
     if (retain) {
 #pragma unroll
