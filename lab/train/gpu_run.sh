@@ -1,0 +1,149 @@
+#!/usr/bin/env bash
+# The training study on one GPU machine, in the background, across device calls (a call lasts at
+# most 10 minutes; the machine is held while calls follow one another).  docs/training.md gives the
+# commands, budgets and device time.
+#
+#   there: bash lab/train/gpu_run.sh start    copies this tree to $STORE/repo and runs every phase
+#                                             there (setsid); returns at once
+#   there: bash lab/train/gpu_run.sh wait [S] waits up to S seconds (default 540) or until the run
+#                                             ends; prints the phase log and each log's tail; packs the
+#                                             results into $OUT/train_results.tgz
+# Phases: build (the mala extension, in the background from the start), corpus (scan, tokenizer if
+# lab/train/tokenizer.json is absent, token streams), pt (4K pre-training: both arms of every size in
+# SIZES at once, PT_BUDGET_S each), lct (16K, LCT_BUDGET_S), timing, regime, speed, matched.
+# Environment: STORE (default /tmp/mala-train), SIZES (default "s4m m13m"), PT_BUDGET_S (480),
+# LCT_BUDGET_S (180), LCT_SIZES (default: SIZES).
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+STORE=${STORE:-/tmp/mala-train}
+SIZES=${SIZES:-"s4m m13m"}
+LCT_SIZES=${LCT_SIZES:-$SIZES}
+PT_BUDGET_S=${PT_BUDGET_S:-480}
+LCT_BUDGET_S=${LCT_BUDGET_S:-180}
+RES=$STORE/res
+
+phases() {
+  local R=$STORE/repo T=$STORE/repo/lab/train D=$STORE/data W=$STORE/work
+  export PYTHONPATH=$STORE/site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+  mkdir -p "$D" "$W" "$RES" "$STORE/sync"
+  cd "$R"
+  ph() { echo "$(date +%T) $*" >> "$RES/phases.log"; }
+  ph "start SIZES=$SIZES PT_BUDGET_S=$PT_BUDGET_S LCT_BUDGET_S=$LCT_BUDGET_S"
+  ( CMAKE_ARGS=-DCMAKE_CUDA_ARCHITECTURES=90a CMAKE_BUILD_PARALLEL_LEVEL=16 python3 -m pip install \
+      --no-build-isolation --no-deps --no-cache-dir --target "$STORE/site" . > "$RES/build.log" 2>&1 \
+      && touch "$STORE/build.done" || touch "$STORE/build.failed" ) &
+  ph "corpus scan"
+  python3 "$T/corpus.py" scan --out "$D" > "$RES/corpus.log" 2>&1
+  TOK=$T/tokenizer.json
+  if [ ! -f "$TOK" ]; then
+    ph "tokenizer train"
+    python3 "$T/tokenizer.py" --data "$D" --out "$RES/tokenizer.json" >> "$RES/corpus.log" 2>&1
+    TOK=$RES/tokenizer.json
+  fi
+  ph "corpus build"
+  python3 "$T/corpus.py" build --data "$D" --tokenizer "$TOK" >> "$RES/corpus.log" 2>&1
+  cp "$D/manifest.tsv.gz" "$D/manifest.json" "$D/streams.json" "$RES/"
+  while [ ! -f "$STORE/build.done" ]; do
+    [ -f "$STORE/build.failed" ] && { ph "build failed"; exit 1; }
+    sleep 2
+  done
+  ph "build done"
+  common=(--data "$D" --tokenizer "$TOK" --out "$RES" --work "$W")
+  ph "pt"
+  pids=()
+  for s in $SIZES; do
+    for arm in dense mala; do
+      python3 "$T/train.py" --size "$s" --arm "$arm" --stage pt --seqlen 4096 --budget-s "$PT_BUDGET_S" \
+        --sync "$STORE/sync" --eval-every 100 "${common[@]}" > "$RES/pt_${s}_${arm}.log" 2>&1 &
+      pids+=($!)
+    done
+  done
+  for p in "${pids[@]}"; do wait "$p" || ph "a pt run failed (pid $p)"; done
+  ph "lct"
+  pids=()
+  for s in $LCT_SIZES; do
+    for arm in dense mala; do
+      python3 "$T/train.py" --size "$s" --arm "$arm" --stage lct --seqlen 16384 --budget-s "$LCT_BUDGET_S" \
+        --probe-steps 20 --sync "$STORE/sync" --eval-every 25 "${common[@]}" > "$RES/lct_${s}_${arm}.log" 2>&1 &
+      pids+=($!)
+    done
+  done
+  for p in "${pids[@]}"; do wait "$p" || ph "an lct run failed (pid $p)"; done
+  ph "timing"
+  A=(--data "$D" --tokenizer "$TOK" --out "$RES" --work "$W")
+  for s in $SIZES; do
+    for arm in dense mala; do
+      python3 "$T/analyze.py" timing --size "$s" --arm "$arm" --stage pt --seqlen 4096 "${A[@]}" >> "$RES/timing.log" 2>&1 || ph "timing $s $arm pt failed"
+      if [[ " $LCT_SIZES " == *" $s "* ]]; then
+        python3 "$T/analyze.py" timing --size "$s" --arm "$arm" --stage lct --seqlen 16384 "${A[@]}" >> "$RES/timing.log" 2>&1 || ph "timing $s $arm lct failed"
+      fi
+    done
+  done
+  ph "regime"
+  for s in $LCT_SIZES; do
+    for arm in mala dense; do
+      save=()
+      [ "$arm" = mala ] && save=(--save-states "$W/states_${s}_mala" --save-n 16384)
+      python3 "$T/analyze.py" regime --size "$s" --arm "$arm" --stage lct "${save[@]}" "${A[@]}" >> "$RES/regime.log" 2>&1 || ph "regime $s $arm failed"
+    done
+  done
+  ph "speed"
+  for s in $LCT_SIZES; do
+    for arm in mala dense; do
+      python3 "$T/analyze.py" speed --size "$s" --arm "$arm" --stage lct --n 16384 "${A[@]}" >> "$RES/speed.log" 2>&1 || ph "speed $s $arm failed"
+    done
+  done
+  ph "matched"
+  MW=$R/lab/real/matched_work.py
+  [ -f "$MW" ] || MW=$R/tools/real/matched_work.py
+  for s in $LCT_SIZES; do
+    python3 "$MW" --device cuda --states "$W/states_${s}_mala" --n 8192 --key "${s}_8192" --out "$RES/matched_work.json" >> "$RES/matched.log" 2>&1 || ph "matched $s 8K failed"
+    python3 "$MW" --device cuda --states "$W/states_${s}_mala" --key "${s}_16384" --out "$RES/matched_work.json" >> "$RES/matched.log" 2>&1 || ph "matched $s 16K failed"
+  done
+  # Two layers' states (the first and the last) of the smallest MALA-trained model: float16, the
+  # first 8K rows, one file each (a file that comes back holds at most 16 MiB).
+  s0=${LCT_SIZES%% *}
+  mkdir -p "$RES/states"
+  python3 - "$W/states_${s0}_mala" "$RES/states" <<'EOF' || ph "states copy failed"
+import sys, glob, os, numpy as np
+src, dst = sys.argv[1], sys.argv[2]
+files = sorted(glob.glob(os.path.join(src, "layer*_q.npy")))
+for f in (files[0], files[-1]):
+    for x in "qkv":
+        p = f.replace("_q.npy", f"_{x}.npy")
+        np.save(os.path.join(dst, os.path.basename(p)), np.load(p)[:8192])
+EOF
+  ph "all done"
+}
+
+case "${1:-}" in
+start)
+  rm -rf "$STORE/repo" "$RES" && mkdir -p "$STORE/repo" "$RES"
+  cp -r . "$STORE/repo/"
+  export -f phases
+  export STORE SIZES LCT_SIZES PT_BUDGET_S LCT_BUDGET_S RES
+  setsid nohup bash -c phases > "$STORE/phases.out" 2>&1 < /dev/null &
+  echo "gpu_run: started (log $RES/phases.log)"
+  ;;
+wait)
+  limit=${2:-540}
+  t0=$(date +%s)
+  while ! grep -q "all done\|build failed" "$RES/phases.log" 2>/dev/null && [ $(( $(date +%s) - t0 )) -lt "$limit" ]; do
+    sleep 10
+  done
+  cat "$RES/phases.log" 2>/dev/null || true
+  tail -n 5 "$STORE/phases.out" 2>/dev/null || true
+  for f in "$RES"/*.log; do
+    case "$f" in */phases.log) ;; *) echo "== $(basename "$f")"; tail -n 3 "$f" | cut -c1-300 ;; esac
+  done
+  nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader 2>/dev/null || true
+  if [ -n "${OUT:-}" ]; then
+    (cd "$RES" && tar czf "$OUT/train_results.tgz" --exclude='states' . 2>/dev/null) || true
+    [ -d "$RES/states" ] && cp "$RES"/states/*.npy "$OUT/" 2>/dev/null || true
+  fi
+  ;;
+*)
+  echo "usage: gpu_run.sh start | wait [SECONDS]" >&2
+  exit 2
+  ;;
+esac

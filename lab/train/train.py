@@ -1,0 +1,314 @@
+#!/usr/bin/env python3
+"""One training run of the study: a Qwen3-like model from scratch (or from the pre-training stage's
+weights), dense or MALA attention, one stage.
+
+  --stage pt   pre-training at --seqlen (4K), WSD schedule from configs.py, from the seed's init
+  --stage lct  long-context stage at --seqlen (16K) from WORK/<size>_<arm>_pt.final.pt, constant
+               LCT_LR_FACTOR x peak
+  --arm dense  transformers' "sdpa" attention;  --arm mala: attn_implementation="mala" (the
+               library's transformers integration) at --tau, forward and backward
+
+Both arms of a size start from the same weights (the seed's init, or their own pre-training) and see
+the same sequences in the same order (corpus.sequences of the token stream, a permutation per epoch
+drawn from the seed).  bf16 autocast over fp32 master weights, AdamW, gradient clipping.
+
+Every --eval-every steps, on a fixed held-out batch (the first sequences of the held-out stream):
+held-out loss at 4K and at 16K under the arm's own attention, and the same batch with MALA at tau = 1
+("mala_stats"): per layer, the kernels' realized forward and backward slots per query and retained
+tile fractions (for the dense arm: what a dense-trained model would keep).  Attention FLOPs per
+token by the paper's accounting (configs.attention_flops_per_token) from those slots.
+
+--budget-s: the number of steps is set after --probe-steps from the measured step time so that the
+run ends within the budget; with --sync DIR the two arms of a size exchange their step times there
+and both take the step count of the slower, so they train on the same tokens.  --steps fixes it.
+--resume continues from WORK/<tag>.ckpt.pt (written every --ckpt-every steps and at --deadline-s).
+
+Writes OUT/train_<size>_<arm>_<stage>.json (after every eval) and WORK/<tag>.final.pt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import attn  # noqa: E402
+import configs  # noqa: E402
+import corpus  # noqa: E402
+
+T0 = time.time()
+
+
+def log(msg):
+    print(f"[train {time.time() - T0:7.1f}s] {msg}", flush=True)
+
+
+def sequence_loss(model, x, chunk=8192):
+    """Mean next-token loss (nats) of a [B, N] batch; the LM head and its loss in checkpointed chunks
+    so that the [B * N, vocab] logits are never held at once."""
+    hidden = model.model(input_ids=x).last_hidden_state[:, :-1]
+    h = hidden.reshape(-1, hidden.shape[-1])
+    y = x[:, 1:].reshape(-1)
+    total = h.new_zeros((), dtype=torch.float32)
+
+    def part(hh, yy):
+        return F.cross_entropy(model.lm_head(hh).float(), yy, reduction="sum")
+
+    for s in range(0, y.numel(), chunk):
+        e = min(s + chunk, y.numel())
+        total = total + checkpoint(part, h[s:e], y[s:e], use_reentrant=False)
+    return total / y.numel()
+
+
+def batches(seqs: np.ndarray, batch: int, seed: int):
+    """(epoch, [batch, N] array) forever: each epoch a permutation of the sequences from the seed."""
+    epoch = 0
+    while True:
+        order = np.random.default_rng([seed, epoch]).permutation(len(seqs))
+        for s in range(0, len(order) - batch + 1, batch):
+            yield epoch, seqs[np.sort(order[s:s + batch])]
+        epoch += 1
+
+
+def build_model(size, vocab, arm, device, init_from=None):
+    from transformers import Qwen3ForCausalLM
+
+    torch.manual_seed(configs.SEED)
+    model = Qwen3ForCausalLM(configs.qwen3_config(size, vocab, attn="sdpa"))
+    if init_from:
+        model.load_state_dict(torch.load(init_from, map_location="cpu", weights_only=True))
+    model.to(device)
+    attn.set_attention(model, "mala" if arm == "mala" else "sdpa")
+    return model
+
+
+def optimizer(model, lr, device):
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    rest = [p for p in model.parameters() if p.dim() < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": configs.WEIGHT_DECAY},
+                              {"params": rest, "weight_decay": 0.0}], lr=lr, betas=configs.BETAS,
+                             fused=device.type == "cuda")
+
+
+def autocast(device):
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+
+
+def evaluate(model, arm, held, device, tau):
+    """{len: {"loss", "layers": per-layer MALA work}} on the fixed held-out batches."""
+    own = "mala" if arm == "mala" else "sdpa"
+    out = {}
+    for n, x in held.items():
+        xt = torch.from_numpy(x.astype(np.int64)).to(device)
+        # MALA tau on the batch, forward and backward, for the kernels' counters (either arm).
+        attn.RECORD["tau"] = tau
+        attn.set_attention(model, "mala_stats")
+        model.zero_grad(set_to_none=True)
+        with autocast(device):
+            loss_m = sequence_loss(model, xt)
+        loss_m.backward()
+        layers = attn.take_stats()
+        model.zero_grad(set_to_none=True)
+        attn.set_attention(model, own)
+        if arm == "mala":
+            loss = float(loss_m.detach())  # the arm's own attention is the same call
+        else:
+            with torch.no_grad(), autocast(device):
+                loss = float(sequence_loss(model, xt))
+        out[str(n)] = {"loss": loss, "loss_with_mala": float(loss_m.detach()), "layers": layers}
+    return out
+
+
+def flops_from(ev, cfg, n):
+    layers = ev[str(n)]["layers"]
+    h, d, L = cfg.num_attention_heads, cfg.head_dim, cfg.num_hidden_layers
+    return (configs.attention_flops_per_token(n, h, d, L),
+            configs.attention_flops_per_token(n, h, d, L, [x["fwd_slots"] for x in layers],
+                                              [x["bwd_slots"] for x in layers]))
+
+
+def agree_steps(sync, tag_pair, arm, ms, budget_left, step_now, max_steps, wait_s=180):
+    """Both arms' step count: each writes its step time, then takes the slower arm's."""
+    mine = os.path.join(sync, f"{tag_pair}_{arm}.json")
+    with open(mine + ".tmp", "w") as f:
+        json.dump({"ms": ms}, f)
+    os.replace(mine + ".tmp", mine)
+    other = os.path.join(sync, f"{tag_pair}_{'dense' if arm == 'mala' else 'mala'}.json")
+    t = time.time()
+    while not os.path.exists(other) and time.time() - t < wait_s:
+        time.sleep(1)
+    ms_other = json.load(open(other))["ms"] if os.path.exists(other) else ms
+    slow = max(ms, ms_other)
+    n = step_now + int(0.92 * budget_left * 1000 / slow)
+    return max(step_now + 1, min(max_steps, n)), ms_other
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size", required=True, choices=sorted(configs.SIZES))
+    ap.add_argument("--arm", required=True, choices=("dense", "mala"))
+    ap.add_argument("--stage", default="pt", choices=("pt", "lct"))
+    ap.add_argument("--tau", type=float, default=1.0)
+    ap.add_argument("--data", required=True, help="corpus.build's folder (train.npy, heldout.npy)")
+    ap.add_argument("--tokenizer", default=os.path.join(HERE, "tokenizer.json"))
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--work", required=True, help="checkpoints and final weights (stay on the machine)")
+    ap.add_argument("--seqlen", type=int, default=4096)
+    ap.add_argument("--tokens-per-step", type=int, default=65536)
+    ap.add_argument("--steps", type=int, default=0, help="fixed step count (0: from --budget-s)")
+    ap.add_argument("--max-steps", type=int, default=100000)
+    ap.add_argument("--budget-s", type=float, default=0.0)
+    ap.add_argument("--probe-steps", type=int, default=40)
+    ap.add_argument("--sync", default="", help="folder where the two arms agree on the step count")
+    ap.add_argument("--eval-every", type=int, default=100)
+    ap.add_argument("--eval-lengths", default="4096,16384")
+    ap.add_argument("--eval-tokens", type=int, default=32768, help="held-out tokens per eval length")
+    ap.add_argument("--ckpt-every", type=int, default=0)
+    ap.add_argument("--deadline-s", type=float, default=1e9)
+    ap.add_argument("--resume", action="store_true")
+    ap.add_argument("--device", default="cuda")
+    a = ap.parse_args()
+    device = torch.device(a.device)
+    attn.register(a.tau)
+    from tokenizers import Tokenizer
+
+    vocab = Tokenizer.from_file(a.tokenizer).get_vocab_size()
+    tag = f"{a.size}_{a.arm}_{a.stage}"
+    os.makedirs(a.out, exist_ok=True)
+    os.makedirs(a.work, exist_ok=True)
+    train_seqs = corpus.sequences(np.load(os.path.join(a.data, "train.npy"), mmap_mode="r"), a.seqlen)
+    held_stream = np.load(os.path.join(a.data, "heldout.npy"), mmap_mode="r")
+    held = {}
+    for n in (int(x) for x in a.eval_lengths.split(",") if x):
+        s = corpus.sequences(held_stream, n)
+        held[n] = np.ascontiguousarray(s[: max(1, a.eval_tokens // n)])
+    batch = max(1, a.tokens_per_step // a.seqlen)
+    peak = configs.SIZES[a.size]["lr"]
+    init = os.path.join(a.work, f"{a.size}_{a.arm}_pt.final.pt") if a.stage == "lct" else None
+    model = build_model(a.size, vocab, a.arm, device, init)
+    cfg = model.config
+    opt = optimizer(model, peak, device)
+    rec = {"size": a.size, "arm": a.arm, "stage": a.stage, "tau": a.tau if a.arm == "mala" else 0.0,
+           "seqlen": a.seqlen, "batch": batch, "tokens_per_step": batch * a.seqlen, "peak_lr": peak,
+           "params": sum(p.numel() for p in model.parameters()),
+           "non_embedding_params": configs.non_embedding_params(model),
+           "config": {k: getattr(cfg, k) for k in ("hidden_size", "num_hidden_layers", "num_attention_heads",
+                                                    "num_key_value_heads", "head_dim", "intermediate_size",
+                                                    "vocab_size")},
+           "train_sequences": int(len(train_seqs)), "heldout_batch": {str(n): list(x.shape) for n, x in held.items()},
+           "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+           "steps": [], "evals": [], "total_steps": a.steps or None}
+    step, attn_flops = 0, {"dense": 0.0, "arm": 0.0}
+    ckpt = os.path.join(a.work, f"{tag}.ckpt.pt")
+    if a.resume and os.path.exists(ckpt):
+        st = torch.load(ckpt, map_location="cpu", weights_only=False)
+        model.load_state_dict(st["model"])
+        opt.load_state_dict(st["opt"])
+        rec, step, attn_flops = st["rec"], st["step"], st["attn_flops"]
+        log(f"{tag}: resumed at step {step}")
+    total = rec["total_steps"] or a.max_steps
+    data = batches(train_seqs, batch, configs.SEED + (0 if a.stage == "pt" else 1))
+    for _ in range(step):  # the data order does not depend on where a run was cut
+        next(data)
+    t_run = time.time()
+    last_eval = None
+
+    def save_json():
+        path = os.path.join(a.out, f"train_{tag}.json")
+        with open(path + ".tmp", "w") as f:
+            json.dump(rec, f)
+        os.replace(path + ".tmp", path)
+
+    def do_eval():
+        nonlocal last_eval
+        model.eval()
+        t = time.time()
+        ev = evaluate(model, a.arm, held, device, a.tau)
+        model.train()
+        n = a.seqlen
+        dense_f, mala_f = flops_from(ev, cfg, n) if str(n) in ev else (None, None)
+        entry = {"step": step, "tokens": step * batch * a.seqlen, "attn_flops_dense": attn_flops["dense"],
+                 "attn_flops_arm": attn_flops["arm"], "eval_s": time.time() - t, **{f"len_{k}": v for k, v in ev.items()},
+                 "attn_flops_per_token_dense": dense_f, "attn_flops_per_token_mala": mala_f}
+        rec["evals"].append(entry)
+        last_eval = entry
+        parts = [f"{k}: loss {v['loss']:.4f} fwd slots {np.mean([x['fwd_slots'] for x in v['layers']]):.0f}"
+                 for k, v in ev.items()]
+        log(f"{tag} step {step}: " + "; ".join(parts) + f" ({time.time() - t:.1f} s)")
+        save_json()
+
+    do_eval() if step == 0 else None
+    window = []
+    while step < total:
+        if time.time() - T0 > a.deadline_s:
+            torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "rec": rec, "step": step,
+                        "attn_flops": attn_flops}, ckpt)
+            log(f"{tag}: deadline at step {step}; checkpoint {ckpt} (--resume continues)")
+            save_json()
+            return
+        lr = configs.wsd_lr(step, total, peak) if a.stage == "pt" else peak * configs.LCT_LR_FACTOR
+        for g in opt.param_groups:
+            g["lr"] = lr
+        epoch, xb = next(data)
+        x = torch.from_numpy(xb.astype(np.int64)).to(device, non_blocking=True)
+        t = time.perf_counter()
+        with autocast(device):
+            loss = sequence_loss(model, x)
+        loss.backward()
+        gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), configs.CLIP)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        lv = float(loss)  # synchronizes: the step's time is measured to here
+        ms = (time.perf_counter() - t) * 1000
+        window.append(ms)
+        # Attention FLOPs of this step's tokens, with the slots of the latest eval at this length.
+        n_tok = batch * a.seqlen
+        if last_eval is not None and last_eval["attn_flops_per_token_dense"] is not None:
+            attn_flops["dense"] += n_tok * last_eval["attn_flops_per_token_dense"]
+            attn_flops["arm"] += n_tok * (last_eval["attn_flops_per_token_mala"] if a.arm == "mala"
+                                          else last_eval["attn_flops_per_token_dense"])
+        step += 1
+        if not math.isfinite(lv):
+            log(f"{tag}: loss {lv} at step {step}; stopping")
+            rec["diverged_at"] = step
+            break
+        if step % 10 == 0 or step == total:
+            rec["steps"].append({"step": step, "loss": lv, "lr": lr, "grad_norm": float(gnorm), "epoch": epoch,
+                                 "ms": float(np.median(window))})
+            window = []
+        if a.steps == 0 and rec["total_steps"] is None and step == a.probe_steps:
+            ms_probe = float(np.median([s["ms"] for s in rec["steps"][-2:]]))
+            left = a.budget_s - (time.time() - t_run)
+            if a.sync:
+                total, other = agree_steps(a.sync, f"{a.size}_{a.stage}", a.arm, ms_probe, left, step, a.max_steps)
+            else:
+                total, other = max(step + 1, min(a.max_steps, step + int(0.92 * left * 1000 / ms_probe))), None
+            rec["total_steps"] = total
+            rec["probe"] = {"ms": ms_probe, "other_arm_ms": other, "budget_left_s": left}
+            log(f"{tag}: probe {ms_probe:.1f} ms/step (other arm {other}); {total} steps")
+        if step % a.eval_every == 0 or step == total:
+            do_eval()
+        if a.ckpt_every and step % a.ckpt_every == 0:
+            torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "rec": rec, "step": step,
+                        "attn_flops": attn_flops}, ckpt)
+    rec["final"] = {"step": step, "tokens": step * batch * a.seqlen, "wall_s": time.time() - t_run,
+                    **{f"heldout_loss_{k}": v["loss"] for k, v in
+                       ((k[4:], v) for k, v in rec["evals"][-1].items() if k.startswith("len_"))}}
+    save_json()
+    torch.save(model.state_dict(), os.path.join(a.work, f"{tag}.final.pt"))
+    log(f"{tag}: done, {step} steps, {rec['final']}")
+
+
+if __name__ == "__main__":
+    main()
