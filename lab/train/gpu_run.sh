@@ -11,15 +11,15 @@
 # Phases: build (the mala extension, in the background from the start), corpus (scan, tokenizer if
 # lab/train/tokenizer.json is absent, token streams), pt (4K pre-training: both arms of every size in
 # SIZES at once, PT_BUDGET_S each), lct (16K, LCT_BUDGET_S), timing, regime, speed, matched.
-# Environment: STORE (default /tmp/mala-train), SIZES (default "s4m m13m"), PT_BUDGET_S (480),
-# LCT_BUDGET_S (180), LCT_SIZES (default: SIZES).
+# Environment: STORE (default /tmp/mala-train), SIZES (default "s4m m13m"), PT_BUDGET_S (330),
+# LCT_BUDGET_S (120), LCT_SIZES (default: SIZES).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 STORE=${STORE:-/tmp/mala-train}
 SIZES=${SIZES:-"s4m m13m"}
 LCT_SIZES=${LCT_SIZES:-$SIZES}
-PT_BUDGET_S=${PT_BUDGET_S:-480}
-LCT_BUDGET_S=${LCT_BUDGET_S:-180}
+PT_BUDGET_S=${PT_BUDGET_S:-330}
+LCT_BUDGET_S=${LCT_BUDGET_S:-120}
 RES=$STORE/res
 
 phases() {
@@ -29,8 +29,9 @@ phases() {
   cd "$R"
   ph() { echo "$(date +%T) $*" >> "$RES/phases.log"; }
   ph "start SIZES=$SIZES PT_BUDGET_S=$PT_BUDGET_S LCT_BUDGET_S=$LCT_BUDGET_S"
+  rm -rf "$STORE/site" "$STORE/build.done" "$STORE/build.failed"
   ( CMAKE_ARGS=-DCMAKE_CUDA_ARCHITECTURES=90a CMAKE_BUILD_PARALLEL_LEVEL=16 python3 -m pip install \
-      --no-build-isolation --no-deps --no-cache-dir --target "$STORE/site" . > "$RES/build.log" 2>&1 \
+      --no-build-isolation --no-deps --no-cache-dir --upgrade --target "$STORE/site" . > "$RES/build.log" 2>&1 \
       && touch "$STORE/build.done" || touch "$STORE/build.failed" ) &
   ph "corpus scan"
   python3 "$T/corpus.py" scan --out "$D" > "$RES/corpus.log" 2>&1
@@ -88,7 +89,7 @@ phases() {
     done
   done
   ph "speed"
-  for s in $LCT_SIZES; do
+  for s in ${SPEED_SIZES:-$LCT_SIZES}; do
     for arm in mala dense; do
       python3 "$T/analyze.py" speed --size "$s" --arm "$arm" --stage lct --n 16384 "${A[@]}" >> "$RES/speed.log" 2>&1 || ph "speed $s $arm failed"
     done
@@ -96,7 +97,7 @@ phases() {
   ph "matched"
   MW=$R/lab/real/matched_work.py
   [ -f "$MW" ] || MW=$R/tools/real/matched_work.py
-  for s in $LCT_SIZES; do
+  for s in ${SPEED_SIZES:-$LCT_SIZES}; do
     python3 "$MW" --device cuda --states "$W/states_${s}_mala" --n 8192 --key "${s}_8192" --out "$RES/matched_work.json" >> "$RES/matched.log" 2>&1 || ph "matched $s 8K failed"
     python3 "$MW" --device cuda --states "$W/states_${s}_mala" --key "${s}_16384" --out "$RES/matched_work.json" >> "$RES/matched.log" 2>&1 || ph "matched $s 16K failed"
   done
@@ -121,7 +122,7 @@ start)
   rm -rf "$STORE/repo" "$RES" && mkdir -p "$STORE/repo" "$RES"
   cp -r . "$STORE/repo/"
   export -f phases
-  export STORE SIZES LCT_SIZES PT_BUDGET_S LCT_BUDGET_S RES
+  export STORE SIZES LCT_SIZES PT_BUDGET_S LCT_BUDGET_S RES SPEED_SIZES
   setsid nohup bash -c phases > "$STORE/phases.out" 2>&1 < /dev/null &
   echo "gpu_run: started (log $RES/phases.log)"
   ;;

@@ -139,19 +139,26 @@ def flops_from(ev, cfg, n):
 
 
 def agree_steps(sync, tag_pair, arm, ms, budget_left, step_now, max_steps, wait_s=180):
-    """Both arms' step count: each writes its step time, then takes the slower arm's."""
+    """Both arms' step count: each writes its step time and remaining budget, then both take the
+    same count from the slower arm's time and the smaller budget (so they train on the same tokens
+    under the same schedule).  Without the other arm's file in wait_s, its own."""
     mine = os.path.join(sync, f"{tag_pair}_{arm}.json")
     with open(mine + ".tmp", "w") as f:
-        json.dump({"ms": ms}, f)
+        json.dump({"ms": ms, "left": budget_left, "step": step_now}, f)
     os.replace(mine + ".tmp", mine)
     other = os.path.join(sync, f"{tag_pair}_{'dense' if arm == 'mala' else 'mala'}.json")
     t = time.time()
     while not os.path.exists(other) and time.time() - t < wait_s:
         time.sleep(1)
-    ms_other = json.load(open(other))["ms"] if os.path.exists(other) else ms
-    slow = max(ms, ms_other)
-    n = step_now + int(0.92 * budget_left * 1000 / slow)
-    return max(step_now + 1, min(max_steps, n)), ms_other
+    theirs = json.load(open(other)) if os.path.exists(other) else {"ms": ms, "left": budget_left}
+    return steps_for(max(ms, theirs["ms"]), min(budget_left, theirs["left"]), step_now, max_steps), theirs["ms"]
+
+
+def steps_for(ms, budget_left, step_now, max_steps):
+    """Total steps that fit the budget left at ms per step (8% kept for the evals), rounded down to
+    a multiple of 10 so that two arms whose inputs differ by rounding still agree."""
+    n = step_now + int(0.92 * budget_left * 1000 / ms)
+    return max(step_now + 1, min(max_steps, n // 10 * 10))
 
 
 def main():
@@ -293,7 +300,7 @@ def main():
             if a.sync:
                 total, other = agree_steps(a.sync, f"{a.size}_{a.stage}", a.arm, ms_probe, left, step, a.max_steps)
             else:
-                total, other = max(step + 1, min(a.max_steps, step + int(0.92 * left * 1000 / ms_probe))), None
+                total, other = steps_for(ms_probe, left, step, a.max_steps), None
             rec["total_steps"] = total
             rec["probe"] = {"ms": ms_probe, "other_arm_ms": other, "budget_left_s": left}
             log(f"{tag}: probe {ms_probe:.1f} ms/step (other arm {other}); {total} steps")

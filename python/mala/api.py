@@ -98,6 +98,17 @@ def _check_cu_seqlens(cu, name, total, max_seqlen, max_name):
         raise ValueError(f"{name}: last entry {values[-1]} must equal the number of rows {total}")
 
 
+def _autocast_inputs(*tensors):
+    """Under CUDA autocast, floating-point CUDA inputs in another precision are cast to autocast's
+    dtype, as autocast does for torch's scaled_dot_product_attention (its float32 inputs would
+    otherwise be refused: the kernels take float16 and bfloat16)."""
+    if not any(isinstance(t, torch.Tensor) and t.is_cuda for t in tensors) or not torch.is_autocast_enabled("cuda"):
+        return tensors
+    dt = torch.get_autocast_dtype("cuda")
+    return tuple(t.to(dt) if isinstance(t, torch.Tensor) and t.is_cuda and t.is_floating_point() and t.dtype != dt
+                 else t for t in tensors)
+
+
 def _needs_grad(*tensors):
     """Whether autograd will run the backward of a call on these inputs: then the forward records its
     tile mask where the backward reads it (the backward skips, without scoring them, the tiles the
@@ -177,6 +188,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tau: float = 1.
     """
     tau = _tau_arg(tau)
     scale = _scale_arg(softmax_scale)
+    q, k, v = _autocast_inputs(q, k, v)
     pad_to = _cuda_pad_target(q, k, v)
     if pad_to is not None:
         return _call_padded(attention, pad_to, q, k, v, softmax_scale,
@@ -240,6 +252,7 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     tau = _tau_arg(tau)
     scale = _scale_arg(softmax_scale)
     max_seqlen_q, max_seqlen_k = int(max_seqlen_q), int(max_seqlen_k)
+    q, k, v = _autocast_inputs(q, k, v)
     pad_to = _cuda_pad_target(q, k, v)
     if pad_to is not None:
         return _call_padded(lambda qp, kp, vp, **kw: attention_varlen(qp, kp, vp, cu_seqlens_q, cu_seqlens_k,
