@@ -48,7 +48,7 @@ struct Options {
   // whichever tau runs first.
   bool interleave = false;
   // Forward and backward: captured real inputs instead of the generated regimes
-  // (tools/real/capture_qkv.py): one file prefix per input, PREFIX_{q,k,v}.npy.
+  // (lab/real/capture_qkv.py): one file prefix per input, PREFIX_{q,k,v}.npy.
   std::vector<std::string> real;
   // Forward: pass the input as varlen (one packed sequence, cu_seqlens on the device, total_k
   // given), to time the varlen path against the padded one.
@@ -92,7 +92,7 @@ struct Workload {
 // Defined in bench_forward.cu.  Returns false (and prints why) on failure.
 bool make_device_workload(const Options& opt, const std::string& regime, double sharpness, int64_t seqlen,
                           bool with_dout, Workload* w);
-// A captured real input (--real PREFIX: PREFIX_{q,k,v}.npy, [N, H, d], tools/real/capture_qkv.py),
+// A captured real input (--real PREFIX: PREFIX_{q,k,v}.npy, [N, H, d], lab/real/capture_qkv.py),
 // widened to fp32.  Prints the reason and returns false on a missing or inconsistent file.
 struct RealInput {
   int64_t n = 0, heads_q = 0, heads_kv = 0, head_dim = 0;
