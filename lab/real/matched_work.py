@@ -67,7 +67,7 @@ def mala_masks(q, k, v, tau, bq, bk, cli, causal=True):
 def mala_masks_cuda(q, k, v, tau, causal=True):
     """MALA's forward tile mask [H, nqt, nkt] (TileState values) from the CUDA forward kernel itself,
     at its own tiles, and those tiles (bq, bk).  The decisions equal the CPU implementation's up to
-    MALA_SPEC's rounding flips (the GPU tests check it); the states are fp16, which the kernel reads
+    docs/spec.md's rounding flips (the GPU tests check it); the states are fp16, which the kernel reads
     exactly."""
     import mala
 

@@ -1,4 +1,4 @@
-"""A plain PyTorch model of MALA's forward tile rule (docs/rule.md, MALA_SPEC.md "Forward: online rule").
+"""A plain PyTorch model of MALA's forward tile rule (docs/spec.md, "Forward: the online test").
 
 Used by the suite for two things only: to place inputs on the retained-fraction axis when the mala
 package cannot report its own statistics (for example to plot flash-sparse-attn against the same

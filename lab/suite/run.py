@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""MALA benchmark suite (issue 7): MALA against the dense and sparse anchors of BENCHMARKS.md.
+"""MALA benchmark suite (issue 7): MALA against the dense and sparse anchors of docs/benchmarks.md.
 
     python3 lab/suite/run.py [--quick] [--out DIR] [--sections guard,primary,decode,sweep,secondary]
     python3 lab/suite/run.py --sections real --real DIR/layer05,DIR/layer27 [--real-ns 8192,32768]

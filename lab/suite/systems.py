@@ -2,7 +2,7 @@
 
 Every system takes the suite's inputs (bf16, [B, N, H, d] as flash_attn) and prepares its own
 layout once, outside the timed region (SDPA and FlexAttention get contiguous [B, H, N, d] copies;
-the cuDNN SDPA backend gets K/V expanded to Hq heads, as the anchors in BENCHMARKS.md did, because
+the cuDNN SDPA backend gets K/V expanded to Hq heads, as the anchors in docs/benchmarks.md did, because
 it takes no GQA there).  The timed callables then call the kernel alone.
 
     sys.prepare(q, k, v, dout) -> Prepared with .fwd(), .make_graph() -> .bwd(), .fwd_bwd()

@@ -1,4 +1,4 @@
-"""Timing and peak memory of one operator call (BENCHMARKS.md "Protocol").
+"""Timing and peak memory of one operator call (docs/benchmarks.md "Protocol").
 
 Every timed call is bracketed by its own pair of CUDA events; before each one a 256 MiB buffer is
 zeroed so that no input sits in L2 (inputs are not rotated; the flush does the same job for every
@@ -114,7 +114,7 @@ def empty_cache():
 
 
 def causal_flops_fwd(batch, seqlen_q, seqlen_k, heads_q, head_dim, causal=True):
-    """4 * Nq * Nk_visible_avg * d * Hq * B (BENCHMARKS.md), bottom-right causal."""
+    """4 * Nq * Nk_visible_avg * d * Hq * B (docs/benchmarks.md), bottom-right causal."""
     if causal:
         vis = [min(max(i + seqlen_k - seqlen_q + 1, 0), seqlen_k) for i in (0, seqlen_q - 1)]
         avg = (vis[0] + vis[1]) / 2.0  # visible counts grow by one per row

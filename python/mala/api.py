@@ -281,7 +281,7 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     attending; attention then sees cache_seqlens[b] + Nnew keys, bottom-right causal.  cache_seqlens
     itself is not advanced.  num_splits 0 = automatic split-KV.  Capturable in a CUDA graph.
 
-    split_rule: how each split of split-KV tests its tiles (docs/rule.md, "Split rule"): "seeded"
+    split_rule: how each split of split-KV tests its tiles (docs/spec.md, "Split rules"): "seeded"
     (the default: every split also counts the exact mass of the anchor tiles, key tile 0 and the
     newest tile, so far splits skip about what one split would; same bound) or "per_split" (the
     paper's rule: far splits keep nearly every tile).  With one split both are the forward rule.

@@ -87,7 +87,7 @@ def test_oracle_omits_no_more_than_mala_and_reports_are_complete(case):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")
 def test_cuda_decisions_and_evaluation_match_the_cpu_path():
     """--device cuda: the CUDA kernel's tile mask equals the CPU implementation's at the same tiles
-    (up to MALA_SPEC's rounding flips), and the evaluation on the GPU equals the one on the CPU."""
+    (up to docs/spec.md's rounding flips), and the evaluation on the GPU equals the one on the CPU."""
     pytest.importorskip("mala")
     if not os.path.exists(CLI):
         pytest.skip(f"no mala CLI at {CLI} (set MALA_CLI)")
