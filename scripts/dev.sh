@@ -4,7 +4,7 @@
 #   scripts/dev.sh report [mala report flags...]   build and run `mala report`
 #   scripts/dev.sh test                            build and run every CPU test (what CI runs): ctest, then
 #                                                  the Python package's tests and the lab's (python/tests,
-#                                                  lab/real/tests, lab/suite) in .venv-py
+#                                                  lab/real/tests, lab/suite, and tests/docs: the docs' links) in .venv-py
 #   scripts/dev.sh build                           build only
 # Build and install output goes to stderr, so stdout carries only the step's own output
 # (`dev.sh report --json` prints one JSON object).  An unknown step is rejected before building.
@@ -61,7 +61,7 @@ python_tests() {
   fi
   .venv-py/bin/pip install -q --disable-pip-version-check --no-cache-dir -r python/requirements-ci.txt
   PYTHON=.venv-py/bin/python CMAKE_ARGS="-DMALA_CUDA=OFF" JOBS="$JOBS" \
-    bash scripts/python_check.sh -q python/tests lab/real/tests lab/suite
+    bash scripts/python_check.sh -q python/tests lab/real/tests lab/suite tests/docs
 }
 
 install_deps

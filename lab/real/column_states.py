@@ -9,12 +9,12 @@ The tiles a backward CTA (one key tile) skips then depend on its column, so the 
 vary with the column, which the random and synthetic regimes keep uniform.  A dull tile is skipped
 at tau = 1 once its largest entry over a decision tile sits below the bound: at d = 128 and 32K
 that takes delta >= 6 (75% of backward tiles kept; delta 4 keeps 96%).  On the H100 these inputs
-run the tau = 1 backward 1.2x faster than tau = 0 (bench/results/mala_bench_bwd_columns_h100.log):
+run the tau = 1 backward 1.2x faster than tau = 0 (mala_bench_bwd_columns_h100.log in commit 831db3a):
 a CTA that skips skips everything and adds no dQ.  `--pattern mixed` (make_mixed) gives tile-level
 skips at a rate drawn per key tile, so every CTA adds dQ at its own pace, as in the real layers; with
 --dull 0.35 it reproduced the H100's slow tau = 1 backward of real layers 6 and 19 (18.75 against
 14.3-14.9 ms at tau = 0, L2 hit rate 42%), which the backward's launch order fixed
-(bench/results/mala_bench_bwd_launch_order_h100.log).
+(docs/journal.md, "Backward head splits and launch order").
 
     python3 lab/real/column_states.py --out /tmp/cols/d6 --dull 0.25 --delta 6
     mala_bench --op bwd --real /tmp/cols/d6 --tau 0,1 --fwd-mask --interleave

@@ -9,7 +9,7 @@
 # with the GPU's own clocks (--clock-control none, as the device notes ask), and writes, under $OUT,
 # each report (.ncu-rep), its SASS with the sampled stall reasons per instruction (source page, CSV)
 # and its details page (CSV).  bench/results/prof/fwd128_k128_ncu_stalls_random32k.txt (H100) and
-# fwd128_k128_ncu_warpvote_h200.txt (H200) summarize such runs of the 128-key forward by region of its loop.
+# prof/fwd128_k128_ncu_warpvote_h200.txt (H200), both in commit 831db3a (docs/journal.md), summarize such runs of the 128-key forward by region of its loop.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 bin=$1

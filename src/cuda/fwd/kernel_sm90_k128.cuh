@@ -53,7 +53,7 @@ struct FwdK128 {
   // The decision tile: kDecRows x BK.  d = 128: a warp's 16 rows, and the warpgroup's vote on whether
   // to run P V waits until the next S is issued (kWarpVote).  d = 64 and 256: a warp pair's 32 rows,
   // voted on before the exponentials; per-warp decisions there were 13% (d = 64) and 6% (d = 256)
-  // slower on random inputs where every tile is kept (docs/kernels.md, "Decision tile").
+  // slower on random inputs where every tile is kept (docs/kernels.md, "Tiles").
   static constexpr int kDecRows = fwd_k128_dec_rows(D);
   static constexpr bool kWarpVote = kDecRows == 16;
   using QTile = std::conditional_t<kQSmem, GmmaTile<64, D>, SmemTile<64, D>>;
@@ -73,7 +73,7 @@ struct FwdK128 {
   // consumers run at most kStages + 1 uses ahead of the producer's reads: see the producer).
   // kVSkip: whether V waits on the decision at tau > 0.  Not at d = 64, where a tile's products are
   // short: there the decision ring cost 14-19% where every tile is kept (32K and 128K, H100) and
-  // saved 6% where 0.5% of tiles are (docs/kernels.md, "V loads after a skip").
+  // saved 6% where 0.5% of tiles are (docs/kernels.md, "V after a skip").
   static constexpr bool kVSkip = D != 64;
   static constexpr int kDecSlots = 8;  // a power of 2
   static constexpr int kPublishers = kWarpVote ? 8 : 2;
