@@ -10,7 +10,7 @@
 # Logs go to $OUT (or ab-logs/); the last lines printed are the table of every binary's forward rows
 # (backward rows, whose N is not the first column, are in ab.log under each "== round" line).
 # Each binary runs alone and its taus one after the other: under --interleave two builds' identical
-# dense instances once read 6-8% apart (docs/kernels.md, "Measured"), so pass it only to compare
+# dense instances once read 6-8% apart (docs/journal.md), so pass it only to compare
 # the taus of one build.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
