@@ -2,7 +2,7 @@
 // timing helper, FLOP counts.  bench_main.cpp parses the flags and calls run_*_bench; each op lives in
 // its own file (bench_forward.cu, bench_backward.cu, bench_decode.cu).
 //
-// Protocol (../shared/BENCHMARKS.md): CUDA events around each call, warm-up first, median of
+// Protocol (docs/benchmarks.md, "Protocol"): CUDA events around each call, warm-up first, median of
 // >= 20 calls, the L2 cache flushed (a 256 MB memset) before every timed call, one device, one run;
 // every MALA timing is printed next to its realized mean post-score slots per query and retained
 // fraction, and ratios are to our own tau = 0 in the same run.
@@ -48,7 +48,7 @@ struct Options {
   // whichever tau runs first.
   bool interleave = false;
   // Forward and backward: captured real inputs instead of the generated regimes
-  // (tools/real/capture_qkv.py): one file prefix per input, PREFIX_{q,k,v}.npy.
+  // (lab/real/capture_qkv.py): one file prefix per input, PREFIX_{q,k,v}.npy.
   std::vector<std::string> real;
   // Forward: pass the input as varlen (one packed sequence, cu_seqlens on the device, total_k
   // given), to time the varlen path against the padded one.
@@ -92,7 +92,7 @@ struct Workload {
 // Defined in bench_forward.cu.  Returns false (and prints why) on failure.
 bool make_device_workload(const Options& opt, const std::string& regime, double sharpness, int64_t seqlen,
                           bool with_dout, Workload* w);
-// A captured real input (--real PREFIX: PREFIX_{q,k,v}.npy, [N, H, d], tools/real/capture_qkv.py),
+// A captured real input (--real PREFIX: PREFIX_{q,k,v}.npy, [N, H, d], lab/real/capture_qkv.py),
 // widened to fp32.  Prints the reason and returns false on a missing or inconsistent file.
 struct RealInput {
   int64_t n = 0, heads_q = 0, heads_kv = 0, head_dim = 0;

@@ -3,7 +3,7 @@
 // (regime, sharpness, N, tau); ratios are to our own tau = 0 backward on the same inputs in the same
 // run.  O and lse come from our CUDA forward at the same tau (the backward tests against them).
 //   mala_bench --op bwd --n 1K,32K,128K --tau 0,1 --regime random,synthetic --sharpness 4 --iters 10
-//   mala_bench --op bwd --real real-data/gpl3/layer05   (captured inputs, tools/real/; shape from the files)
+//   mala_bench --op bwd --real real-data/gpl3/layer05   (captured inputs, lab/real/; shape from the files)
 // Inputs are converted on the GPU and timed as in the forward bench (bench_forward.cu: CUDA events,
 // warm-up, median, L2 flushed before each timed call); with --interleave the taus of one input
 // alternate within each timed iteration.

@@ -3,8 +3,8 @@
 # builds, then runs the requested step.
 #   scripts/dev.sh report [mala report flags...]   build and run `mala report`
 #   scripts/dev.sh test                            build and run every CPU test (what CI runs): ctest, then
-#                                                  the Python package's and the real-model tools' tests
-#                                                  (python/tests, tools/real/tests) in .venv-py
+#                                                  the Python package's tests and the lab's (python/tests,
+#                                                  lab/real/tests, lab/suite, and tests/docs: the docs' links) in .venv-py
 #   scripts/dev.sh build                           build only
 # Build and install output goes to stderr, so stdout carries only the step's own output
 # (`dev.sh report --json` prints one JSON object).  An unknown step is rejected before building.
@@ -43,7 +43,7 @@ configure_and_build() {
   cmake --build "$BUILD_DIR" -j "$JOBS" >&2
 }
 
-# The Python package (python/) and the real-model tools (tools/real/) on the CPU: a pinned venv
+# The Python package (python/) and the lab's studies (lab/real/, lab/suite/) on the CPU: a pinned venv
 # (.venv-py, python/requirements-ci.txt: PyPI's torch, transformers, gguf), the extension built
 # without CUDA kernels into a temporary folder, then pytest (the CUDA tests skip without a GPU).
 python_tests() {
@@ -61,7 +61,7 @@ python_tests() {
   fi
   .venv-py/bin/pip install -q --disable-pip-version-check --no-cache-dir -r python/requirements-ci.txt
   PYTHON=.venv-py/bin/python CMAKE_ARGS="-DMALA_CUDA=OFF" JOBS="$JOBS" \
-    bash scripts/python_check.sh -q python/tests tools/real/tests
+    bash scripts/python_check.sh -q python/tests lab/real/tests lab/suite tests/docs
 }
 
 install_deps

@@ -1,4 +1,4 @@
-// Fidelity and work statistics over CPU arrays (docs/rule.md, "Work accounting").
+// Fidelity and work statistics over CPU arrays (docs/spec.md, "Work accounting").
 #include <algorithm>
 #include <cmath>
 #include <vector>

@@ -1,5 +1,5 @@
 // mala — MassAlloc Attention (MALA): causal softmax attention that skips the post-score work of
-// tiles whose largest contribution ratio is below tau / L_q.  The rules are in docs/rule.md.
+// tiles whose largest contribution ratio is below tau / L_q.  The rules are in docs/spec.md.
 //
 // This is the one public header.  Every entry point takes a plain argument struct and returns a
 // Status whose message names the offending argument; nothing is written when a check fails.
@@ -93,7 +93,7 @@ struct ForwardArgs {
   int block_q = 0, block_k = 0;  // 0 = the implementation's tiles (see forward_tiles)
 
   // The call as one split of a longer causal sequence (context parallelism: a rank's query chunk
-  // against one KV shard; MALA_SPEC "Seeded split-KV").  Masking still follows `causal`; these change
+  // against one KV shard; docs/spec.md, "Split rules").  Masking still follows `causal`; these change
   // the tile test only.  Not with varlen.  Defaults: off.
   //   rows_before >= 0: row r's threshold uses L_q = rows_before + r + 1, its length in the whole
   //     sequence (the global position of row 0), instead of the keys it sees in this call; it must be
@@ -150,7 +150,7 @@ struct BackwardArgs {
   // forward_block_k)], with the forward's tiles (forward_tiles()).  A backward tile none of whose
   // forward tiles was retained is skipped without recomputing its scores: the forward tested them
   // against a running normaliser no larger than the final lse, so the offline rule skips them too
-  // (MALA_SPEC: backward support is nested in forward support; the decisions are the same up to
+  // (docs/spec.md: backward support is nested in forward support; the decisions are the same up to
   // rounding at the threshold).  Each backward tile must be a union of forward tiles (forward_block_q
   // divides backward_tiles().block_q, forward_block_k its block_k).  Used by the Hopper backward at
   // d = 64 and 128 (deterministic or not); ignored elsewhere (the CPU backward included).
@@ -186,7 +186,7 @@ struct BackwardArgs {
 //   Split-KV: split s owns rule::split_tiles(ceil(Nk / block_k), num_splits, s) of the sequence's
 //   key tiles, Nk = cache_seqlens[b] + seqlen_new.  split_rule picks how a split tests its tiles.
 //
-// How a split of split-KV decode tests its tiles (MALA_SPEC "Seeded split-KV").  With one split
+// How a split of split-KV decode tests its tiles (docs/spec.md, "Split rules").  With one split
 // both are exactly the forward rule.  The CPU and the CUDA kernels implement both.
 //   seeded:    (the default) the anchor tiles of the query tile (key tile 0 and each row's newest
 //              legal key tile) are retained by the split owning them without a test; every split

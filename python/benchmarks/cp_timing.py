@@ -4,7 +4,7 @@
     torchrun --nproc-per-node 8 python/benchmarks/cp_timing.py --seqlen 32768 --check
     python python/benchmarks/cp_timing.py --single-process --world 8 --seqlen 32768 --check
 
-The inputs are the suite's workloads (bench/suite/workloads.py, mala::make_workload in PyTorch):
+The inputs are the suite's workloads (lab/suite/workloads.py, mala::make_workload in PyTorch):
 "random" (near-uniform attention) or "synthetic" (RoPE-like locality, a sink, needles; --sharpness),
 drawn for the full sequence on every rank from the same seed, cast to --dtype, then zig-zag sharded.
 

@@ -1,4 +1,4 @@
-"""python/benchmarks' timer (bench/suite/timing.py is the suite's own): CUDA events around one call,
+"""python/benchmarks' timer (lab/suite/timing.py is the suite's own): CUDA events around one call,
 the median over repetitions; and the CUDA-graph capture the decode scripts replay."""
 
 import torch

@@ -5,7 +5,7 @@ tau = 1 per_split, with the realized work and the byte floor (issue #29, "Benchm
         [--real $S/layer00,$S/layer14] [--num-splits 0 16 33 66]
 
 One new token per sequence (q [B, 1, Hq, d]) against a contiguous cache of N keys per sequence;
-Hq = 8, Hkv = 1, d = 128, bf16.  The cache holds the suite's workloads (bench/suite/workloads.py):
+Hq = 8, Hkv = 1, d = 128, bf16.  The cache holds the suite's workloads (lab/suite/workloads.py):
 "random" (nothing can be skipped) and "synthetic" at --sharpness (default 16), and with --real a real
 model's captured K, V and last query row (its own head counts); every sequence of the batch is the
 same sequence, the query its last row.  --num-splits times each row at several split counts.  Per row: median microseconds over --reps calls
@@ -51,7 +51,7 @@ def copy_bandwidth():
 
 def workload(regime, n, args):
     """(q of the last row [1, 1, Hq, d], k [1, n, Hkv, d], v) for a suite regime, or for 'real:PREFIX'
-    (captured states PREFIX_{q,k,v}.npy [N, H, d], tools/real/qwen_measure.py's save step: the first
+    (captured states PREFIX_{q,k,v}.npy [N, H, d], lab/real/qwen_measure.py's save step: the first
     n rows, the query row n - 1); None when the capture has fewer than n rows."""
     if regime.startswith("real:"):
         import numpy as np

@@ -4,7 +4,7 @@ times, peak memory and realized work (issue #35, "Scale").
     python python/benchmarks/scale.py [--seqlens 131072 524288 1048576] [--taus 0 1] [--out scale.json]
 
 Shape: B = 1, Hq = 8, Hkv = 1, d = 128, bf16, causal (the paper's).  Inputs: the benchmark suite's
-workloads (bench/suite/workloads.py): "random" (N(0, 1): MALA keeps almost every tile) and
+workloads (lab/suite/workloads.py): "random" (N(0, 1): MALA keeps almost every tile) and
 "synthetic" (locality, a sink, needles; --sharpness, default 16).  Each row: forward ms, backward ms
 (the backward timed alone after a forward; CUDA events, median of --reps), the peak memory PyTorch
 allocates beyond the inputs during a forward + backward, and the realized work (slots/query,
@@ -29,7 +29,7 @@ from cuda_timer import median_ms  # noqa: E402
 
 
 def make_inputs(n, hq, hkv, d, regime, sharpness, seed=0):
-    """The suite's workloads (bench/suite/workloads.py, mala::make_workload in PyTorch), bf16."""
+    """The suite's workloads (lab/suite/workloads.py, mala::make_workload in PyTorch), bf16."""
     q, k, v, _ = make_workload(regime, 1, n, hq, hkv, d, sharpness=sharpness, seed=seed, device="cuda",
                                with_dout=False)
     return q.to(torch.bfloat16), k.to(torch.bfloat16), v.to(torch.bfloat16)

@@ -5,7 +5,7 @@ with mala_bench's protocol (CUDA events, L2 flushed before each timed call, medi
         [--head-dims 64 128 256] [--dtype bf16] [--iters 10]
 
 Random N(0, 1) inputs, batch 1, [B, H, N, d] layout; K and V are expanded to the query heads (the
-cuDNN backend takes no GQA), as bench/suite/systems.py does.  TFLOP/s use the causal count of
+cuDNN backend takes no GQA), as lab/suite/systems.py does.  TFLOP/s use the causal count of
 mala_bench (forward 4 N^2 d Hq / 2, backward 2.5x that).  Needs only torch.
 """
 

@@ -187,7 +187,7 @@ Tensor workspace(size_t bytes, const Tensor& like) {
 }
 
 // The ops' outputs, allocated with the decode call's latency in mind (the host time of a decode step
-// adds to the step, whose batch-1 kernels take 10-25 us): an output on CUDA comes straight from
+// adds to the step, whose batch-1 kernels are short): an output on CUDA comes straight from
 // at::detail::empty_cuda, where at::empty ends, without going through the dispatcher again (the
 // op already runs at its backend's key).
 Tensor new_empty(at::IntArrayRef shape, at::ScalarType type, const Tensor& like) {
@@ -805,8 +805,8 @@ bool plain_tensor(PyObject* obj, const Tensor** out) {
 //                        softmax_scale, num_splits, split_rule, return_lse)
 //     -> out, or (out, lse) with return_lse; NotImplemented where the operator must run instead.
 // mala.attention_with_kvcache's eager call.  A decode step's host time adds to its latency, and
-// torch.ops' argument parsing and dispatch cost about 4 us of a 17 us call (H100 host,
-// decode_host_overhead.py); this entry point parses 13 positional arguments and runs the operator's
+// torch.ops' argument parsing and dispatch are a large part of a decode call's host time
+// (python/benchmarks/decode_host_overhead.py measures it); this entry point parses 13 positional arguments and runs the operator's
 // own checks and launches (kvcache_core), without allocating the lse and stats outputs nobody asked
 // for.  It declines (NotImplemented) whatever the dispatcher would treat differently: a tensor that
 // is not a plain torch.Tensor (plain_tensor), an active TorchDispatchMode or torch function mode.

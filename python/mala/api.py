@@ -294,7 +294,7 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     attending; attention then sees cache_seqlens[b] + Nnew keys, bottom-right causal.  cache_seqlens
     itself is not advanced.  num_splits 0 = automatic split-KV.  Capturable in a CUDA graph.
 
-    split_rule: how each split of split-KV tests its tiles (docs/rule.md, "Split rule"): "seeded"
+    split_rule: how each split of split-KV tests its tiles (docs/spec.md, "Split rules"): "seeded"
     (the default: every split also counts the exact mass of the anchor tiles, key tile 0 and the
     newest tile, so far splits skip about what one split would; same bound) or "per_split" (the
     paper's rule: far splits keep nearly every tile).  With one split both are the forward rule.
@@ -334,7 +334,7 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             if lo < 0 or hi >= k_cache.shape[0]:
                 raise ValueError(f"block_table: entries must lie in [0, {k_cache.shape[0]}) (got {lo}..{hi})")
     if not (return_stats or torch.compiler.is_compiling()):
-        # The eager call skips the dispatcher (about 4 us of host time, which a decode step waits
+        # The eager call skips the dispatcher (host time, which a decode step waits
         # for); the extension hands back NotImplemented where the dispatcher would do something
         # else (tensor subclasses, dispatch or torch-function modes), and the operator runs then.
         r = _C.kvcache_direct(q, k_cache, v_cache, cache_seqlens, k, v, block_table, tau, bool(causal), scale, splits,

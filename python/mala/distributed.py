@@ -6,7 +6,7 @@
 
 The sequence of N = 2 W C tokens is cut into 2W chunks of C tokens; rank r holds chunks r and
 2W-1-r (zig-zag), so every rank does the same causal work.  Each pair (query chunk a, key chunk b),
-b <= a, is one split of MALA_SPEC's seeded split-KV rule (docs/distributed.md):
+b <= a, is one split of docs/spec.md's seeded split-KV rule (docs/distributed.md):
 
 - Forward: the KV shards travel around the ring (the next shard is in flight while the current one
   is computed).  A pair calls torch.ops.mala.fwd_split with the row offset a * C, so the threshold
@@ -80,7 +80,7 @@ def _pairs(rank: int, src: int, world_size: int) -> List[Tuple[int, int, int, in
 
 @dataclass
 class RingAttentionStats:
-    """Work realized by one context-parallel call (MALA_SPEC "Work accounting", summed over splits).
+    """Work realized by one context-parallel call (docs/spec.md, "Work accounting", summed over splits).
 
     fwd_slots / bwd_slots: int32 [B, Hq, 2C], this rank's rows in shard order: block_k for every
     retained tile of the row's query tile, summed over the pairs (splits) of the row.  The means,

@@ -10,7 +10,7 @@ ranks against single-process references.
 - The split operators torch.ops.mala.fwd_split / bwd_split equal their float64 reference call by call.
 - Argument errors name the argument.
 
-The references below are plain PyTorch in float64, written from MALA_SPEC ("Seeded split-KV",
+The references below are plain PyTorch in float64, written from docs/spec.md ("Split rules",
 "Work accounting") and the operator contract of torch.ops.mala.fwd_split / bwd_split, independently
 of mala/distributed.py (the schedule reference works on the full sequence in global tile indices).
 """
@@ -29,7 +29,7 @@ import mala.distributed as mcp
 from conftest import local_inputs
 
 ILLEGAL, SKIPPED, RETAINED = 0, 1, 2
-FLIP_MARGIN = 1e-3  # MALA_SPEC: a tile whose margin is below this may flip between implementations
+FLIP_MARGIN = 1e-3  # docs/spec.md: a tile whose margin is below this may flip between implementations
 
 
 # ---- float64 references of the split operators ---------------------------------------------------
@@ -182,7 +182,7 @@ def _anchor_seed(scores_full, p0, chunk, b, block_q, block_k):
 
 def ref_schedule(q, k, v, dout, chunk, tau, softmax_scale, fwd_tiles, bwd_tiles, seeded=True, backward=True):
     """The context-parallel schedule on the full sequence in float64: every (query chunk a, key chunk
-    b <= a) is one split; seeds, merge and offline backward as MALA_SPEC.  Returns a dict with out,
+    b <= a) is one split; seeds, merge and offline backward as docs/spec.md.  Returns a dict with out,
     lse, dq, dk, dv (fp64), fwd_slots/bwd_slots [B, Hq, N] and, per row, the smallest forward and
     backward |margin| of its query tile (for the rounding-flip allowance), and the [retained, legal]
     tile counts fwd_tiles / bwd_tiles.  seeded=False: the paper's per-split rule (no seeds, nothing
@@ -365,7 +365,7 @@ def test_tau0_equals_dense(ring):
 
 def test_tau1_equals_schedule_reference(ring):
     """tau = 1 on a sharp input: the same tiles as the float64 reference of the split schedule (up to
-    MALA_SPEC's rounding flips: only where the reference's margin is below 1e-3), and the same
+    docs/spec.md's rounding flips: only where the reference's margin is below 1e-3), and the same
     outputs, lse and gradients."""
     world_size, results = ring
     res = results["sharp"]
@@ -392,7 +392,7 @@ def test_tau1_equals_schedule_reference(ring):
 
 
 def test_tau1_omitted_mass_bound(ring):
-    """The bound of MALA_SPEC holds across the ranks: 1 - exp(lse - lse_dense) <= tau / (1 + tau)."""
+    """The bound of docs/spec.md holds across the ranks: 1 - exp(lse - lse_dense) <= tau / (1 + tau)."""
     world_size, results = ring
     _, dense = _schedule_reference("sharp", world_size)
     omitted = 1 - torch.exp(results["sharp"]["lse"].double() - dense["lse"])

@@ -1,5 +1,5 @@
 // The MALA rule, written once for the CPU implementation and every CUDA kernel.
-// See docs/rule.md (and ../shared/MALA_SPEC.md) for the definition these functions implement.
+// See docs/spec.md for the definition these functions implement.
 #pragma once
 
 #include <math.h>
@@ -70,7 +70,7 @@ MALA_HD bool row_allows_skip(float tile_max, float log_norm, float log_thr) {
 // bound kept per row and recomputed only when the normaliser changes (the warp-specialized forward):
 // with tile_max = raw / inv_scale (inv_scale > 0), row_allows_skip(tile_max, log_norm, log_thr) holds
 // iff row_allows_skip_raw(raw, skip_bound_raw(log_norm, log_thr, inv_scale)), up to the rounding of
-// the rearrangement (margins near 1e-6, far inside the 1e-3 flips MALA_SPEC allows).  The special
+// the rearrangement (margins near 1e-6, far inside the 1e-3 flips docs/spec.md allows).  The special
 // rows need no branch: nothing retained yet (log_norm = -inf) gives the bound -inf, which any legal
 // (finite) score exceeds and a row without legal keys in the tile (raw = -inf) does not; a row with
 // no legal key at all (log_thr = +inf, raw always -inf) gets +inf or NaN, which nothing exceeds.
@@ -98,7 +98,7 @@ MALA_HD void split_tiles(int n_tiles, int num_splits, int split, int* begin, int
 
 MALA_HD int ceil_div(int a, int b) { return (a + b - 1) / b; }
 
-// ---- seeded split-KV (MALA_SPEC "Seeded split-KV") ------------------------------------------------
+// ---- seeded split-KV (docs/spec.md, "Split rules") ------------------------------------------------
 // The anchor tiles of a query tile: key tile 0 and the newest legal key tile of each of its rows
 // (the tile holding key L_q - 1; rows with L_q = 0 have none).  The rows' newest tiles form the
 // contiguous range [newest_tile(min L_q > 0), newest_tile(max L_q)], one tile when all rows share L_q

@@ -470,7 +470,7 @@ TEST(Decode, StridedEqualsContiguousAndNonCausal) {
 
 }  // namespace
 
-// ---- seeded split-KV (MALA_SPEC "Seeded split-KV") ---------------------------------------------
+// ---- seeded split-KV (docs/spec.md, "Split rules") ---------------------------------------------
 namespace {
 
 // A decode problem on the synthetic workload (locality, a sink, needles): sequence b's cache is

@@ -718,7 +718,7 @@ TEST_P(GpuDecode, OneSplitRulesEqual) {
   EXPECT_EQ(seeded.slots, per_split.slots);
 }
 
-// The guarantee of the seeded rule over thousands of rows (MALA_SPEC "Seeded split-KV"): every row's
+// The guarantee of the seeded rule over thousands of rows (docs/spec.md, "Split rules"): every row's
 // omitted dense mass 1 - exp(lse - lse_dense) is at most tau / (1 + tau) (lse_dense: the same call
 // at tau = 0), no row ends empty, tile 0 and the newest tile of every query tile are retained.
 // Random keys with wide queries (nothing is skipped: the bound must hold trivially), score ramps of

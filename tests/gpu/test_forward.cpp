@@ -4,9 +4,10 @@
 // < 1e-2 against the CPU's fp32 O, lse close, fwd_slots consistent with the kernel's tile_mask, every
 // output written (poisoned buffers), no NaN.
 // Every test that runs kernels runs once per forward kernel (the kernel override of
-// src/cuda/backend.h, a test parameter): the dispatch's own choice, the mma.sync kernel, and the
-// two-warpgroup wgmma kernel with cp.async loads (on devices without wgmma, the last two run what
-// the dispatch chooses there).
+// src/cuda/backend.h, a test parameter), four in all: the dispatch's own choice (on sm_90 the
+// 128-key kernel), the mma.sync kernel, the two-warpgroup wgmma kernel with cp.async loads, and the
+// 64-key warp-specialized kernel (wgmma_ws, which runs only under the override).  On devices without
+// wgmma the last three run what the dispatch chooses there.
 // ForwardFuzz.RandomShapes runs the same checks on 400 random shapes under the dispatch's own kernels
 // (seeded; MALA_FUZZ_SEED, MALA_FUZZ_CASES, MALA_FUZZ_CASE: see gpu_util.h).
 #include <algorithm>

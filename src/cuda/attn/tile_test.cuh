@@ -143,7 +143,7 @@ __device__ __forceinline__ bool warp_tile_skip_norm(const float (&tile_max)[MT][
                                                     const float (&log_thr)[MT][2]) {
   return warp_vote_skip(lane_rows_allow_skip<MT>(tile_max, log_norm, log_thr));
 }
-// The seeded split-KV denominator (MALA_SPEC "Seeded split-KV") in the kernels' base 2:
+// The seeded split-KV denominator (docs/spec.md, "Split rules") in the kernels' base 2:
 // log2(2^log2_anchor + 2^m l), rule::log_add_exp carried over from natural logs.  log2_anchor = -inf
 // (no anchor mass) gives m + log2(l) up to rounding; nothing at all gives -inf.
 __device__ __forceinline__ float seeded_log2_norm(float log2_anchor, float m, float l) {

@@ -170,15 +170,13 @@ Plan make_plan(const BackwardArgs& a) {
     };
     while (splits < group && base * splits < want) more();
     // At most two heads per CTA: CTAs that loop over more heads drift apart (a CTA with fewer query
-    // tiles reaches the next head sooner) and stop sharing the L2 lines of the dQ rows they add to
-    // (H100, d = 128: 128K with 8 query heads 172 ms instead of 197; 32K with 16 query heads over 2 KV
-    // heads 21.3 instead of 23.7-24.0, with 12 of them 15.4-16.0 instead of 15.9-16.3).  (Not at
-    // d = 256, whose key-major kernel adds no dQ.)  One at d = 128 from 32K query rows, outside the
-    // deterministic mode (whose dK/dV slices grow with the splits): a sink's key tile, which every
-    // row keeps at tau > 0, is then one head's work, not two (H100, s = 16 at 128K with 8 query heads
-    // 10.5-10.7 ms instead of 11.8-11.9, 32K 1-2.5%; dense level;
-    // bench/results/mala_bench_bwd_one_head_h100.log).  Shorter sequences keep two: not measured
-    // there, and each CTA's dK/dV atomics weigh more against its shorter walk.
+    // tiles reaches the next head sooner) and stop sharing the L2 lines of the dQ rows they add to,
+    // so the dQ reduce-adds go to DRAM.  (Not at d = 256, whose key-major kernel adds no dQ.)  One at
+    // d = 128 from 32K query rows, outside the deterministic mode (whose dK/dV slices grow with the
+    // splits): a sink's key tile, which every row keeps at tau > 0, is then one head's work, not
+    // two, and where the rest is skipped that walk is the critical path; dense calls do not notice.
+    // Shorter sequences keep two: not measured there, and each CTA's dK/dV atomics weigh more
+    // against its shorter walk.  The measurements: docs/journal.md.
     const int max_heads = a.head_dim == 128 && !a.deterministic && a.seqlen_q >= 32768 ? 1 : 2;
     if (a.head_dim != 256)
       while (group / splits > max_heads) more();

@@ -28,7 +28,7 @@
 //     dQ -> shared memory (swizzled, conflict-free) for the writer.
 //   A skipped tile stops after S^T: it releases its Q slot and issues no dP^T, dV, dK or dQ work.
 //   With the forward's tile mask (kFwdMask), a tile none of whose forward tiles was retained is
-//   skipped before S^T: no Q or dO load, no vote (the offline test would skip it: rule.md).
+//   skipped before S^T: no Q or dO load, no vote (the offline test would skip it: spec.md).
 #pragma once
 
 #include <type_traits>

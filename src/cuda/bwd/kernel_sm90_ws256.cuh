@@ -14,8 +14,7 @@
 //   by head dims   dV[:, 128g..] += P^T dO[:, 128g..],  dK[:, 128g..] += dS^T Q[:, 128g..]
 //                  (m64n128k64, over the retained row halves only).
 // dQ is not computed here: its partials, 64 KB of fp32 adds per 64 x 64 tile into an accumulator,
-// took longer than all the rest at the L2's reduction rate (H100, 32K: 40.6 ms with them, 17.3 ms,
-// 634 TF/s, without).
+// took longer than all the rest of the kernel at the L2's reduction rate.
 // Three warpgroups (384 threads):
 //   producer (warpgroup 0, 24 registers): warp 0 K and V once, then Q_t with its rows' lse and skip
 //     bound into a ring of 2 slots; warp 1 dO_t with D = rowsum(dO * O) into a ring of 2 slots (every

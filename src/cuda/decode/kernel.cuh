@@ -4,7 +4,7 @@
 // rows, split, query-tile owner, batch).
 // It walks the split's legal key tiles newest first (rule::split_tiles of ceil(Nk/BK) tiles) with its
 // own m, l and tests every tile with rule::row_allows_skip against the FULL L_q (log2 domain).
-// Seeded split rule (p.seeded, MALA_SPEC "Seeded split-KV"): the walk is preceded by the anchor
+// Seeded split rule (p.seeded, docs/spec.md, "Split rules"): the walk is preceded by the anchor
 // tiles the split does not own (key tile 0 and the rows' newest legal tiles, rule::is_anchor_tile),
 // scored together in one pass before the walk: their K comes through the same slot ring (the
 // first prologue loads) and QK, and their exact per-row mass over legal keys is kept as a second

@@ -5,11 +5,11 @@
 //     (varlen calls without total_k), at d = 128 the two-warpgroup wgmma kernel with cp.async loads
 //     (fwd/kernel_sm90.cuh);
 //   everything else, and seeded splits the TMA cannot serve: the mma.sync kernel (fwd/kernel_sm80.cuh).
-// The decision tile is the chosen kernel's (forward_tiles asks the same choice): 32 x fwd_k128_bk(d)
-// for the 128-key kernel, FwdConfig's for the others (the warp-specialized kernel runs only under
-// the override).  Each kernel's tau = 0 instance runs at tau = 0 (the
-// mma.sync kernel's where FwdConfig has one).  The kernel override (backend.h) forces another kernel
-// for tests and benchmarks.
+// The decision tile is the chosen kernel's (forward_tiles asks the same choice):
+// fwd_k128_dec_rows(d) x fwd_k128_bk(d) for the 128-key kernel, FwdConfig's for the others (the
+// 64-key warp-specialized kernel, fwd/kernel_sm90_ws.cuh, runs only under the override).  Each
+// kernel's tau = 0 instance runs at tau = 0 (the mma.sync kernel's where FwdConfig has one).  The
+// kernel override (backend.h) forces another kernel for tests and benchmarks.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>

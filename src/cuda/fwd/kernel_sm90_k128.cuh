@@ -13,8 +13,8 @@
 //     d = 128, each warpgroup otherwise, publishes per tile whether it runs it, through a ring of 8
 //     slots) says some ran; otherwise it waits for tile t's decisions and loads V(t) only where
 //     some warp runs it, else completes the slot's full barrier with a plain arrival (no bytes).  A
-//     producer that always waited for the decision was 4-5% slower where every tile is kept
-//     (bench/results/mala_bench_fwd_k128_tau_h100.log, item 7).
+//     producer that always waited for the decision was slower where every tile is kept: it stalled
+//     V behind every vote (docs/journal.md).
 //   consumers (warpgroups 1 and 2, 240 registers, 64 rows each; Q in registers, at d = 256 in shared
 //     memory): per key tile, from the diagonal down,
 //       issue S(t - 1) = Q K(t - 1)^T; at d = 128 the warpgroup's vote on tile t (one bar.red.or,
@@ -52,14 +52,14 @@ struct FwdK128 {
   static constexpr bool kQSmem = D == 256;
   // The decision tile: kDecRows x BK.  d = 128: a warp's 16 rows, and the warpgroup's vote on whether
   // to run P V waits until the next S is issued (kWarpVote).  d = 64 and 256: a warp pair's 32 rows,
-  // voted on before the exponentials; per-warp decisions there were 13% (d = 64) and 6% (d = 256)
-  // slower on random inputs where every tile is kept (docs/kernels.md, "Decision tile").
+  // voted on before the exponentials; per-warp decisions there ran slower on random inputs, where
+  // every tile is kept (docs/journal.md).
   static constexpr int kDecRows = fwd_k128_dec_rows(D);
   static constexpr bool kWarpVote = kDecRows == 16;
   using QTile = std::conditional_t<kQSmem, GmmaTile<64, D>, SmemTile<64, D>>;
   using KVTile = GmmaTile<BK, D>;
   // K and V rings: 3 x (32 + 32) KB at d = 128 (224 KB with Q), 4 x (16 + 16) KB at d = 64.  One slot
-  // fewer was 3-4% slower at 32K with 12 query heads (d = 128) and 1-2% at d = 64.
+  // fewer ran slower at both head dims (docs/journal.md).
   static constexpr int kStages = D == 256 ? 2 : D == 128 ? 3 : 4;
   static constexpr int kOffK = 0;
   static constexpr int kOffV = kOffK + kStages * KVTile::kBytes;
@@ -72,8 +72,8 @@ struct FwdK128 {
   // kDecSlots >= kStages + 2 keeps a slot from being reused before the producer has read it (the
   // consumers run at most kStages + 1 uses ahead of the producer's reads: see the producer).
   // kVSkip: whether V waits on the decision at tau > 0.  Not at d = 64, where a tile's products are
-  // short: there the decision ring cost 14-19% where every tile is kept (32K and 128K, H100) and
-  // saved 6% where 0.5% of tiles are (docs/kernels.md, "V loads after a skip").
+  // short: there the decision ring cost more where every tile is kept than it saved where few are
+  // (docs/kernels.md, "V after a skip").
   static constexpr bool kVSkip = D != 64;
   static constexpr int kDecSlots = 8;  // a power of 2
   static constexpr int kPublishers = kWarpVote ? 8 : 2;

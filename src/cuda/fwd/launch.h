@@ -32,7 +32,7 @@ struct FwdLaunch {
   bool dense = false;   // tau = 0: the kernel's dense instance (sm80: where FwdConfig has one)
   bool record = false;  // the call records the tile mask (sm90_ws has an instance without that code)
   // A seeded split (FwdParams::seed_lse, tau > 0): the sm90_k128, sm90_ws and sm80 instances with the
-  // seed's bookkeeping (its code in the loop cost the unseeded instances 6-7% at tau = 1 when shared).
+  // seed's bookkeeping (its code in the loop slowed the unseeded instances when they shared it).
   bool seeded = false;
   CUtensorMap tmap_k{}, tmap_v{};  // sm90_ws, sm90_k128: K and V described to the TMA (core/tma.cuh)
 };
