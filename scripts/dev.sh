@@ -2,9 +2,11 @@
 # One entry point for a fresh machine: installs what the build needs (Debian packages), configures,
 # builds, then runs the requested step.
 #   scripts/dev.sh report [mala report flags...]   build and run `mala report`
-#   scripts/dev.sh test                            build and run every CPU test (what CI runs): ctest, then
-#                                                  the Python package's tests and the lab's (python/tests,
-#                                                  lab/real/tests, lab/suite, and tests/docs: the docs' links) in .venv-py
+#   scripts/dev.sh test                            build and run every CPU test (what CI runs): ctest, the
+#                                                  C++ bad-input tests under ASan + UBSan (scripts/sanitize.sh,
+#                                                  build-asan), then the Python package's tests and the lab's
+#                                                  (python/tests, lab/real/tests, lab/suite, lab/train/tests,
+#                                                  and tests/docs: the docs' links) in .venv-py
 #   scripts/dev.sh build                           build only
 # Build and install output goes to stderr, so stdout carries only the step's own output
 # (`dev.sh report --json` prints one JSON object).  An unknown step is rejected before building.
@@ -61,7 +63,7 @@ python_tests() {
   fi
   .venv-py/bin/pip install -q --disable-pip-version-check --no-cache-dir -r python/requirements-ci.txt
   PYTHON=.venv-py/bin/python CMAKE_ARGS="-DMALA_CUDA=OFF" JOBS="$JOBS" \
-    bash scripts/python_check.sh -q python/tests lab/real/tests lab/suite tests/docs
+    bash scripts/python_check.sh -q python/tests lab/real/tests lab/suite lab/train/tests tests/docs
 }
 
 install_deps
@@ -72,6 +74,8 @@ case "$step" in
   report) "$BUILD_DIR/tools/mala" report "$@" ;;
   test)
     ctest --test-dir "$BUILD_DIR" --output-on-failure -j "$JOBS" "$@"
+    # The bad-input tests again under ASan + UBSan (CPU library and test binary only).
+    JOBS="$JOBS" bash scripts/sanitize.sh
     python_tests
     ;;
   *) echo "dev.sh: unknown step '$step' (report | test | build)" >&2; exit 2 ;;

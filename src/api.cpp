@@ -1,7 +1,8 @@
 // Public entry points: check the arguments once, then hand them to the CPU implementation or the
-// CUDA backend according to args.device.
+// CUDA backend according to args.device.  No exception leaves them: a failed allocation is a Status.
 #include <omp.h>
 
+#include "cpu/common.h"
 #include "cpu/cpu.h"
 #include "cuda/backend.h"
 #include "mala/mala.h"
@@ -59,19 +60,19 @@ size_t decode_workspace_size(const DecodeArgs& a) {
 Status forward(const ForwardArgs& a) {
   Status s = check(a);
   if (!s) return s;
-  return a.device == Device::cuda ? cuda_backend::forward(a) : cpu::forward(a);
+  return cpu::detail::guard_oom([&] { return a.device == Device::cuda ? cuda_backend::forward(a) : cpu::forward(a); });
 }
 
 Status backward(const BackwardArgs& a) {
   Status s = check(a);
   if (!s) return s;
-  return a.device == Device::cuda ? cuda_backend::backward(a) : cpu::backward(a);
+  return cpu::detail::guard_oom([&] { return a.device == Device::cuda ? cuda_backend::backward(a) : cpu::backward(a); });
 }
 
 Status decode(const DecodeArgs& a) {
   Status s = check(a);
   if (!s) return s;
-  return a.device == Device::cuda ? cuda_backend::decode(a) : cpu::decode(a);
+  return cpu::detail::guard_oom([&] { return a.device == Device::cuda ? cuda_backend::decode(a) : cpu::decode(a); });
 }
 
 }  // namespace mala

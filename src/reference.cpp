@@ -29,7 +29,7 @@ void softmax_row(const float* q, const float* K, int64_t key_stride, int64_t L, 
     double s = 0;
     for (int64_t x = 0; x < d; ++x) s += static_cast<double>(q[x]) * kr[x];
     p[k] = scale * s;
-    mx = std::max(mx, p[k]);
+    mx = rule::nan_max(mx, p[k]);
   }
   double sum = 0;
   for (int64_t k = 0; k < L; ++k) {

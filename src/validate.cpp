@@ -8,6 +8,7 @@
 #include <utility>
 
 #include "cpu/cpu.h"
+#include "common/checked.h"
 #include "common/layout.h"
 #include "cuda/backend.h"
 #include "mala/mala.h"
@@ -103,12 +104,21 @@ Status check_block(Device d, int v, int cuda_value, const char* name) {
 // Element strides of a [count_batch, rows, heads, head_dim] tensor: no negative stride, and no two
 // (batch, row, head) positions may share an element.  Sufficient test: sorted by stride, every
 // dimension must step past the whole extent of the dimensions inside it.
+// The tensor's byte extent must fit in int64 (elem bytes per element), so that every element and
+// byte offset the implementations compute from these strides is exact.
 Status check_strides(const char* name, const Strides& s, int64_t batch, int64_t seqlen, int64_t heads,
-                     int64_t head_dim) {
+                     int64_t head_dim, size_t elem) {
   if (s.batch < 0 || s.row < 0 || s.head < 0)
     return fail(name, "strides must be >= 0 (got batch=" + str(s.batch) + ", row=" + str(s.row) +
                           ", head=" + str(s.head) + ")");
-  layout::Resolved r = layout::resolve(s, seqlen, heads, head_dim);
+  // layout::resolve's defaults, computed checked: heads * head and seqlen * row may not wrap.
+  const std::string tensor = std::string(name).substr(0, std::string(name).rfind("_strides"));
+  layout::Resolved r{s.batch, s.row, s.head != 0 ? s.head : head_dim};
+  bool fits = s.row != 0 || checked::mul(heads, r.head, &r.row);
+  fits = fits && (s.batch != 0 || checked::mul(seqlen, r.row, &r.batch));
+  if (!fits)
+    return fail(tensor, "its shape [" + str(batch) + ", " + str(seqlen) + ", " + str(heads) + ", " + str(head_dim) +
+                            "] and strides overflow int64 element offsets");
   struct Dim {
     const char* what;
     int64_t count, stride;
@@ -134,6 +144,16 @@ Status check_strides(const char* name, const Strides& s, int64_t batch, int64_t 
                             str(head_dim) + ")");
     span += (dm.count - 1) * dm.stride;
   }
+  if (span > INT64_MAX / static_cast<int64_t>(elem))
+    return fail(tensor, "spans " + str(span) + " elements of " + str(elem) + " bytes: more than 2^63 bytes (shape [" +
+                            str(batch) + ", " + str(seqlen) + ", " + str(heads) + ", " + str(head_dim) + "])");
+  return Status::success();
+}
+
+// Bytes of a flat buffer holding the product of `factors` bytes; fails naming `name` when that
+// does not fit in int64.
+Status flat_bytes(const char* name, std::initializer_list<int64_t> factors, int64_t* bytes) {
+  if (!checked::product(factors, bytes)) return fail(name, "its size in bytes overflows int64");
   return Status::success();
 }
 
@@ -280,7 +300,7 @@ Status check_no_overlap(const Region (&inputs)[NI], const Region (&outputs)[NO])
   return Status::success();
 }
 
-int64_t ceil_div(int64_t a, int64_t b) { return b > 0 ? (a + b - 1) / b : 0; }
+int64_t ceil_div(int64_t a, int64_t b) { return b > 0 ? a / b + (a % b != 0) : 0; }  // no a + b overflow
 
 // A varlen call's optional packed row count (ForwardArgs::total_k, BackwardArgs::total_q/total_k):
 // 0 = not given; else at least the longest sequence and (on the CPU, where the offsets are readable)
@@ -290,11 +310,13 @@ Status check_total(Device device, int64_t batch, int64_t total, int64_t seqlen, 
   if (total == 0) return Status::success();
   if (!cu) return fail(name, std::string("is for varlen inputs (") + cu_name + ") only");
   if (total < 0 || total > kMaxSeqlen) return fail(name, "must be in [0, 2^31) (got " + str(total) + ")");
+  // The offsets are the caller's argument that is wrong here: name them.
+  if (device == Device::cpu && total < cu[batch])
+    return fail(cu_name, "last entry (" + str(cu[batch]) + ") is past the rows of the packed tensor (" + name +
+                             " = " + str(total) + ")");
   if (total < seqlen)
     return fail(name, std::string("is below ") + seqlen_name + ", the longest sequence (" + str(total) + " < " +
                           str(seqlen) + ")");
-  if (device == Device::cpu && total < cu[batch])
-    return fail(name, std::string("is below ") + cu_name + "[batch] (" + str(total) + " < " + str(cu[batch]) + ")");
   *rows = total;
   return Status::success();
 }
@@ -326,25 +348,31 @@ Status check_overlap(const ForwardArgs& a) {
   const size_t es = dtype_size(a.dtype);
   const bool varlen = a.cu_seqlens_q != nullptr;
   const int64_t nb = varlen ? 1 : a.batch;
-  const int64_t rq = varlen ? total_rows(a.device, a.cu_seqlens_q, a.batch, a.seqlen_q) : a.seqlen_q;
+  int64_t rq = varlen ? total_rows(a.device, a.cu_seqlens_q, a.batch, a.seqlen_q) : a.seqlen_q;
   int64_t rk = varlen ? total_rows(a.device, a.cu_seqlens_k, a.batch, a.seqlen_k) : a.seqlen_k;
+  if (varlen && a.total_q > 0) rq = a.total_q;
   if (varlen && a.total_k > 0) rk = a.total_k;
-  const int64_t rows = a.heads_q * (varlen ? rq : a.batch * a.seqlen_q);
   // The tiles only for a tile mask: on the GPU they are the dispatch's kernel choice (tensor maps).
   const Tiles t = a.tile_mask ? forward_tiles(a) : Tiles{};
+  int64_t row_bytes = 0, mask_bytes = 0;  // of lse / fwd_slots / seed_lse, and of tile_mask
+  const char* row_name = a.lse ? "lse" : a.fwd_slots ? "fwd_slots" : "seed_lse";
+  if (a.lse || a.fwd_slots || a.seed_lse)
+    MALA_TRY(flat_bytes(row_name, {4, a.heads_q, varlen ? rq : a.batch, varlen ? 1 : a.seqlen_q}, &row_bytes));
+  if (a.tile_mask)
+    MALA_TRY(flat_bytes("tile_mask", {a.batch, a.heads_q, ceil_div(a.seqlen_q, t.block_q), ceil_div(a.seqlen_k, t.block_k)},
+                        &mask_bytes));
   const Region in[] = {
       strided(a.q, "q", es, a.q_strides, nb, rq, a.heads_q, a.head_dim),
       strided(a.k, "k", es, a.k_strides, nb, rk, a.heads_kv, a.head_dim),
       strided(a.v, "v", es, a.v_strides, nb, rk, a.heads_kv, a.head_dim),
       flat(a.cu_seqlens_q, "cu_seqlens_q", varlen ? 4 * (a.batch + 1) : 0),
       flat(a.cu_seqlens_k, "cu_seqlens_k", a.cu_seqlens_k ? 4 * (a.batch + 1) : 0),
-      flat(a.seed_lse, "seed_lse", 4 * rows)};
+      flat(a.seed_lse, "seed_lse", row_bytes)};
   const Region out[] = {
       strided(a.o, "o", es, a.o_strides, nb, rq, a.heads_q, a.head_dim),
-      flat(a.lse, "lse", 4 * rows),
-      flat(a.fwd_slots, "fwd_slots", 4 * rows),
-      flat(a.tile_mask, "tile_mask",
-           a.batch * a.heads_q * ceil_div(a.seqlen_q, t.block_q) * ceil_div(a.seqlen_k, t.block_k))};
+      flat(a.lse, "lse", row_bytes),
+      flat(a.fwd_slots, "fwd_slots", row_bytes),
+      flat(a.tile_mask, "tile_mask", mask_bytes)};
   return check_no_overlap(in, out);
 }
 
@@ -356,24 +384,27 @@ Status check_overlap(const BackwardArgs& a) {
   int64_t rk = varlen ? total_rows(a.device, a.cu_seqlens_k, a.batch, a.seqlen_k) : a.seqlen_k;
   if (varlen && a.total_q > 0) rq = a.total_q;
   if (varlen && a.total_k > 0) rk = a.total_k;
-  const int64_t rows = a.heads_q * (varlen ? rq : a.batch * a.seqlen_q);
   const Tiles t = backward_tiles(a);
+  int64_t row_bytes = 0, mask_bytes = 0;  // of lse / bwd_slots, and of tile_mask
+  MALA_TRY(flat_bytes("lse", {4, a.heads_q, varlen ? rq : a.batch, varlen ? 1 : a.seqlen_q}, &row_bytes));
+  if (a.tile_mask)
+    MALA_TRY(flat_bytes("tile_mask", {a.batch, a.heads_q, ceil_div(a.seqlen_q, t.block_q), ceil_div(a.seqlen_k, t.block_k)},
+                        &mask_bytes));
   const Region in[] = {
       strided(a.q, "q", es, a.q_strides, nb, rq, a.heads_q, a.head_dim),
       strided(a.k, "k", es, a.k_strides, nb, rk, a.heads_kv, a.head_dim),
       strided(a.v, "v", es, a.v_strides, nb, rk, a.heads_kv, a.head_dim),
       strided(a.o, "o", es, a.o_strides, nb, rq, a.heads_q, a.head_dim),
       strided(a.dout, "dout", es, a.dout_strides, nb, rq, a.heads_q, a.head_dim),
-      flat(a.lse, "lse", 4 * rows),
+      flat(a.lse, "lse", row_bytes),
       flat(a.cu_seqlens_q, "cu_seqlens_q", varlen ? 4 * (a.batch + 1) : 0),
       flat(a.cu_seqlens_k, "cu_seqlens_k", a.cu_seqlens_k ? 4 * (a.batch + 1) : 0)};
   const Region out[] = {
       strided(a.dq, "dq", es, a.dq_strides, nb, rq, a.heads_q, a.head_dim),
       strided(a.dk, "dk", es, a.dk_strides, nb, rk, a.heads_kv, a.head_dim),
       strided(a.dv, "dv", es, a.dv_strides, nb, rk, a.heads_kv, a.head_dim),
-      flat(a.bwd_slots, "bwd_slots", 4 * rows),
-      flat(a.tile_mask, "tile_mask",
-           a.batch * a.heads_q * ceil_div(a.seqlen_q, t.block_q) * ceil_div(a.seqlen_k, t.block_k)),
+      flat(a.bwd_slots, "bwd_slots", row_bytes),
+      flat(a.tile_mask, "tile_mask", mask_bytes),
       flat(a.device == Device::cuda ? a.workspace : nullptr, "workspace",
            static_cast<int64_t>(std::min<size_t>(a.workspace_bytes, INT64_MAX)))};
   return check_no_overlap(in, out);
@@ -384,27 +415,45 @@ Status check_overlap(const DecodeArgs& a) {
   const bool paged = a.block_table != nullptr;
   const int64_t cache_batch = paged ? a.num_pages : a.batch;
   const int64_t cache_rows = paged ? a.page_size : a.cache_capacity;
-  const int64_t capacity = paged ? a.page_size * a.max_pages : a.cache_capacity;
+  const int64_t capacity = paged ? a.page_size * a.max_pages : a.cache_capacity;  // checked by check_arguments
   const int64_t bt_stride = a.block_table_stride ? a.block_table_stride : a.max_pages;
-  const int64_t rows = a.batch * a.heads_q * a.seqlen_q;
   const Tiles t = decode_tiles(a);
   const int64_t group = a.heads_q / a.heads_kv;
   const int64_t tile_heads = a.pack_gqa ? a.heads_kv : a.heads_q;
-  const int64_t tile_rows = a.pack_gqa ? a.seqlen_q * group : a.seqlen_q;
-  const Region in[] = {
-      strided(a.q, "q", es, a.q_strides, a.batch, a.seqlen_q, a.heads_q, a.head_dim),
-      strided(a.k_cache, "k_cache", es, a.k_cache_strides, cache_batch, cache_rows, a.heads_kv, a.head_dim),
-      strided(a.v_cache, "v_cache", es, a.v_cache_strides, cache_batch, cache_rows, a.heads_kv, a.head_dim),
-      strided(a.k_new, "k_new", es, a.k_new_strides, a.batch, a.seqlen_new, a.heads_kv, a.head_dim),
-      strided(a.v_new, "v_new", es, a.v_new_strides, a.batch, a.seqlen_new, a.heads_kv, a.head_dim),
-      flat(a.cache_seqlens, "cache_seqlens", 4 * a.batch),
-      flat(a.block_table, "block_table", paged ? 4 * ((a.batch - 1) * bt_stride + a.max_pages) : 0)};
+  int64_t tile_rows = 0, row_bytes = 0, mask_bytes = 0;  // of lse / fwd_slots, and of tile_mask
+  const char* row_name = a.lse ? "lse" : "fwd_slots";
+  if (a.lse || a.fwd_slots) MALA_TRY(flat_bytes(row_name, {4, a.batch, a.heads_q, a.seqlen_q}, &row_bytes));
+  if (a.tile_mask) {
+    MALA_TRY(flat_bytes("tile_mask", {a.seqlen_q, a.pack_gqa ? group : 1}, &tile_rows));
+    MALA_TRY(flat_bytes("tile_mask", {a.batch, tile_heads, ceil_div(tile_rows, t.block_q), ceil_div(capacity, t.block_k)},
+                        &mask_bytes));
+  }
+  const Region q = strided(a.q, "q", es, a.q_strides, a.batch, a.seqlen_q, a.heads_q, a.head_dim);
+  const Region k_cache =
+      strided(a.k_cache, "k_cache", es, a.k_cache_strides, cache_batch, cache_rows, a.heads_kv, a.head_dim);
+  const Region v_cache =
+      strided(a.v_cache, "v_cache", es, a.v_cache_strides, cache_batch, cache_rows, a.heads_kv, a.head_dim);
+  const Region k_new = strided(a.k_new, "k_new", es, a.k_new_strides, a.batch, a.seqlen_new, a.heads_kv, a.head_dim);
+  const Region v_new = strided(a.v_new, "v_new", es, a.v_new_strides, a.batch, a.seqlen_new, a.heads_kv, a.head_dim);
+  const Region lens = flat(a.cache_seqlens, "cache_seqlens", 4 * a.batch);
+  const Region table = flat(a.block_table, "block_table", paged ? 4 * ((a.batch - 1) * bt_stride + a.max_pages) : 0);
+  // Appending writes the caches: each may share bytes with its own new rows only (the rows it is
+  // given may already sit in place), never with the other cache -- k_cache is v_cache would make
+  // the appended keys the values -- nor with what the append or the attention read.
+  if (a.k_new && a.seqlen_new > 0) {
+    const Region k_reads[] = {q, v_new, lens, table};
+    const Region v_reads[] = {q, k_new, lens, table, k_cache};
+    const Region k_out[] = {k_cache};
+    const Region v_out[] = {v_cache};
+    MALA_TRY(check_no_overlap(k_reads, k_out));
+    MALA_TRY(check_no_overlap(v_reads, v_out));
+  }
+  const Region in[] = {q, k_cache, v_cache, k_new, v_new, lens, table};
   const Region out[] = {
       strided(a.o, "o", es, a.o_strides, a.batch, a.seqlen_q, a.heads_q, a.head_dim),
-      flat(a.lse, "lse", 4 * rows),
-      flat(a.fwd_slots, "fwd_slots", 4 * rows),
-      flat(a.tile_mask, "tile_mask",
-           a.batch * tile_heads * ceil_div(tile_rows, t.block_q) * ceil_div(capacity, t.block_k)),
+      flat(a.lse, "lse", row_bytes),
+      flat(a.fwd_slots, "fwd_slots", row_bytes),
+      flat(a.tile_mask, "tile_mask", mask_bytes),
       flat(a.device == Device::cuda ? a.workspace : nullptr, "workspace",
            static_cast<int64_t>(std::min<size_t>(a.workspace_bytes, INT64_MAX)))};
   return check_no_overlap(in, out);
@@ -437,12 +486,15 @@ Status check_arguments(const ForwardArgs& a) {
   }
   RowSpace rs;
   MALA_TRY(check_varlen_and_rows(s, &rs));
+  MALA_TRY(check_total(a.device, a.batch, a.total_q, a.seqlen_q, a.cu_seqlens_q, "total_q", "cu_seqlens_q",
+                       "seqlen_q", &rs.rows_q));
   MALA_TRY(check_total(a.device, a.batch, a.total_k, a.seqlen_k, a.cu_seqlens_k, "total_k", "cu_seqlens_k",
                        "seqlen_k", &rs.rows_k));
-  MALA_TRY(check_strides("q_strides", a.q_strides, rs.batch_count, rs.rows_q, a.heads_q, a.head_dim));
-  MALA_TRY(check_strides("k_strides", a.k_strides, rs.batch_count, rs.rows_k, a.heads_kv, a.head_dim));
-  MALA_TRY(check_strides("v_strides", a.v_strides, rs.batch_count, rs.rows_k, a.heads_kv, a.head_dim));
-  MALA_TRY(check_strides("o_strides", a.o_strides, rs.batch_count, rs.rows_q, a.heads_q, a.head_dim));
+  const size_t es = dtype_size(a.dtype);
+  MALA_TRY(check_strides("q_strides", a.q_strides, rs.batch_count, rs.rows_q, a.heads_q, a.head_dim, es));
+  MALA_TRY(check_strides("k_strides", a.k_strides, rs.batch_count, rs.rows_k, a.heads_kv, a.head_dim, es));
+  MALA_TRY(check_strides("v_strides", a.v_strides, rs.batch_count, rs.rows_k, a.heads_kv, a.head_dim, es));
+  MALA_TRY(check_strides("o_strides", a.o_strides, rs.batch_count, rs.rows_q, a.heads_q, a.head_dim, es));
   MALA_TRY(check_rows_before(a.rows_before, a.causal, a.seqlen_q, a.seqlen_k, a.cu_seqlens_q != nullptr));
   if (a.seed_lse && a.cu_seqlens_q) return fail("seed_lse", "is not supported with varlen inputs (cu_seqlens_q)");
   if (!a.seed_lse && (a.owns_tile0 || a.owns_newest))
@@ -494,6 +546,7 @@ Status check_arguments(const BackwardArgs& a) {
                        "seqlen_q", &rs.rows_q));
   MALA_TRY(check_total(a.device, a.batch, a.total_k, a.seqlen_k, a.cu_seqlens_k, "total_k", "cu_seqlens_k",
                        "seqlen_k", &rs.rows_k));
+  const size_t es = dtype_size(a.dtype);
   const struct {
     const char* name;
     const Strides* st;
@@ -504,7 +557,7 @@ Status check_arguments(const BackwardArgs& a) {
                  {"dk_strides", &a.dk_strides, false},    {"dv_strides", &a.dv_strides, false}};
   for (const auto& t : tensors)
     MALA_TRY(check_strides(t.name, *t.st, rs.batch_count, t.is_q ? rs.rows_q : rs.rows_k,
-                           t.is_q ? a.heads_q : a.heads_kv, a.head_dim));
+                           t.is_q ? a.heads_q : a.heads_kv, a.head_dim, es));
   MALA_TRY(check_rows_before(a.rows_before, a.causal, a.seqlen_q, a.seqlen_k, a.cu_seqlens_q != nullptr));
   return Status::success();
 }
@@ -528,9 +581,11 @@ Status check_arguments(const DecodeArgs& a) {
   MALA_TRY(check_heads(a.heads_q, a.heads_kv));
   MALA_TRY(check_head_dim(a.device, a.head_dim));
   MALA_TRY(check_scalars(a.softmax_scale, a.tau));
-  if (a.num_splits < 0) return fail("num_splits", "must be >= 0, 0 meaning automatic (got " + str(a.num_splits) + ")");
   if (a.split_rule != SplitRule::per_split && a.split_rule != SplitRule::seeded)
     return fail("split_rule", "must be per_split or seeded (got " + str(static_cast<int>(a.split_rule)) + ")");
+  if (a.num_splits < 0 || a.num_splits > kMaxNumSplits)
+    return fail("num_splits", "must be in [0, " + str(kMaxNumSplits) + "], 0 meaning automatic (got " +
+                                  str(a.num_splits) + ")");
 
   const bool paged = a.block_table != nullptr;
   int64_t capacity;  // keys one sequence can hold
@@ -543,7 +598,15 @@ Status check_arguments(const DecodeArgs& a) {
     if (a.block_table_stride != 0 && a.block_table_stride < a.max_pages)
       return fail("block_table_stride", "must be 0 or >= max_pages = " + str(a.max_pages) + " (got " +
                                             str(a.block_table_stride) + ")");
-    capacity = a.page_size * a.max_pages;
+    if (!checked::mul(a.page_size, a.max_pages, &capacity))
+      return fail("max_pages", "page_size * max_pages overflows int64 (page_size = " + str(a.page_size) +
+                                   ", max_pages = " + str(a.max_pages) + ")");
+    int64_t bt_extent;  // elements of block_table the batch rows span
+    const int64_t bt_stride = a.block_table_stride ? a.block_table_stride : a.max_pages;
+    if (!checked::mul(a.batch - 1, bt_stride, &bt_extent) || !checked::add(bt_extent, a.max_pages, &bt_extent) ||
+        bt_extent > INT64_MAX / 4)
+      return fail("block_table_stride", "the block table's extent overflows int64 (batch = " + str(a.batch) +
+                                            ", stride = " + str(bt_stride) + ")");
   } else {
     if (a.page_size != 0 || a.max_pages != 0 || a.num_pages != 0 || a.block_table_stride != 0)
       return fail("block_table", "must not be null when page_size/max_pages/num_pages/block_table_stride are set");
@@ -570,16 +633,17 @@ Status check_arguments(const DecodeArgs& a) {
     MALA_TRY(check_block(a.device, a.block_k, 0, "block_k"));
   }
 
-  MALA_TRY(check_strides("q_strides", a.q_strides, a.batch, a.seqlen_q, a.heads_q, a.head_dim));
-  MALA_TRY(check_strides("o_strides", a.o_strides, a.batch, a.seqlen_q, a.heads_q, a.head_dim));
+  const size_t es = dtype_size(a.dtype);
+  MALA_TRY(check_strides("q_strides", a.q_strides, a.batch, a.seqlen_q, a.heads_q, a.head_dim, es));
+  MALA_TRY(check_strides("o_strides", a.o_strides, a.batch, a.seqlen_q, a.heads_q, a.head_dim, es));
   const int64_t cache_batch = paged ? a.num_pages : a.batch;
   const int64_t cache_rows = paged ? a.page_size : a.cache_capacity;
-  MALA_TRY(check_strides("k_cache_strides", a.k_cache_strides, cache_batch, cache_rows, a.heads_kv, a.head_dim));
-  MALA_TRY(check_strides("v_cache_strides", a.v_cache_strides, cache_batch, cache_rows, a.heads_kv, a.head_dim));
+  MALA_TRY(check_strides("k_cache_strides", a.k_cache_strides, cache_batch, cache_rows, a.heads_kv, a.head_dim, es));
+  MALA_TRY(check_strides("v_cache_strides", a.v_cache_strides, cache_batch, cache_rows, a.heads_kv, a.head_dim, es));
   if (a.k_new) {
     int64_t n = std::max<int64_t>(a.seqlen_new, 1);
-    MALA_TRY(check_strides("k_new_strides", a.k_new_strides, a.batch, n, a.heads_kv, a.head_dim));
-    MALA_TRY(check_strides("v_new_strides", a.v_new_strides, a.batch, n, a.heads_kv, a.head_dim));
+    MALA_TRY(check_strides("k_new_strides", a.k_new_strides, a.batch, n, a.heads_kv, a.head_dim, es));
+    MALA_TRY(check_strides("v_new_strides", a.v_new_strides, a.batch, n, a.heads_kv, a.head_dim, es));
   }
 
   if (a.device == Device::cpu) {

@@ -285,8 +285,55 @@ fi
 chmod 444 "$I/keep/o.npy"
 if expect_exit 0 "run over a read-only o.npy" -- "$MALA" "${RUNQKV[@]}" --out "$I/keep" --quiet; then
   check_npy "$I/keep/o.npy" "<f4 64,4,32"
-  [ -z "$(find "$I/keep" -name '*.tmp-*')" ] && pass "no temporaries left" || fail "temporaries left: $(ls -A "$I/keep")"
+  [ -z "$(find "$I/keep" -name '*.tmp-*' -o -name '.*staging*')" ] && pass "no temporaries left" || fail "temporaries left: $(ls -A "$I/keep")"
 fi
+
+# A symlink planted at a predictable temporary name is not followed (issue #64 D7): the run's
+# temporaries used to be DIR/.<name>.tmp-<pid>; sh -c plants links for its own pid, which exec
+# hands to mala.  The victim keeps its bytes and o.npy is a regular file.
+mkdir -p "$I/plant"
+echo precious >"$I/victim"
+if expect_exit 0 "run with planted symlinks" -- sh -c 'for n in o lse fwd_slots fwd_tile_mask; do
+    ln -s "$1" "$2/.$n.npy.tmp-$$"; done; shift 2; exec "$@"' plant "$I/victim" "$I/plant" \
+    "$MALA" "${RUNQKV[@]}" --out "$I/plant" --quiet; then
+  [ "$(cat "$I/victim")" = precious ] && pass "planted symlink not followed" || fail "victim overwritten through a planted symlink"
+  [ -f "$I/plant/o.npy" ] && [ ! -L "$I/plant/o.npy" ] && pass "o.npy is a regular file" || fail "o.npy: $(ls -l "$I/plant")"
+fi
+
+# SIGTERM / SIGINT during the write phase (D8): the run ends by the signal (128 + n) and leaves
+# nothing: no new --out directory, no parent it made, no staged file in an existing directory.
+# (MALA_TEST_SIGNAL_AFTER_FIRST_OUTPUT raises the signal after the first output is staged.)
+for sig in TERM INT; do
+  want=$([ $sig = TERM ] && echo 143 || echo 130)
+  rm -rf "$I/sig"
+  if expect_exit $want "SIG$sig while writing a new --out" -- env MALA_TEST_SIGNAL_AFTER_FIRST_OUTPUT=$sig \
+      "$MALA" "${RUNQKV[@]}" --out "$I/sig/new/out" --quiet; then
+    [ -e "$I/sig" ] && fail "SIG$sig left $(find "$I/sig")" || pass "SIG$sig: nothing left of a new --out"
+  fi
+  mkdir -p "$I/sigkeep" && rm -rf "$I/sigkeep"/* "$I/sigkeep"/.[!.]* && echo old >"$I/sigkeep/o.npy"
+  if expect_exit $want "SIG$sig while writing into an existing --out" -- env MALA_TEST_SIGNAL_AFTER_FIRST_OUTPUT=$sig \
+      "$MALA" "${RUNQKV[@]}" --out "$I/sigkeep" --quiet; then
+    [ "$(ls -A "$I/sigkeep")" = "o.npy" ] && [ "$(cat "$I/sigkeep/o.npy")" = old ] && pass "SIG$sig: existing --out untouched" ||
+      fail "SIG$sig: existing --out changed: $(ls -A "$I/sigkeep")"
+  fi
+done
+
+# Two runs into one --out publish whole sets (D9): run A pauses between its publishing renames
+# (MALA_TEST_PUBLISH_DELAY_MS), run B with other inputs starts meanwhile; afterwards o.npy and
+# lse.npy come from the same run (each run's o.npy has a different shape, and so has its lse.npy).
+mkdir -p "$I/race"
+env MALA_TEST_PUBLISH_DELAY_MS=400 "$MALA" "${RUNQKV[@]}" --out "$I/race" --quiet >/dev/null 2>&1 &
+pid_a=$!
+sleep 0.2
+"$MALA" run --q "$I/q16.npy" --k "$I/k16.npy" --v "$I/v16.npy" --out "$I/race" --quiet >/dev/null 2>&1
+wait $pid_a
+o_shape=$(npy_info "$I/race/o.npy")
+lse_shape=$(npy_info "$I/race/lse.npy")
+case "$o_shape|$lse_shape" in
+  "<f4 64,4,32|<f4 4,64" | "<f4 2,24,2,16|<f4 2,2,24") pass "concurrent runs: one run's whole set ($o_shape)" ;;
+  *) fail "concurrent runs mixed their outputs: o $o_shape, lse $lse_shape" ;;
+esac
+[ -z "$(find "$I/race" -name '.*staging*')" ] && pass "concurrent runs: no staging left" || fail "staging left: $(ls -A "$I/race")"
 
 expect_exit 2 "run without --out" -- "$MALA" run --q "$I/q.npy" --k "$I/k.npy" --v "$I/v.npy" && expect_in "$TMP/err" "--out: required" "names --out"
 

@@ -10,7 +10,9 @@
 #include <cstring>
 #include <limits>
 
+#include <fcntl.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 namespace mala {
 namespace npy {
@@ -212,6 +214,10 @@ Status parse(const unsigned char* bytes, size_t size, const std::string& name, A
     if (s > 0 && numel > std::numeric_limits<int64_t>::max() / s) return malformed("shape overflows");
     numel *= s;
   }
+  // The byte count, not only the element count, must fit: 2^62 float32 elements are 2^64 bytes,
+  // which wrapped to 0 and matched an empty payload.
+  if (numel > std::numeric_limits<int64_t>::max() / static_cast<int64_t>(type_size(type)))
+    return malformed("shape overflows: more than 2^63 bytes of data");
   const size_t data_start = header_start + header_len;
   const size_t available = size - data_start;
   const uint64_t need = static_cast<uint64_t>(numel) * type_size(type);
@@ -247,7 +253,7 @@ Status read(const std::string& path, Array* out, unsigned accept) {
 }
 
 Status write(const std::string& path, Type type, const std::vector<int64_t>& shape,
-             const void* data) {
+             const void* data, bool create_new) {
   std::string dict = std::string("{'descr': '") + type_descr(type) +
                      "', 'fortran_order': False, 'shape': (";
   int64_t numel = 1;
@@ -281,8 +287,17 @@ Status write(const std::string& path, Type type, const std::vector<int64_t>& sha
   } else {
     for (int b = 0; b < 4; ++b) head.push_back((hlen >> (8 * b)) & 0xff);
   }
-  FILE* f = std::fopen(path.c_str(), "wb");
-  if (!f) return Status::error(path + ": cannot create (" + std::strerror(errno) + ")");
+  // create_new: the file must not exist, not even as a symlink (O_EXCL fails on any existing name,
+  // O_NOFOLLOW also for a dangling link): nothing planted at the name is followed.
+  const int flags = O_WRONLY | O_CREAT | O_CLOEXEC | (create_new ? O_EXCL | O_NOFOLLOW : O_TRUNC);
+  const int fd = ::open(path.c_str(), flags, 0666);
+  if (fd < 0) return Status::error(path + ": cannot create (" + std::strerror(errno) + ")");
+  FILE* f = ::fdopen(fd, "wb");
+  if (!f) {
+    const int err = errno;
+    ::close(fd);
+    return Status::error(path + ": cannot create (" + std::strerror(err) + ")");
+  }
   const size_t bytes = static_cast<size_t>(numel) * type_size(type);
   errno = 0;
   bool ok = std::fwrite(head.data(), 1, head.size(), f) == head.size() &&

@@ -46,9 +46,10 @@ Status parse(const unsigned char* bytes, size_t size, const std::string& name, A
 
 // Writes a version 1.0 file (2.0 when the header does not fit in 65535 bytes) at path itself
 // (callers wanting atomic replacement write a temporary name and rename it, and remove it on
-// failure).  On failure the message carries the system's reason (strerror).
+// failure).  On failure the message carries the system's reason (strerror).  create_new: fail
+// when path exists in any form, a symlink included (O_CREAT | O_EXCL | O_NOFOLLOW).
 Status write(const std::string& path, Type type, const std::vector<int64_t>& shape,
-             const void* data);
+             const void* data, bool create_new = false);
 
 // The elements as float32 (float16 widened exactly; int32 converted).
 std::vector<float> to_float(const Array& a);

@@ -11,6 +11,7 @@
 
 #include "cli.h"
 #include "npy.h"
+#include "out_dir.h"
 #include "runner.h"
 #include "validate.h"
 
@@ -43,7 +44,10 @@ const char* kRunHelp =
     "  --help                     this text\n"
     "\n"
     "Exit status: 0 ok, 1 unreadable or inconsistent inputs, unusable --out or a failed run,\n"
-    "2 bad flags or NaN/Inf in an input, 3 outputs written but one holds NaN/Inf.\n";
+    "2 bad flags or NaN/Inf in an input, 3 outputs written but one holds NaN/Inf.\n"
+    "SIGINT/SIGTERM/SIGHUP: what the run created is removed, then it ends by that signal\n"
+    "(130/143/129 in a shell).  Outputs are staged in a private directory and published\n"
+    "together (docs/cli.md, \"Output directory\").\n";
 
 struct Input {
   std::string flag;  // "--q"
@@ -96,80 +100,6 @@ Status check_out_dir(const std::string& dir, const std::vector<std::string>& nam
   }
   return Status::success();
 }
-
-// Writes the outputs atomically: each file goes to a temporary name in DIR and is renamed into
-// place once every file is written; on any failure the temporaries, and the directories this run
-// created, are removed (files already in DIR are left as they were).
-class OutputWriter {
- public:
-  explicit OutputWriter(std::string dir) : dir_(std::move(dir)) {}
-  ~OutputWriter() {
-    if (!committed_) abort();
-  }
-
-  Status create_dir() {
-    std::vector<fs::path> missing;  // innermost first
-    for (fs::path p = fs::path(dir_); !p.empty(); p = p.parent_path()) {
-      std::error_code ec;
-      if (fs::exists(p, ec)) break;
-      missing.push_back(p);
-      if (p.parent_path() == p) break;
-    }
-    for (auto it = missing.rbegin(); it != missing.rend(); ++it) {
-      std::error_code ec;
-      if (!fs::create_directory(*it, ec) && ec)
-        return Status::error("--out: cannot create " + it->string() + " (" + ec.message() + ")");
-      created_.push_back(*it);
-    }
-    return Status::success();
-  }
-
-  Status put(const std::string& name, npy::Type t, const std::vector<int64_t>& shape, const void* data) {
-    const std::string final_path = (fs::path(dir_) / name).string();
-    const std::string tmp = (fs::path(dir_) / ("." + name + ".tmp-" + std::to_string(::getpid()))).string();
-    pending_.push_back({tmp, final_path});
-    Status s = npy::write(tmp, t, shape, data);
-    if (!s) return Status::error("--out: " + s.message);
-    names_.push_back(name);
-    return s;
-  }
-
-  Status commit() {
-    for (size_t i = 0; i < pending_.size(); ++i) {
-      if (std::rename(pending_[i].first.c_str(), pending_[i].second.c_str()) != 0) {
-        const int err = errno;
-        // What was renamed already can only be undone where this run made DIR.
-        if (!created_.empty())
-          for (size_t j = 0; j < i; ++j) std::remove(pending_[j].second.c_str());
-        return Status::error("--out: cannot rename " + pending_[i].first + " to " + pending_[i].second +
-                             " (" + std::strerror(err) + ")");
-      }
-      renamed_ = i + 1;
-    }
-    committed_ = true;
-    return Status::success();
-  }
-
-  void abort() {
-    for (size_t i = renamed_; i < pending_.size(); ++i) std::remove(pending_[i].first.c_str());
-    for (auto it = created_.rbegin(); it != created_.rend(); ++it) {
-      std::error_code ec;
-      fs::remove(*it, ec);  // only if empty
-    }
-    pending_.clear();
-    created_.clear();
-  }
-
-  const std::vector<std::string>& names() const { return names_; }
-
- private:
-  std::string dir_;
-  std::vector<fs::path> created_;                          // outermost first
-  std::vector<std::pair<std::string, std::string>> pending_;  // temporary, final
-  std::vector<std::string> names_;
-  size_t renamed_ = 0;
-  bool committed_ = false;
-};
 
 }  // namespace
 
@@ -369,12 +299,13 @@ int run_main(int argc, char** argv) {
     }
   }
 
-  // Write: temporaries renamed into place once all are written; nothing partial on failure.
+  // Write: staged privately and published as a whole once all are written (tools/out_dir.h);
+  // nothing partial on a failure or a SIGINT/SIGTERM.
   const std::vector<int64_t> row_shape =
       batched ? std::vector<int64_t>{p.batch, p.heads_q, p.seqlen_q}
               : std::vector<int64_t>{p.heads_q, p.seqlen_q};
   OutputWriter writer(out_dir);
-  if (!(s = writer.create_dir())) return fail(s.message);
+  if (!(s = writer.begin())) return fail(s.message);
   if (!(s = writer.put("o.npy", npy::Type::f32, q.array.shape, fwd.o.data())) ||
       !(s = writer.put("lse.npy", npy::Type::f32, row_shape, fwd.lse.data())) ||
       !(s = writer.put("fwd_slots.npy", npy::Type::i32, row_shape, fwd.slots.data())))

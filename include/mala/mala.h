@@ -86,6 +86,12 @@ struct ForwardArgs {
   // sequence's last key tile also reads rows after the sequence (the next sequence's, or rows up to
   // total_k): they get zero weight, but must hold finite values, as they do in a packed tensor.
   int64_t total_k = 0;
+  // Varlen, optional: the rows of the packed q and o (flash_attn's total_q = q.shape[0]); 0 = not
+  // given.  Given, it bounds the q row space: on the CPU, where the offsets are readable,
+  // cu_seqlens_q[batch] > total_q is refused (otherwise q is read and o written past their ends).
+  // On CUDA the offsets live on the device and are not read by the checks: cu_seqlens_q[batch] <=
+  // total_q (and cu_seqlens_k[batch] <= total_k) is the caller's contract there.
+  int64_t total_q = 0;
 
   bool causal = true;          // bottom-right aligned when seqlen_q != seqlen_k
   float softmax_scale = 0.f;   // 0 = 1/sqrt(head_dim)
@@ -197,6 +203,8 @@ struct BackwardArgs {
 //              legal tile is always kept).  Far splits hold little mass, so they keep nearly every
 //              tile (99% at 132 splits where the unsplit rule keeps 1.5%).
 enum class SplitRule : int { per_split = 0, seeded = 1 };
+// The largest DecodeArgs::num_splits a caller may ask for (flash_attn's bound).
+constexpr int kMaxNumSplits = 128;
 const char* split_rule_name(SplitRule);  // "per_split", "seeded"
 
 struct DecodeArgs {
@@ -227,7 +235,7 @@ struct DecodeArgs {
   float softmax_scale = 0.f;
   float tau = 1.0f;
   int block_q = 0, block_k = 0;
-  int num_splits = 0;     // 0 = heuristic (decode_num_splits)
+  int num_splits = 0;     // 0 = heuristic (decode_num_splits); at most kMaxNumSplits
   SplitRule split_rule = SplitRule::seeded;  // see SplitRule
   bool pack_gqa = true;   // query heads sharing a KV head form one query tile
   void* workspace = nullptr;  // CUDA: decode_workspace_size() bytes; null = allocated in the call
@@ -243,7 +251,13 @@ Status decode(const DecodeArgs& args);
 // Argument checks alone (what the entry points run first), including that no output overlaps an
 // input or another output ("dq: overlaps q"; the bytes each tensor spans follow from its shape
 // and strides; interleaved views of one packed tensor, such as q, k, v of a [B, N, 3, H, d]
-// tensor, do not count as overlapping).  Decode's append into k_cache/v_cache is not an overlap.
+// tensor, do not count as overlapping).  Decode appending (k_new given) writes k_cache and
+// v_cache: then each cache may overlap only its own new rows (k_cache with k_new, v_cache with
+// v_new); overlapping the other cache (k_cache is v_cache), the other new rows, q, cache_seqlens
+// or block_table is refused.
+// Sizes are checked in int64 arithmetic: a tensor whose byte extent (from its shape and strides)
+// does not fit in int64 is refused, naming the tensor, before any offset is computed.
+// The entry points never throw: an allocation that fails returns "out of memory" naming its size.
 Status check(const ForwardArgs& args);
 Status check(const BackwardArgs& args);
 Status check(const DecodeArgs& args);

@@ -36,11 +36,7 @@ import corpus  # noqa: E402
 import train  # noqa: E402
 
 
-def suite_dir():
-    for p in (os.path.join(ROOT, "lab", "suite"), os.path.join(ROOT, "bench", "suite")):
-        if os.path.isdir(p):
-            return p
-    raise FileNotFoundError("the benchmark suite (lab/suite) is missing")
+SUITE = os.path.join(ROOT, "lab", "suite")
 
 
 def load(args, device):
@@ -189,7 +185,7 @@ def cmd_regime(args, device):
 
 
 def cmd_speed(args, device):
-    sys.path.insert(0, suite_dir())
+    sys.path.insert(0, SUITE)
     import systems
     import timing
 

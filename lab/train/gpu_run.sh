@@ -96,7 +96,6 @@ phases() {
   done
   ph "matched"
   MW=$R/lab/real/matched_work.py
-  [ -f "$MW" ] || MW=$R/tools/real/matched_work.py
   for s in ${SPEED_SIZES:-$LCT_SIZES}; do
     python3 "$MW" --device cuda --states "$W/states_${s}_mala" --n 8192 --key "${s}_8192" --out "$RES/matched_work.json" >> "$RES/matched.log" 2>&1 || ph "matched $s 8K failed"
     python3 "$MW" --device cuda --states "$W/states_${s}_mala" --key "${s}_16384" --out "$RES/matched_work.json" >> "$RES/matched.log" 2>&1 || ph "matched $s 16K failed"

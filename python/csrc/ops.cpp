@@ -156,6 +156,18 @@ void check_heads(int64_t heads_q, int64_t heads_kv) {
                     heads_q, ")");
 }
 
+// max_seqlen_q / max_seqlen_k: checked here, where the caller's name is known (the library would
+// name its own seqlen_q).
+void check_max_seqlen(int64_t v, const char* name) {
+  TORCH_CHECK_VALUE(v > 0 && v <= INT32_MAX, name, ": must be in [1, 2^31) (got ", v, ")");
+}
+
+// num_splits before its narrowing to int (2^32 used to become 0, automatic).
+void check_num_splits(int64_t v) {
+  TORCH_CHECK_VALUE(v >= 0 && v <= mala::kMaxNumSplits, "num_splits: must be in [0, ", mala::kMaxNumSplits,
+                    "], 0 meaning automatic (got ", v, ")");
+}
+
 void check_cu_seqlens(const Tensor& cu, const Tensor& q, int64_t batch, const char* name) {
   TORCH_CHECK_VALUE(cu.device() == q.device(), name, ": must be on the same device as q (", q.device(),
                     "), got ", cu.device());
@@ -234,6 +246,7 @@ void copy_shared_args(Dst& d, const Src& s) {
   d.softmax_scale = s.softmax_scale;
   d.cu_seqlens_q = s.cu_seqlens_q;
   d.cu_seqlens_k = s.cu_seqlens_k;
+  d.total_q = s.total_q;
   d.total_k = s.total_k;
 }
 
@@ -309,13 +322,14 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> forward_impl(const Tensor& q_in, cons
     const Tensor& cu_k = *varlen->cu_k;
     check_cu_seqlens(cu_q, q, -1, "cu_seqlens_q");
     check_cu_seqlens(cu_k, q, cu_q.size(0) - 1, "cu_seqlens_k");
-    TORCH_CHECK_VALUE(varlen->max_q > 0, "max_seqlen_q: must be > 0 (got ", varlen->max_q, ")");
-    TORCH_CHECK_VALUE(varlen->max_k > 0, "max_seqlen_k: must be > 0 (got ", varlen->max_k, ")");
+    check_max_seqlen(varlen->max_q, "max_seqlen_q");
+    check_max_seqlen(varlen->max_k, "max_seqlen_k");
     a.batch = cu_q.size(0) - 1;
     a.seqlen_q = varlen->max_q;
     a.seqlen_k = varlen->max_k;
     a.cu_seqlens_q = cu_q.data_ptr<int32_t>();
     a.cu_seqlens_k = cu_k.data_ptr<int32_t>();
+    a.total_q = q.size(0);  // bounds cu_seqlens_q (checked where the offsets are readable: the CPU)
     a.total_k = k.size(0);  // lets the Hopper forward load K and V by TMA
     a.q_strides = strides_thd(q);
     a.k_strides = strides_thd(k);
@@ -515,8 +529,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> backward_impl(
     const Tensor& cu_k = *varlen->cu_k;
     check_cu_seqlens(cu_q, q, -1, "cu_seqlens_q");
     check_cu_seqlens(cu_k, q, cu_q.size(0) - 1, "cu_seqlens_k");
-    TORCH_CHECK_VALUE(varlen->max_q > 0, "max_seqlen_q: must be > 0 (got ", varlen->max_q, ")");
-    TORCH_CHECK_VALUE(varlen->max_k > 0, "max_seqlen_k: must be > 0 (got ", varlen->max_k, ")");
+    check_max_seqlen(varlen->max_q, "max_seqlen_q");
+    check_max_seqlen(varlen->max_k, "max_seqlen_k");
     a.batch = cu_q.size(0) - 1;
     a.seqlen_q = varlen->max_q;
     a.seqlen_k = varlen->max_k;
@@ -621,7 +635,7 @@ std::tuple<Tensor, Tensor, Tensor> kvcache_core(const Tensor& q_in, const Tensor
   check_heads(hq, hkv);
   a.tau = check_tau(tau);
   a.softmax_scale = check_scale(softmax_scale);
-  TORCH_CHECK_VALUE(num_splits >= 0, "num_splits: must be >= 0, 0 meaning automatic (got ", num_splits, ")");
+  check_num_splits(num_splits);
   a.split_rule = check_split_rule(split_rule);
   TORCH_CHECK_VALUE(cache_seqlens.device() == q_in.device(), "cache_seqlens: must be on the device of q (",
                     q_in.device(), "), got ", cache_seqlens.device());
@@ -766,6 +780,7 @@ std::vector<int64_t> tile_sizes(c10::string_view kernel, c10::Device device, c10
   mala::DecodeArgs a;
   fill(a);
   a.cache_capacity = seqlen_k;
+  check_num_splits(num_splits);
   a.num_splits = static_cast<int>(num_splits);
   mala::Tiles t = mala::decode_tiles(a);
   return {t.block_q, t.block_k, mala::decode_num_splits(a)};

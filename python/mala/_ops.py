@@ -10,6 +10,15 @@ import torch
 _EMPTY = (0,)
 
 
+def _same_device(q, **tensors):
+    """The device check of the C++ operators (python/csrc/ops.cpp, check_like), for the fake
+    implementations: without it a meta tensor among CPU ones reached the Meta kernel, which returned a
+    CPU tensor of uninitialised memory."""
+    for name, t in tensors.items():
+        if t is not None and t.device != q.device:
+            raise ValueError(f"{name}: must be on the same device as q ({q.device}), got {t.device}")
+
+
 def _stats_outputs(kernel, q, rows_shape, batch, seqlen_q, seqlen_k, heads_q, heads_kv, causal, wanted,
                    block_q=0, block_k=0, mask_for_backward=None):
     """Fake slots and tile-mask tensors (empty unless return_stats); block_q/block_k 0 = the
@@ -34,6 +43,7 @@ def _stats_outputs(kernel, q, rows_shape, batch, seqlen_q, seqlen_k, heads_q, he
 
 @torch.library.register_fake("mala::fwd")
 def _fwd_fake(q, k, v, tau, causal, softmax_scale, return_stats, deterministic=False, record_for_backward=False):
+    _same_device(q, k=k, v=v)
     batch, seqlen_q, heads_q, _ = q.shape
     lse = q.new_empty((batch, heads_q, seqlen_q), dtype=torch.float32)
     slots, tile_mask = _stats_outputs("forward", q, lse.shape, batch, seqlen_q, k.shape[1], heads_q, k.shape[2],
@@ -45,6 +55,7 @@ def _fwd_fake(q, k, v, tau, causal, softmax_scale, return_stats, deterministic=F
 @torch.library.register_fake("mala::fwd_varlen")
 def _fwd_varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, tau, causal, softmax_scale,
                      return_stats, deterministic=False, record_for_backward=False):
+    _same_device(q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
     total_q, heads_q, _ = q.shape
     lse = q.new_empty((heads_q, total_q), dtype=torch.float32)
     slots, tile_mask = _stats_outputs("forward", q, lse.shape, cu_seqlens_q.shape[0] - 1, max_seqlen_q, max_seqlen_k,
@@ -56,6 +67,7 @@ def _fwd_varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
 @torch.library.register_fake("mala::bwd")
 def _bwd_fake(dout, q, k, v, out, lse, tau, causal, softmax_scale, return_stats, deterministic=False,
               fwd_tile_mask=None):
+    _same_device(q, dout=dout, k=k, v=v, out=out, lse=lse)
     batch, seqlen_q, heads_q, _ = q.shape
     slots, tile_mask = _stats_outputs("backward", q, lse.shape, batch, seqlen_q, k.shape[1], heads_q, k.shape[2],
                                       causal, return_stats)
@@ -65,6 +77,7 @@ def _bwd_fake(dout, q, k, v, out, lse, tau, causal, softmax_scale, return_stats,
 @torch.library.register_fake("mala::bwd_varlen")
 def _bwd_varlen_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, tau, causal,
                      softmax_scale, return_stats, deterministic=False, fwd_tile_mask=None):
+    _same_device(q, dout=dout, k=k, v=v, out=out, lse=lse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
     slots, tile_mask = _stats_outputs("backward", q, lse.shape, cu_seqlens_q.shape[0] - 1, max_seqlen_q,
                                       max_seqlen_k, q.shape[1], k.shape[1], causal, return_stats)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), slots, tile_mask
@@ -73,6 +86,7 @@ def _bwd_varlen_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_se
 @torch.library.register_fake("mala::fwd_split")
 def _fwd_split_fake(q, k, v, seed_lse, rows_before, owns_tile0, owns_newest, tau, causal, softmax_scale, block_q,
                     block_k, return_stats):
+    _same_device(q, k=k, v=v, seed_lse=seed_lse)
     batch, seqlen_q, heads_q, _ = q.shape
     lse = q.new_empty((batch, heads_q, seqlen_q), dtype=torch.float32)
     slots, tile_mask = _stats_outputs("forward", q, lse.shape, batch, seqlen_q, k.shape[1], heads_q, k.shape[2],
@@ -83,6 +97,7 @@ def _fwd_split_fake(q, k, v, seed_lse, rows_before, owns_tile0, owns_newest, tau
 @torch.library.register_fake("mala::bwd_split")
 def _bwd_split_fake(dout, q, k, v, out, lse, rows_before, tau, causal, softmax_scale, block_q, block_k,
                     return_stats, deterministic):
+    _same_device(q, dout=dout, k=k, v=v, out=out, lse=lse)
     batch, seqlen_q, heads_q, _ = q.shape
     slots, tile_mask = _stats_outputs("backward", q, lse.shape, batch, seqlen_q, k.shape[1], heads_q, k.shape[2],
                                       causal, return_stats, block_q, block_k)
@@ -92,6 +107,7 @@ def _bwd_split_fake(dout, q, k, v, out, lse, rows_before, tau, causal, softmax_s
 @torch.library.register_fake("mala::kvcache")
 def _kvcache_fake(q, k_cache, v_cache, cache_seqlens, k, v, block_table, tau, causal, softmax_scale, num_splits,
                   return_stats, split_rule="seeded"):
+    _same_device(q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens, k=k, v=v, block_table=block_table)
     batch, seqlen_q, heads_q, _ = q.shape
     lse = q.new_empty((batch, heads_q, seqlen_q), dtype=torch.float32)
     slots = q.new_empty(lse.shape if return_stats else _EMPTY, dtype=torch.int32)

@@ -17,6 +17,7 @@ from .stats import AttentionStats, visible_keys_decode, visible_keys_dense, visi
 
 
 SPLIT_RULES = ("per_split", "seeded")  # attention_with_kvcache's split_rule (mala::SplitRule)
+MAX_NUM_SPLITS = 128  # attention_with_kvcache's largest num_splits (mala::kMaxNumSplits, flash_attn's bound)
 CUDA_HEAD_DIMS = (64, 128, 256)  # the CUDA kernels' head dims: src/validate.cpp rejects others on CUDA
 
 
@@ -64,10 +65,14 @@ def _scale_arg(softmax_scale, name="softmax_scale"):
 
 
 def _tau_arg(tau):
-    tau = float(tau)
-    if not (math.isfinite(tau) and tau >= 0.0):
+    """tau as the operators take it; the one check of tau in the package (mala_hf.register uses it too)."""
+    try:
+        value = float(tau)
+    except (TypeError, ValueError):
+        raise TypeError(f"tau: must be a number, finite and >= 0 (got {tau!r})") from None
+    if not (math.isfinite(value) and value >= 0.0):
         raise ValueError(f"tau: must be finite and >= 0 (got {tau})")
-    return tau
+    return value
 
 
 def _eager_only(what):
@@ -313,8 +318,8 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     tau = _tau_arg(tau)
     scale = _scale_arg(softmax_scale)
     splits = int(num_splits)
-    if splits < 0:
-        raise ValueError(f"num_splits: must be >= 0, 0 meaning automatic (got {num_splits})")
+    if not 0 <= splits <= MAX_NUM_SPLITS:
+        raise ValueError(f"num_splits: must be in [0, {MAX_NUM_SPLITS}], 0 meaning automatic (got {num_splits})")
     if split_rule not in SPLIT_RULES:
         raise ValueError(f"split_rule: must be one of {', '.join(repr(r) for r in SPLIT_RULES)} (got {split_rule!r})")
     if isinstance(cache_seqlens, int):

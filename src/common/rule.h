@@ -61,6 +61,15 @@ MALA_HD bool row_allows_skip_finite_norm(float tile_max, float log_norm, float l
   return tile_max - log_norm < log_thr;
 }
 
+// The larger of a and b, NaN when either is NaN.  A row max must propagate a NaN score (std::max and
+// fmaxf drop it): a NaN row would otherwise look like a row without legal keys (-inf), its tile be
+// skipped, and the output become a finite zero.  A NaN tile_max fails every test (NaN < x is false),
+// so the tile is retained and the NaN reaches o and lse, as in dense attention.
+template <class T>
+MALA_HD T nan_max(T a, T b) {
+  return (a > b || a != a) ? a : b;
+}
+
 MALA_HD bool row_allows_skip(float tile_max, float log_norm, float log_thr) {
   if (tile_max == -INFINITY) return true;
   return row_allows_skip_finite_norm(tile_max, log_norm, log_thr);

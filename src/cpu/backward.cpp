@@ -32,7 +32,7 @@ Status backward(const BackwardArgs& a) {
   const std::vector<float> K = gather(a.k, a.dtype, a.k_strides, g.batch, g.seqlen_k, g.cu_k, hkv, d);
   const std::vector<float> V = gather(a.v, a.dtype, a.v_strides, g.batch, g.seqlen_k, g.cu_k, hkv, d);
   const std::vector<float> dO = gather(a.dout, a.dtype, a.dout_strides, g.batch, g.seqlen_q, g.cu_q, hq, d);
-  std::vector<float> D(static_cast<size_t>(g.rows_q() * hq));
+  std::vector<float> D = staging(g.rows_q() * hq);
   {
     const std::vector<float> O = gather(a.o, a.dtype, a.o_strides, g.batch, g.seqlen_q, g.cu_q, hq, d);
     const int64_t n = g.rows_q() * hq;
@@ -40,7 +40,8 @@ Status backward(const BackwardArgs& a) {
     for (int64_t x = 0; x < n; ++x) D[x] = dot(&dO[x * d], &O[x * d], d);
   }
 
-  std::vector<float> dQ(Q.size(), 0.f), dK(K.size(), 0.f), dV(V.size(), 0.f);
+  std::vector<float> dQ = staging(static_cast<int64_t>(Q.size()));
+  std::vector<float> dK = staging(static_cast<int64_t>(K.size())), dV = staging(static_cast<int64_t>(V.size()));
   const int64_t nqt = n_tiles(g.seqlen_q, bq), nkt = n_tiles(g.seqlen_k, bk);
   std::vector<uint8_t> decision(static_cast<size_t>(g.batch * hq * nqt * nkt), kTileIllegal);
   auto decision_at = [&](int64_t b, int64_t h, int64_t i, int64_t j) -> uint8_t& {
@@ -86,7 +87,7 @@ Status backward(const BackwardArgs& a) {
           float mx = -INFINITY;
           for (int64_t c = 0; c < n; ++c) {
             pr[c] = score(q, key(c), d, scale);
-            mx = std::max(mx, pr[c]);
+            mx = rule::nan_max(mx, pr[c]);
           }
           // A split of a longer sequence (rows_before >= 0) tests against the row's whole length.
           const int64_t L_thr = rule::threshold_length(static_cast<int>(L), static_cast<int>(r0 + r),

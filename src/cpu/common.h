@@ -7,6 +7,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <new>
+#include <string>
 #include <vector>
 
 #include "common/rule.h"
@@ -60,13 +62,44 @@ struct Geometry {
   }
 };
 
+// A failed allocation of the CPU path's fp32 staging, with its size: the entry points turn it into
+// a Status (guard_oom) instead of letting std::bad_alloc escape the API.
+struct OutOfMemory : std::bad_alloc {
+  size_t bytes;
+  explicit OutOfMemory(size_t b) : bytes(b) {}
+  const char* what() const noexcept override { return "mala: out of memory"; }
+};
+
+// n zeroed floats; the large buffers (whole tensors) are allocated here, outside the OpenMP
+// regions, so that a failure is reported with its size.
+inline std::vector<float> staging(int64_t n) {
+  try {
+    return std::vector<float>(static_cast<size_t>(n), 0.f);
+  } catch (const std::bad_alloc&) {
+    throw OutOfMemory(static_cast<size_t>(n) * sizeof(float));
+  }
+}
+
+// f() with the allocation failures of the CPU path returned as a Status.
+template <class F>
+Status guard_oom(F f) {
+  try {
+    return f();
+  } catch (const OutOfMemory& e) {
+    return Status::error("out of memory: the CPU implementation could not allocate " + std::to_string(e.bytes) +
+                         " bytes (" + std::to_string(e.bytes >> 20) + " MiB) for the fp32 staging of a tensor");
+  } catch (const std::bad_alloc&) {
+    return Status::error("out of memory: an allocation of the CPU implementation failed");
+  }
+}
+
 // fp32 copy of a strided [batch, seqlen, heads, d] (or varlen [total, heads, d]) tensor as
 // contiguous [rows, heads, d] where rows is the packed/dense row space.
 inline std::vector<float> gather(const void* base, DType t, const Strides& s, int64_t batch, int64_t seqlen,
                                  const int32_t* cu, int64_t heads, int64_t d) {
   const layout::Resolved st = layout::resolve(s, seqlen, heads, d);
   const int64_t rows = cu ? cu[batch] : batch * seqlen;
-  std::vector<float> out(static_cast<size_t>(rows * heads * d));
+  std::vector<float> out = staging(rows * heads * d);
 #pragma omp parallel for schedule(static) if (parallel_worth(rows * heads * d))
   for (int64_t g = 0; g < rows; ++g) {
     // Dense rows: g = b * seqlen + r (batch stride applies); varlen rows are packed.

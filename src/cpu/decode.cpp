@@ -156,7 +156,7 @@ Status decode(const DecodeArgs& a) {
           if (n == 0) continue;
           std::vector<float> sc(static_cast<size_t>(n));
           float mx = -INFINITY;
-          for (int64_t c = 0; c < n; ++c) mx = std::max(mx, sc[c] = score(t.q[r], key(kb + c), d, t.scale));
+          for (int64_t c = 0; c < n; ++c) mx = rule::nan_max(mx, sc[c] = score(t.q[r], key(kb + c), d, t.scale));
           float sum = 0.f;
           for (int64_t c = 0; c < n; ++c) sum += std::exp(sc[c] - mx);
           lm[r] = mx + std::log(sum);
@@ -194,7 +194,7 @@ Status decode(const DecodeArgs& a) {
     std::vector<float> out(static_cast<size_t>(d));
     for (int64_t r = 0; r < rows; ++r) {
       float mx = -INFINITY;
-      for (const auto& sl : split_lse) mx = std::max(mx, sl[r]);
+      for (const auto& sl : split_lse) mx = rule::nan_max(mx, sl[r]);
       std::fill(out.begin(), out.end(), 0.f);
       float row_lse = -INFINITY;
       if (mx != -INFINITY) {

@@ -26,7 +26,7 @@ Status forward(const ForwardArgs& a) {
   const std::vector<float> Q = gather(a.q, a.dtype, a.q_strides, g.batch, g.seqlen_q, g.cu_q, hq, d);
   const std::vector<float> K = gather(a.k, a.dtype, a.k_strides, g.batch, g.seqlen_k, g.cu_k, hkv, d);
   const std::vector<float> V = gather(a.v, a.dtype, a.v_strides, g.batch, g.seqlen_k, g.cu_k, hkv, d);
-  std::vector<float> O(static_cast<size_t>(g.rows_q() * hq * d), 0.f);
+  std::vector<float> O = staging(g.rows_q() * hq * d);
 
   const int64_t nqt = n_tiles(g.seqlen_q, bq), nkt = n_tiles(g.seqlen_k, bk);
   if (a.tile_mask) std::memset(a.tile_mask, kTileIllegal, static_cast<size_t>(g.batch * hq * nqt * nkt));

@@ -86,7 +86,7 @@ int64_t attend_online(const QueryTile& t, OnlineState& st, int64_t j_begin, int6
       float* sr = &s[static_cast<size_t>(r * width)];
       for (int64_t c = 0; c < n; ++c) {
         sr[c] = score(t.q[r], key(kb + c), d, t.scale);
-        mx = std::max(mx, sr[c]);
+        mx = rule::nan_max(mx, sr[c]);
       }
       tile_max[r] = mx;
       if (!skip) continue;
@@ -108,7 +108,7 @@ int64_t attend_online(const QueryTile& t, OnlineState& st, int64_t j_begin, int6
       const int64_t n = legal[r];
       if (n == 0) continue;
       float* sr = &s[static_cast<size_t>(r * width)];
-      const float m_new = std::max(st.m[r], tile_max[r]);
+      const float m_new = rule::nan_max(st.m[r], tile_max[r]);
       const float alpha = std::exp(st.m[r] - m_new);  // 0 before anything was retained
       float sum = 0.f;
       for (int64_t c = 0; c < n; ++c) {

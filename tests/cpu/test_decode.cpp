@@ -534,11 +534,11 @@ TEST(DecodeSeeded, OmittedMassWithinBoundOverThousandsOfRows) {
       }
       dp.pack_gqa = seed == 1;
       dp.bq = 8;
-      dp.bk = 16;  // 132 key tiles at 2100 keys: up to 132 non-empty splits
+      dp.bk = 16;  // 132 key tiles at 2100 keys: kMaxNumSplits = 128 splits of one or two tiles
       dp.tau = 0.f;
       const DecodeOut dense = run_decode(dp);
       for (float tau : {0.5f, 1.f, 2.f})
-        for (int splits : {2, 4, 16, 132}) {
+        for (int splits : {2, 4, 16, mala::kMaxNumSplits}) {
           dp.tau = tau;
           dp.num_splits = splits;
           dp.split_rule = mala::SplitRule::seeded;
@@ -615,7 +615,7 @@ TEST(DecodeSeeded, LongCacheRetainsFarLessThanPerSplit) {
   // The seeded splits can keep less than the unsplit rule: their denominators hold the newest tile
   // and the sink tile 0 from the start, which the unsplit rule reaches last.
   std::printf("[seeded] N=%d Hq=4 Hkv=1 d=64 tau=1: unsplit forward rule keeps %.2f%% of tiles\n", n, 100 * unsplit);
-  for (int splits : {16, 132}) {
+  for (int splits : {16, mala::kMaxNumSplits}) {
     const double per = fraction(splits, mala::SplitRule::per_split, &slots);
     const double seeded = fraction(splits, mala::SplitRule::seeded, &slots);
     std::printf("[seeded]   %3d splits: per_split keeps %.2f%%, seeded keeps %.2f%%\n", splits, 100 * per,
@@ -648,7 +648,7 @@ TEST(DecodeSeeded, DefaultAndCudaAcceptsBothRules) {
   a.head_dim = d;
   // Here they fail later, at the device (no GPU or no CUDA build; host memory), or not at all.
   for (mala::SplitRule rule : {mala::SplitRule::seeded, mala::SplitRule::per_split})
-    for (int splits : {0, 1, 2, 132}) {
+    for (int splits : {0, 1, 2, mala::kMaxNumSplits}) {
       a.split_rule = rule;
       a.num_splits = splits;
       EXPECT_NE(mala::check(a).message.rfind("split_rule", 0), 0u) << mala::split_rule_name(rule) << " " << splits;

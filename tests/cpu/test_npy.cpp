@@ -245,6 +245,33 @@ TEST(Npy, RejectsTruncatedAndOverlongData) {
   EXPECT_EQ(s.message.rfind(path + ": truncated data", 0), 0u) << s.message;
 }
 
+// A shape whose byte count wraps to 0 (2^31 x 2^31 float32 elements are 2^64 bytes) must not match an
+// empty payload (issue #64 D11: it was accepted, and failed later naming no file).
+TEST(Npy, ShapeWhoseByteCountOverflowsIsMalformed) {
+  const std::string h = "{'descr': '<f4', 'fortran_order': False, 'shape': (2147483648, 2147483648), }\n";
+  Array a;
+  const mala::Status s = parse(image(1, h, {}), &a);
+  EXPECT_FALSE(s.ok);
+  EXPECT_EQ(s.message.rfind("x.npy: malformed .npy header (shape overflows", 0), 0u) << s.message;
+}
+
+// create_new refuses an existing name, a symlink included, and leaves its target alone (the
+// CLI's staged outputs are created this way: issue #64 D7).
+TEST(Npy, CreateNewDoesNotFollowASymlink) {
+  const std::string victim = temp_path("victim.txt"), link = temp_path("planted.npy");
+  { FILE* f = std::fopen(victim.c_str(), "w"); std::fputs("precious", f); std::fclose(f); }
+  std::remove(link.c_str());
+  ASSERT_EQ(::symlink(victim.c_str(), link.c_str()), 0);
+  const float x = 1.f;
+  EXPECT_FALSE(mala::npy::write(link, Type::f32, {1}, &x, /*create_new=*/true).ok);
+  char buf[16] = {};
+  FILE* f = std::fopen(victim.c_str(), "r");
+  ASSERT_NE(f, nullptr);
+  ASSERT_NE(std::fgets(buf, sizeof buf, f), nullptr);
+  std::fclose(f);
+  EXPECT_STREQ(buf, "precious");
+}
+
 TEST(Npy, MissingFileNamesThePath) {
   Array a;
   const std::string path = temp_path("does_not_exist.npy");

@@ -87,8 +87,8 @@ TEST(Validate, ForwardRejectsEachBadArgumentAndWritesNothing) {
       {"varlen sequence longer than seqlen", "cu_seqlens_q", [](mala::ForwardArgs& a) { a.batch = 2; a.seqlen_q = a.seqlen_k = 8; a.cu_seqlens_q = kCuTooLong; a.cu_seqlens_k = kCuGood; }},
       {"total_k without varlen", "total_k", [](mala::ForwardArgs& a) { a.total_k = 16; }},
       {"total_k negative", "total_k", [](mala::ForwardArgs& a) { a.batch = 2; a.seqlen_q = a.seqlen_k = 8; a.cu_seqlens_q = a.cu_seqlens_k = kCuGood; a.total_k = -1; }},
-      {"total_k below seqlen_k", "total_k", [](mala::ForwardArgs& a) { a.batch = 2; a.seqlen_q = a.seqlen_k = 8; a.cu_seqlens_q = a.cu_seqlens_k = kCuGood; a.total_k = 4; }},
-      {"total_k below cu_seqlens_k[batch]", "total_k", [](mala::ForwardArgs& a) { a.batch = 2; a.seqlen_q = a.seqlen_k = 8; a.cu_seqlens_q = a.cu_seqlens_k = kCuGood; a.total_k = 12; }},
+      {"total_k below seqlen_k", "total_k|cu_seqlens_k", [](mala::ForwardArgs& a) { a.batch = 2; a.seqlen_q = a.seqlen_k = 8; a.cu_seqlens_q = a.cu_seqlens_k = kCuGood; a.total_k = 4; }},
+      {"total_k below cu_seqlens_k[batch]", "cu_seqlens_k", [](mala::ForwardArgs& a) { a.batch = 2; a.seqlen_q = a.seqlen_k = 8; a.cu_seqlens_q = a.cu_seqlens_k = kCuGood; a.total_k = 12; }},
   };
   for (const Bad& c : cases) {
     std::vector<float> o(p.q.size(), kSentinel), lse(p.hq * p.nq, kSentinel);

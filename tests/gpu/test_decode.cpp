@@ -4,7 +4,7 @@
 //   at most 1 in small cases); fwd_slots equal where no flip happened; poisoned outputs all written;
 //   no NaN; batch > 1 with different lengths; paged == contiguous; appended K/V present in the cache;
 //   num_splits = 1 equals the forward's last row; CUDA-graph capture replayed with new cache_seqlens.
-//   Both split rules (seeded, the default, and per_split) at 1, 2, 16 and 132 splits; with the seeded
+//   Both split rules (seeded, the default, and per_split) at 1, 2, 16 and 128 splits; with the seeded
 //   rule the omitted mass stays within tau / (1 + tau) over thousands of rows.
 // Every test runs once per split-kernel instance (the kernel override of src/cuda/backend.h, a test
 // parameter): the dispatch's own choice and the instance sized for sm_80's shared memory.
@@ -648,8 +648,8 @@ TEST_P(GpuDecode, GraphCaptureReplay) {
   }
 }
 
-// Both split rules against the CPU reference on structured inputs (tiles are skipped): 1, 2, 16, 132
-// splits (132 leaves splits of the shorter sequence without tiles), packed GQA, one token and five
+// Both split rules against the CPU reference on structured inputs (tiles are skipped): 1, 2, 16, 128
+// splits (128, kMaxNumSplits, leaves splits of the shorter sequence without tiles), packed GQA, one token and five
 // tokens with five appended keys (two query tiles of different L_q), and the paged cache equal to
 // the contiguous one bit for bit.  Seeded keeps far less than per_split at many splits.
 TEST_P(GpuDecode, SplitRulesAgainstCpu) {
@@ -667,7 +667,7 @@ TEST_P(GpuDecode, SplitRulesAgainstCpu) {
     c.ramp = tokens == 1 ? 0.f : 1.f;
     c.seed = 3 + tokens;
     const Inputs in = make_inputs(c);
-    for (int splits : {1, 2, 16, 132}) {
+    for (int splits : {1, 2, 16, mala::kMaxNumSplits}) {
       double retained[2] = {0, 0};
       for (mala::SplitRule rule : {mala::SplitRule::seeded, mala::SplitRule::per_split}) {
         c.num_splits = splits;
@@ -723,7 +723,7 @@ TEST_P(GpuDecode, OneSplitRulesEqual) {
 // at tau = 0), no row ends empty, tile 0 and the newest tile of every query tile are retained.
 // Random keys with wide queries (nothing is skipped: the bound must hold trivially), score ramps of
 // 1 and 4 nats per tile (skipped tiles near the threshold) and needles (sharp: nearly everything
-// skipped); 16 to 132 splits; packed GQA with three tokens (two query tiles whose rows see different
+// skipped); 16 to 128 splits; packed GQA with three tokens (two query tiles whose rows see different
 // numbers of keys) and appended K/V.  (With 128-key tiles the omitted mass stays far below the bound:
 // the CPU reference of these inputs reaches about 2% of it.)
 TEST_P(GpuDecode, SeededOmittedMassWithinBound) {
@@ -749,7 +749,7 @@ TEST_P(GpuDecode, SeededOmittedMassWithinBound) {
     run_gpu(c, in, &dense);
     ASSERT_FALSE(::testing::Test::HasFatalFailure());
     for (float tau : {0.5f, 1.f, 2.f})
-      for (int splits : {16, 64, 132}) {
+      for (int splits : {16, 64, mala::kMaxNumSplits}) {
         c.tau = tau;
         c.num_splits = splits;
         Outputs g;
@@ -820,7 +820,7 @@ TEST_P(GpuDecode, SmallForSanitizer) {
 // Batch 1-3, cache lengths 0..3000 (empty now and then), 1-8 tokens with or without 1-8 appended
 // keys, contiguous or paged (page sizes below, at and above the key tile, not powers of two too),
 // packed GQA or not, causal or not, head dims 64/128/256, bf16/fp16, MHA/GQA/MQA up to 8 query
-// heads, tau in {0, 0.25, 1, 2}, automatic and explicit num_splits up to 132, both split rules,
+// heads, tau in {0, 0.25, 1, 2}, automatic and explicit num_splits up to 128 (kMaxNumSplits), both split rules,
 // random, wide-query, needle (sharpness) and score-ramp inputs.
 namespace {
 
@@ -852,7 +852,7 @@ DecodeFuzzCase draw_decode_case(Fuzz& fz, int index) {
   c.pack = fz.chance(0.7);
   c.causal = fz.chance(0.8);
   c.tau = fz.pick({0.f, 0.25f, 1.f, 2.f});
-  c.num_splits = fz.pick({0, 0, 1, 2, 3, 5, 16, 64, 132});
+  c.num_splits = fz.pick({0, 0, 1, 2, 3, 5, 16, 64, mala::kMaxNumSplits});
   c.split_rule = fz.chance(0.5) ? mala::SplitRule::seeded : mala::SplitRule::per_split;
   const int input = fz.uniform(0, 9);
   const double sharpness = fz.pick({2.0, 4.0});

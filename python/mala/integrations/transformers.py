@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 import mala
+from mala.api import _tau_arg
 
 _DEFAULT_NAME = "mala"
 
@@ -91,9 +92,7 @@ def make_attention_function(tau=1.0, on_mask="sdpa"):
     """The function registered in transformers' AttentionInterface (see register)."""
     if on_mask not in ("sdpa", "error"):
         raise ValueError(f"on_mask: must be 'sdpa' or 'error' (got {on_mask!r})")
-    tau = float(tau)
-    if not tau >= 0.0:
-        raise ValueError(f"tau: must be >= 0 (got {tau})")
+    tau = _tau_arg(tau)  # mala.attention's check and message
 
     def mala_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, is_causal=None,
                                **kwargs):
