@@ -89,22 +89,24 @@ def read_text(path: str):
         return None
 
 
-def choose_heldout(sizes: dict[str, int], root_name: str) -> list[str]:
+def choose_heldout(sizes: dict[str, int], root_name: str, fraction: float = HELDOUT_FRACTION,
+                   max_package: float = HELDOUT_MAX_PACKAGE) -> list[str]:
     """Whole packages, taken in the order of SHA-256("root:package") (a fixed pseudo-random order),
-    skipping any above HELDOUT_MAX_PACKAGE of the root, until HELDOUT_FRACTION of its bytes."""
+    skipping any above max_package of the root's bytes, until `fraction` of its bytes."""
     total = sum(sizes.values())
     order = sorted(sizes, key=lambda p: hashlib.sha256(f"{root_name}:{p}".encode()).hexdigest())
     out, got = [], 0
     for p in order:
-        if got >= HELDOUT_FRACTION * total:
+        if got >= fraction * total:
             break
-        if sizes[p] <= HELDOUT_MAX_PACKAGE * total:
+        if sizes[p] <= max_package * total:
             out.append(p)
             got += sizes[p]
     return sorted(out)
 
 
-def scan(roots: dict[str, str]):
+def scan(roots: dict[str, str], heldout_fraction: float = HELDOUT_FRACTION,
+         heldout_max_package: float = HELDOUT_MAX_PACKAGE):
     """Manifest rows (split, sha256, bytes, root, rel) and its header, for the given roots."""
     files = {}  # root -> [(rel, sha, nbytes)]
     for name, root in sorted(roots.items()):
@@ -123,7 +125,7 @@ def scan(roots: dict[str, str]):
         sizes = {}
         for rel, _, n in rows:
             sizes[package_of(rel)] = sizes.get(package_of(rel), 0) + n
-        heldout[name] = choose_heldout(sizes, name)
+        heldout[name] = choose_heldout(sizes, name, heldout_fraction, heldout_max_package)
     # Splits: held-out packages' files first claim their contents; then training files, once each.
     held_hashes = set()
     out = []
@@ -142,8 +144,8 @@ def scan(roots: dict[str, str]):
     header = {
         "roots": roots,
         "heldout_packages": heldout,
-        "rules": {"max_file_bytes": MAX_FILE_BYTES, "heldout_fraction": HELDOUT_FRACTION,
-                  "heldout_max_package": HELDOUT_MAX_PACKAGE, "py_suffixes": PY_SUFFIXES,
+        "rules": {"max_file_bytes": MAX_FILE_BYTES, "heldout_fraction": heldout_fraction,
+                  "heldout_max_package": heldout_max_package, "py_suffixes": PY_SUFFIXES,
                   "header_suffixes": HEADER_SUFFIXES},
         "counts": {s: {"files": sum(1 for r in out if r[0] == s), "bytes": sum(r[2] for r in out if r[0] == s)}
                    for s in ("train", "heldout")},
