@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
-"""The study's summary and plots from one run's results folder (what gpu_run.sh packs).
+"""The study's summary and plots from one run's results (a folder, or the .tgz gpu_run.sh packs).
 
-    python3 lab/train/summarize.py --res bench/results/train/run1 --corpus lab/train/corpus \\
+    python3 lab/train/summarize.py --res bench/results/train/run1.tgz --corpus lab/train/corpus \\
         --out bench/results/train/summary.json --plots docs/img
 
 summary.json: {"device", "corpus": {...}, "sizes": {NAME: {"dense": {...}, "mala": {...}}}}; each arm:
@@ -212,6 +212,14 @@ def main(argv=None):
     ap.add_argument("--out", required=True)
     ap.add_argument("--plots", default="")
     a = ap.parse_args(argv)
+    if a.res.endswith(".tgz"):  # a packed results folder, as gpu_run.sh returns it
+        import tarfile
+        import tempfile
+
+        tmp = tempfile.mkdtemp(prefix="train-res-")
+        with tarfile.open(a.res) as t:
+            t.extractall(tmp, filter="data")
+        a.res = tmp
     manifest = load(os.path.join(a.corpus, "manifest.json"))
     streams = load(os.path.join(a.corpus, "streams.json"))
     sizes = sorted({f.split("_")[1] for f in os.listdir(a.res) if f.startswith("train_") and f.endswith("_pt.json")},
