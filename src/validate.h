@@ -13,5 +13,10 @@ Status check_arguments(const ForwardArgs& args);
 Status check_arguments(const BackwardArgs& args);
 Status check_arguments(const DecodeArgs& args);
 
+// The memory-overlap part of mala::check() (src/overlap.cpp).
+Status check_overlap(const ForwardArgs& args);
+Status check_overlap(const BackwardArgs& args);
+Status check_overlap(const DecodeArgs& args);
+
 }  // namespace internal
 }  // namespace mala
