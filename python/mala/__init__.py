@@ -12,6 +12,7 @@ package adds autograd, torch.compile support and the flash_attn-style functions 
     tau = mala.layer_tau(lambda i: 0.0 if i == 0 else 1.0, layer_idx)  # a per-layer tau spec
     mala.integrations.transformers.register()        # attn_implementation="mala"
     from mala.flash_attn_interface import flash_attn_func   # flash_attn's signatures (+ tau)
+    mala.sdpa.register(tau=1.0)                      # then torch.nn.attention.activate_flash_attention_impl("MALA")
 """
 
 import torch  # noqa: F401  (loads libtorch before the extension)
@@ -36,8 +37,9 @@ __all__ = [
 
 
 def __getattr__(name):
-    # `mala.integrations` is imported on first use so that `import mala` never imports transformers.
-    if name == "integrations":
+    # `mala.integrations` is imported on first use so that `import mala` never imports transformers;
+    # `mala.sdpa` likewise (importing it registers nothing with torch).
+    if name in ("integrations", "sdpa"):
         import importlib
 
         return importlib.import_module(".integrations", __name__)
