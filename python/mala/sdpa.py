@@ -27,6 +27,7 @@ tiles are kept.  Nothing is activated on import.
 """
 
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Optional
 
@@ -100,12 +101,14 @@ def _activate(tau: float, dispatch_key: str = "CUDA") -> _Handle:
     """The registry's register_fn.  dispatch_key is for the CPU tests, which register the same kernels
     at "CPU" to run aten's autograd formulas and varlen_attn through them without a GPU."""
     global _ACTIVE
+    kernels = dict(zip(OPERATORS, (_sdpa_forward, _sdpa_backward, _flash_forward, _flash_backward)))
     lib = torch.library.Library("aten", "IMPL", dispatch_key)  # noqa: TOR901 (overriding aten kernels is the point)
-    lib.impl("_scaled_dot_product_flash_attention", lambda *a, **kw: _sdpa_forward(tau, *a, **kw), dispatch_key)
-    lib.impl("_scaled_dot_product_flash_attention_backward", lambda *a, **kw: _sdpa_backward(tau, *a, **kw),
-             dispatch_key)
-    lib.impl("_flash_attention_forward", lambda *a, **kw: _flash_forward(tau, *a, **kw), dispatch_key)
-    lib.impl("_flash_attention_backward", lambda *a, **kw: _flash_backward(tau, *a, **kw), dispatch_key)
+    with warnings.catch_warnings():
+        # torch warns that a kernel it ships is overridden: the user asked for exactly that.
+        warnings.filterwarnings("ignore", message="(?s).*Overriding a previously registered kernel")
+        for op, kernel in kernels.items():
+            # Looked up at each call (a module global), so a test can wrap one.
+            lib.impl(op, lambda *a, _name=kernel.__name__, **kw: globals()[_name](tau, *a, **kw), dispatch_key)
     _ACTIVE = _Handle(lib, tau)
     return _ACTIVE
 
@@ -218,18 +221,14 @@ def _sdpa_backward(tau, grad_out, query, key, value, out, logsumexp, cum_seq_q, 
 
 def _flash_forward(tau, query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal,
                    return_debug_mask, *, scale=None, window_size_left=None, window_size_right=None, seqused_k=None,
-                   alibi_slopes=None, out=None):
+                   alibi_slopes=None):
     """aten::_flash_attention_forward (flash_attn's layout and bottom-right causal rule, as MALA's):
     dense [B, N, H, d], or packed [total, H, d] with cum_seq_q / cum_seq_k."""
     _check_forward(dropout_p, return_debug_mask, alibi_slopes, seqused_k)
     causal = _causal_from_window(is_causal, window_size_left, window_size_right)
     varlen = None if cum_seq_q is None else (cum_seq_q, cum_seq_k, max_q, max_k)
     result, lse = _forward(tau, query, key, value, causal, scale, varlen)
-    if out is not None:
-        result = out.copy_(result)
-    else:
-        result = _like(result, query)
-    return (result, lse.contiguous()) + _no_rng(query)
+    return (_like(result, query), lse.contiguous()) + _no_rng(query)
 
 
 def _flash_backward(tau, grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p,
