@@ -8,6 +8,7 @@ backward's work; it is for eager mode only.
 """
 
 import math
+from collections.abc import Callable, Mapping, Sequence
 from typing import Optional, Union
 
 import torch
@@ -64,15 +65,72 @@ def _scale_arg(softmax_scale, name="softmax_scale"):
     return scale
 
 
-def _tau_arg(tau):
-    """tau as the operators take it; the one check of tau in the package (mala_hf.register uses it too)."""
+def _tau_arg(tau, name="tau"):
+    """tau as the operators take it; the one check of tau in the package (layer_tau and mala_hf.register
+    use it too).  `name` is how the message names the value (tau[3] for a list's entry)."""
     try:
         value = float(tau)
     except (TypeError, ValueError):
-        raise TypeError(f"tau: must be a number, finite and >= 0 (got {tau!r})") from None
+        raise TypeError(f"{name}: must be a number, finite and >= 0 (got {tau!r})") from None
     if not (math.isfinite(value) and value >= 0.0):
-        raise ValueError(f"tau: must be finite and >= 0 (got {tau})")
+        raise ValueError(f"{name}: must be finite and >= 0 (got {tau})")
     return value
+
+
+TauSpec = Union[float, Sequence[float], Mapping[Union[int, str], float], Callable[[int], float]]
+
+
+def check_tau_spec(tau: TauSpec) -> TauSpec:
+    """Validates a per-layer tau spec (see layer_tau) without a layer: a number, and every value of a
+    list, tuple or dict, get mala.attention's check now; a callable is checked at each use.  Returns the
+    spec with its values as floats (the list as a tuple, so that later edits to the caller's list do not
+    change it)."""
+    if callable(tau):
+        return tau
+    if isinstance(tau, (list, tuple)):
+        if not tau:
+            raise ValueError("tau: a per-layer list must have one entry per layer (got an empty one)")
+        return tuple(_tau_arg(t, f"tau[{i}]") for i, t in enumerate(tau))
+    if isinstance(tau, Mapping):
+        checked = {}
+        for key, t in tau.items():
+            if key != "default" and (isinstance(key, bool) or not isinstance(key, int) or key < 0):
+                raise ValueError(f"tau: a per-layer dict's keys must be layer indices >= 0 or 'default' (got {key!r})")
+            checked[key] = _tau_arg(t, f"tau[{key!r}]")
+        return checked
+    return _tau_arg(tau)
+
+
+def layer_tau(tau: TauSpec, layer_idx: Optional[int]) -> float:
+    """The tau of layer `layer_idx` (0-based, as transformers' module.layer_idx) under a per-layer spec:
+
+      a number                the same tau for every layer;
+      a list or tuple         tau[layer_idx]; one entry per layer (a shorter one raises at its first
+                              missing layer);
+      a dict                  {layer_idx: tau, ..., "default": tau}; layers not named take "default"
+                              (without one, a layer not named raises);
+      a callable              tau(layer_idx) -> float, called at each use.
+
+    Every value gets mala.attention's check (finite and >= 0), named by where it came from.  For
+    mala.attention callers: mala.attention(q, k, v, tau=mala.layer_tau(spec, i)).
+    """
+    if not callable(tau) and not isinstance(tau, (list, tuple, Mapping)):
+        return _tau_arg(tau)
+    if isinstance(layer_idx, bool) or not isinstance(layer_idx, int) or layer_idx < 0:
+        raise ValueError(f"tau: a per-layer tau needs a layer index >= 0 (got layer_idx={layer_idx!r}); "
+                         f"pass a number to use one tau without layers")
+    if callable(tau):
+        return _tau_arg(tau(layer_idx), f"tau({layer_idx})")
+    if isinstance(tau, (list, tuple)):
+        if layer_idx >= len(tau):
+            raise ValueError(f"tau: the per-layer list has {len(tau)} entries, so none for layer {layer_idx} "
+                             f"(give one per layer, or a dict with a 'default')")
+        return _tau_arg(tau[layer_idx], f"tau[{layer_idx}]")
+    if layer_idx in tau:
+        return _tau_arg(tau[layer_idx], f"tau[{layer_idx}]")
+    if "default" in tau:
+        return _tau_arg(tau["default"], "tau['default']")
+    raise ValueError(f"tau: the per-layer dict has no entry for layer {layer_idx} and no 'default'")
 
 
 def _eager_only(what):

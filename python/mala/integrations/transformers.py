@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 import mala
-from mala.api import _tau_arg
+from mala.api import check_tau_spec, layer_tau
 
 _DEFAULT_NAME = "mala"
 
@@ -92,7 +92,7 @@ def make_attention_function(tau=1.0, on_mask="sdpa"):
     """The function registered in transformers' AttentionInterface (see register)."""
     if on_mask not in ("sdpa", "error"):
         raise ValueError(f"on_mask: must be 'sdpa' or 'error' (got {on_mask!r})")
-    tau = _tau_arg(tau)  # mala.attention's check and message
+    tau_spec = check_tau_spec(tau)  # mala.attention's check and message, for every value known now
 
     def mala_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, is_causal=None,
                                **kwargs):
@@ -100,6 +100,8 @@ def make_attention_function(tau=1.0, on_mask="sdpa"):
         if dropout:
             raise ValueError(f"dropout: mala has no attention dropout (got {dropout}); set attention_dropout=0")
         causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+        # Resolved at each call, so a list too short for the model names the first layer it lacks.
+        tau = layer_tau(tau_spec, getattr(module, "layer_idx", None))
         if kwargs.get("position_bias") is None:
             if attention_mask is None:
                 out = mala.attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), tau=tau,
@@ -124,7 +126,11 @@ def make_attention_function(tau=1.0, on_mask="sdpa"):
 def register(tau=1.0, name=_DEFAULT_NAME, on_mask="sdpa"):
     """Registers MALA as attn_implementation=`name` ("mala") for transformers models.
 
-    tau: the MALA tolerance for every attention layer (0 = exact dense attention).
+    tau: the MALA tolerance (0 = exact dense attention): a number for every attention layer, or a
+         per-layer spec indexed by module.layer_idx (0-based): a list/tuple with one entry per layer, a
+         dict {layer_idx: tau, "default": tau}, or a callable tau(layer_idx) -> float (mala.layer_tau).
+         A list, tuple or dict is checked here; a callable's values, and a list too short for the
+         model, raise at the first forward of the layer concerned.
     on_mask: what to do when a call needs a general mask: "sdpa" (dense SDPA fallback) or "error".
     Calling it again replaces the registration (e.g. to change tau).
     """
