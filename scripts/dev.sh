@@ -71,7 +71,7 @@ configure_and_build
 # (the step was validated above, before the build)
 case "$step" in
   build) ;;
-  report) "$BUILD_DIR/tools/mala" report "$@" ;;
+  report) "$BUILD_DIR/cli/mala" report "$@" ;;
   test)
     ctest --test-dir "$BUILD_DIR" --output-on-failure -j "$JOBS" "$@"
     # The bad-input tests again under ASan + UBSan (CPU library and test binary only).

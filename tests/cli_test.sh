@@ -339,10 +339,10 @@ expect_exit 2 "run without --out" -- "$MALA" run --q "$I/q.npy" --k "$I/k.npy" -
 
 # ---- scripts/dev.sh, with a stand-in cmake (nothing is built): stdout carries only the step's ----
 # output, and an unknown step is refused before anything is built.
-mkdir -p "$TMP/bin" "$TMP/devbuild/tools"
+mkdir -p "$TMP/bin" "$TMP/devbuild/cli"
 printf '#!/usr/bin/env bash\necho "-- cmake stand-in: $*"\necho "$*" >>"%s/cmake_calls"\n' "$TMP" >"$TMP/bin/cmake"
 chmod +x "$TMP/bin/cmake"
-ln -sf "$(cd "$(dirname "$MALA")" && pwd)/$(basename "$MALA")" "$TMP/devbuild/tools/mala"
+ln -sf "$(cd "$(dirname "$MALA")" && pwd)/$(basename "$MALA")" "$TMP/devbuild/cli/mala"
 if expect_exit 0 "dev.sh report --json" -- env PATH="$TMP/bin:$PATH" BUILD_DIR="$TMP/devbuild" \
     bash "$ROOT/scripts/dev.sh" report --n 128 --heads 1 --d 16 --json --quiet; then
   python3 -c "import json,sys; json.load(open(sys.argv[1]))" "$TMP/out" && pass "dev.sh report --json: stdout is JSON only" ||

@@ -1,4 +1,4 @@
-// `mala run`'s output directory: staging, publishing, and clean-up on a signal (tools/out_dir.h).
+// `mala run`'s output directory: staging, publishing, and clean-up on a signal (cli/out_dir.h).
 #include "out_dir.h"
 
 #include <cerrno>

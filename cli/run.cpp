@@ -299,7 +299,7 @@ int run_main(int argc, char** argv) {
     }
   }
 
-  // Write: staged privately and published as a whole once all are written (tools/out_dir.h);
+  // Write: staged privately and published as a whole once all are written (cli/out_dir.h);
   // nothing partial on a failure or a SIGINT/SIGTERM.
   const std::vector<int64_t> row_shape =
       batched ? std::vector<int64_t>{p.batch, p.heads_q, p.seqlen_q}
