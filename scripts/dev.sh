@@ -51,8 +51,13 @@ configure_and_build() {
 python_tests() {
   [ -x .venv-py/bin/python ] || python3 -m venv .venv-py
   # PyPI's torch brings its CUDA libraries: about 5 GiB installed, 3 GiB more while pip unpacks.
-  # Warn up front, so that a pip failing half-way with ENOSPC is explained.
+  # Warn up front, so that a pip failing half-way with ENOSPC is explained.  A first install takes
+  # minutes: pip then shows each download (and its progress bar on a terminal) instead of -q.
+  local quiet=(-q)
   if ! .venv-py/bin/python -c "import torch" 2>/dev/null; then
+    quiet=()
+    echo "dev.sh: installing the Python test environment into .venv-py (python/requirements-ci.txt:" \
+         "torch with its CUDA wheels, about 5 GiB; pip unpacks for minutes after the downloads)" >&2
     local free_kib
     free_kib=$(df -Pk . | awk 'NR == 2 { print $4 }')
     if [ "${free_kib:-0}" -lt $((8 * 1024 * 1024)) ]; then
@@ -61,7 +66,8 @@ python_tests() {
            "$(df -P . | awk 'NR == 2 { print $6 }')" >&2
     fi
   fi
-  .venv-py/bin/pip install -q --disable-pip-version-check --no-cache-dir -r python/requirements-ci.txt
+  .venv-py/bin/pip install "${quiet[@]}" --disable-pip-version-check --no-cache-dir -r python/requirements-ci.txt >&2
+  [ ${#quiet[@]} -gt 0 ] || echo "dev.sh: .venv-py installed; building the extension and running pytest" >&2
   PYTHON=.venv-py/bin/python CMAKE_ARGS="-DMALA_CUDA=OFF" JOBS="$JOBS" \
     bash scripts/python_check.sh -q python/tests lab/real/tests lab/suite lab/train/tests tests/docs
 }
@@ -71,7 +77,7 @@ configure_and_build
 # (the step was validated above, before the build)
 case "$step" in
   build) ;;
-  report) "$BUILD_DIR/tools/mala" report "$@" ;;
+  report) "$BUILD_DIR/cli/mala" report "$@" ;;
   test)
     ctest --test-dir "$BUILD_DIR" --output-on-failure -j "$JOBS" "$@"
     # The bad-input tests again under ASan + UBSan (CPU library and test binary only).

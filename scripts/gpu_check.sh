@@ -24,7 +24,7 @@ build)
         -DCMAKE_CUDA_ARCHITECTURES="${CUDA_ARCHS:-90a}" >/dev/null
   cmake --build build-gpu -j "$(nproc)" --target mala_gpu_tests mala_bench mala_cli
   mkdir -p .carry/gpu
-  cp build-gpu/tests/mala_gpu_tests build-gpu/bench/mala_bench build-gpu/tools/mala .carry/gpu/
+  cp build-gpu/tests/mala_gpu_tests build-gpu/bench/mala_bench build-gpu/cli/mala .carry/gpu/
   cp scripts/gpu_check.sh .carry/gpu/
   # The binaries compress about 6x: carry the archive when they and the tree pass the 64 MiB a call takes.
   tar cJf .carry/gpu.tar.xz .carry/gpu

@@ -208,6 +208,27 @@ for h in range(4):
         assert slots[h * 64 + t] == ((t + 1 + 31) // 32) * 32, (h, t, slots[h * 64 + t])
 EOF
 fi
+# A forward-only run into o1 (which holds the backward outputs of the run with --do) removes those:
+# left in place they would read as this run's.  Files that are not outputs stay, and a symlink at
+# an output name goes without its target being touched.
+echo mine >"$I/o1/notes.txt"
+echo precious >"$I/o1_victim"
+rm -f "$I/o1/bwd_slots.npy" && ln -s "$I/o1_victim" "$I/o1/bwd_slots.npy"
+if expect_exit 0 "run forward-only over a run with --do" -- "$MALA" run --q "$I/q.npy" --k "$I/k.npy" --v "$I/v.npy" --out "$I/o1"; then
+  [ "$(cd "$I/o1" && ls -A | sort | tr '\n' ' ')" = "fwd_slots.npy fwd_tile_mask.npy lse.npy notes.txt o.npy " ] &&
+    pass "forward-only run: the earlier backward outputs are removed, other files kept" ||
+    fail "forward-only run left: $(ls -A "$I/o1")"
+  [ "$(cat "$I/o1_victim")" = precious ] && pass "a symlinked output is removed, not followed" || fail "symlink target changed"
+  expect_in "$TMP/out" "removed      $I/o1/{dq.npy,dk.npy,dv.npy,bwd_slots.npy}" "run names the removed outputs"
+fi
+if expect_exit 0 "run --json with --do, then forward-only --json" -- "$MALA" run --q "$I/q.npy" --k "$I/k.npy" --v "$I/v.npy" --do "$I/do.npy" --out "$I/o1" --json --quiet; then
+  python3 -c "import json,sys; r=json.load(open(sys.argv[1])); assert r['removed_outputs']==[], r" "$TMP/out" &&
+    pass "run --json: removed_outputs empty when nothing is removed" || fail "run --json removed_outputs: $(cat "$TMP/out")"
+  if expect_exit 0 "forward-only --json" -- "$MALA" run --q "$I/q.npy" --k "$I/k.npy" --v "$I/v.npy" --out "$I/o1" --json --quiet; then
+    python3 -c "import json,sys; r=json.load(open(sys.argv[1])); assert r['removed_outputs']==['dq.npy','dk.npy','dv.npy','bwd_slots.npy'], r" "$TMP/out" &&
+      pass "run --json lists removed_outputs" || fail "run --json removed_outputs: $(cat "$TMP/out")"
+  fi
+fi
 if expect_exit 0 "run batched float16, Nq < Nk" -- "$MALA" run --q "$I/q16.npy" --k "$I/k16.npy" --v "$I/v16.npy" --do "$I/q16.npy" --out "$I/o16" --json --quiet; then
   check_npy "$I/o16/o.npy" "<f4 2,24,2,16"
   check_npy "$I/o16/lse.npy" "<f4 2,2,24"
@@ -339,10 +360,10 @@ expect_exit 2 "run without --out" -- "$MALA" run --q "$I/q.npy" --k "$I/k.npy" -
 
 # ---- scripts/dev.sh, with a stand-in cmake (nothing is built): stdout carries only the step's ----
 # output, and an unknown step is refused before anything is built.
-mkdir -p "$TMP/bin" "$TMP/devbuild/tools"
+mkdir -p "$TMP/bin" "$TMP/devbuild/cli"
 printf '#!/usr/bin/env bash\necho "-- cmake stand-in: $*"\necho "$*" >>"%s/cmake_calls"\n' "$TMP" >"$TMP/bin/cmake"
 chmod +x "$TMP/bin/cmake"
-ln -sf "$(cd "$(dirname "$MALA")" && pwd)/$(basename "$MALA")" "$TMP/devbuild/tools/mala"
+ln -sf "$(cd "$(dirname "$MALA")" && pwd)/$(basename "$MALA")" "$TMP/devbuild/cli/mala"
 if expect_exit 0 "dev.sh report --json" -- env PATH="$TMP/bin:$PATH" BUILD_DIR="$TMP/devbuild" \
     bash "$ROOT/scripts/dev.sh" report --n 128 --heads 1 --d 16 --json --quiet; then
   python3 -c "import json,sys; json.load(open(sys.argv[1]))" "$TMP/out" && pass "dev.sh report --json: stdout is JSON only" ||

@@ -264,7 +264,7 @@ def main():
     ap.add_argument("--n", type=int, default=0, help="first N rows (default all)")
     ap.add_argument("--tau", type=float, default=1.0)
     ap.add_argument("--key", default=None, help="the result's key (default N)")
-    ap.add_argument("--mala", default="build/tools/mala", help="the mala CLI (its CPU implementation decides)")
+    ap.add_argument("--mala", default="build/cli/mala", help="the mala CLI (its CPU implementation decides)")
     ap.add_argument("--bq", type=int, default=0, help="decision tile rows (default: the CUDA forward's)")
     ap.add_argument("--bk", type=int, default=0, help="decision tile keys (default: the CUDA forward's)")
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"),

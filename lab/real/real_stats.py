@@ -7,7 +7,7 @@ query, the fraction of legal tiles retained, the omitted softmax mass (mean / ma
 the relative L2 error of O against tau = 0.  With --backward also the backward's slots per query
 (its own run at the backward's tiles, random dO: the backward's test reads only the lse).
 
-  python lab/real/real_stats.py --dir real/gpl3 --mala build/tools/mala --json real/gpl3/stats.json
+  python lab/real/real_stats.py --dir real/gpl3 --mala build/cli/mala --json real/gpl3/stats.json
 """
 import argparse
 import glob
@@ -37,7 +37,7 @@ def run_mala(mala, files, tau, bq, bk, device, do=None):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dir", required=True, help="capture directory (layerLL_{q,k,v}.npy, manifest.json)")
-    ap.add_argument("--mala", default="build/tools/mala", help="the mala CLI")
+    ap.add_argument("--mala", default="build/cli/mala", help="the mala CLI")
     ap.add_argument("--tau", type=float, default=1.0)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--fwd-tiles", default="32x64", help="forward decision tile (the d = 64 forward kernel's)")

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The `real` regime end to end on this machine (CPU): environment, capture, statistics.
-#   bash lab/real/run_all.sh [BUILD_DIR]       (BUILD_DIR holds tools/mala; default build)
+#   bash lab/real/run_all.sh [BUILD_DIR]       (BUILD_DIR holds cli/mala; default build)
 # Writes real-data/<text>/ (captured layers, manifest.json, stats.json, stats.txt) for two texts:
 #   gpl3  : /usr/share/common-licenses/GPL-3 (legal prose, 7639 tokens)
 #   paper : ../shared/paper/mala-paper.tex.txt (the MALA paper's LaTeX source, first 8192 tokens)
@@ -15,6 +15,6 @@ for t in "${texts[@]}"; do
   name=${t%%:*} file=${t#*:}
   [ -f "real-data/$name/manifest.json" ] ||
     .venv-real/bin/python lab/real/capture_qkv.py --text "$file" --n 8192 --out "real-data/$name"
-  .venv-real/bin/python lab/real/real_stats.py --dir "real-data/$name" --mala "$build/tools/mala" --backward \
+  .venv-real/bin/python lab/real/real_stats.py --dir "real-data/$name" --mala "$build/cli/mala" --backward \
     --json "real-data/$name/stats.json" | tee "real-data/$name/stats.txt"
 done

@@ -53,7 +53,7 @@ prepare)
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_17_x86_64 -d .whl gguf==0.19.0
   rm -rf .carry/mala-src && mkdir -p .carry/mala-src
-  git archive "${MALA_COMMIT:-HEAD}" CMakeLists.txt include src python pyproject.toml docs/python.md tools | tar -x -C .carry/mala-src
+  git archive "${MALA_COMMIT:-HEAD}" CMakeLists.txt include src python pyproject.toml docs/python.md cli | tar -x -C .carry/mala-src
   git rev-parse "${MALA_COMMIT:-HEAD}" > .carry/mala-src/COMMIT
   echo "stage: .whl/ ($(ls .whl | tr '\n' ' ')) and .carry/mala-src ($(cat .carry/mala-src/COMMIT), $(du -sh .carry/mala-src | cut -f1))"
   ;;

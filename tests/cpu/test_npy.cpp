@@ -1,4 +1,4 @@
-// The .npy reader/writer used by `mala run` (tools/npy.cpp).
+// The .npy reader/writer used by `mala run` (cli/npy.cpp).
 #include <gtest/gtest.h>
 
 #include <cmath>

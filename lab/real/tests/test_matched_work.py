@@ -14,7 +14,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 import matched_work as mw  # noqa: E402
 
-CLI = os.environ.get("MALA_CLI", os.path.join(ROOT, "build", "tools", "mala"))
+CLI = os.environ.get("MALA_CLI", os.path.join(ROOT, "build", "cli", "mala"))
 
 
 def sharp_layer(seed, n=512, hq=2, hkv=1, d=64):

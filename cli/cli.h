@@ -19,7 +19,7 @@ constexpr int kExitFailure = 1;
 constexpr int kExitUsage = 2;
 constexpr int kExitNonfiniteOutput = 3;
 
-// The version, from CMake's project(VERSION) (tools/CMakeLists.txt passes it in).
+// The version, from CMake's project(VERSION) (cli/CMakeLists.txt passes it in).
 #ifndef MALA_VERSION
 #define MALA_VERSION "unknown"
 #endif

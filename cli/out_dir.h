@@ -5,7 +5,9 @@
 //     is renamed to DIR (one rename: DIR appears with every file, or not at all).
 //   --out DIR exists: the staging directory is DIR/.mala-staging-XXXXXX; its files are renamed into
 //     DIR under an exclusive flock() on DIR, so that runs into one DIR publish one after the other
-//     and DIR holds one run's complete set.
+//     and DIR holds one run's complete set.  Outputs of other runs that this run does not write
+//     (the names in `every_output` it did not put, e.g. dq.npy after a forward-only run) are
+//     removed from DIR in the same locked step, so no older run's file sits beside the new set.
 // SIGINT, SIGTERM and SIGHUP while the writer is open remove what the run created (the staging
 // directory, its files, and the missing parents of DIR it made), then end the process by the same
 // signal.  During the publishing renames these signals are held back, and act after them.  A
@@ -23,7 +25,8 @@ namespace cli {
 
 class OutputWriter {
  public:
-  explicit OutputWriter(std::string dir);
+  // every_output: each name any run may write into DIR (those this run does not put are removed).
+  OutputWriter(std::string dir, std::vector<std::string> every_output);
   ~OutputWriter();  // not committed: removes everything the run created
   OutputWriter(const OutputWriter&) = delete;
   OutputWriter& operator=(const OutputWriter&) = delete;
@@ -33,6 +36,7 @@ class OutputWriter {
   Status put(const std::string& name, npy::Type t, const std::vector<int64_t>& shape, const void* data);
   Status commit();  // publishes the staged set
   const std::vector<std::string>& names() const { return names_; }
+  const std::vector<std::string>& removed() const { return removed_; }  // by commit(), from DIR
 
  private:
   void abort();
@@ -42,6 +46,7 @@ class OutputWriter {
   bool began_ = false, dir_existed_ = false, committed_ = false;
   std::vector<std::string> created_;  // DIR's parents this run made, outermost first
   std::vector<std::string> names_;    // staged files
+  std::vector<std::string> every_output_, removed_;
 };
 
 }  // namespace cli

@@ -1,6 +1,7 @@
-// `mala run`'s output directory: staging, publishing, and clean-up on a signal (tools/out_dir.h).
+// `mala run`'s output directory: staging, publishing, and clean-up on a signal (cli/out_dir.h).
 #include "out_dir.h"
 
+#include <algorithm>
 #include <cerrno>
 #include <climits>
 #include <csignal>
@@ -92,7 +93,8 @@ mode_t current_umask() {
 
 }  // namespace
 
-OutputWriter::OutputWriter(std::string dir) : dir_(std::move(dir)) {}
+OutputWriter::OutputWriter(std::string dir, std::vector<std::string> every_output)
+    : dir_(std::move(dir)), every_output_(std::move(every_output)) {}
 
 OutputWriter::~OutputWriter() {
   if (!committed_) abort();
@@ -166,6 +168,21 @@ Status OutputWriter::publish_into_existing() {
       break;
     }
     if (i + 1 < names_.size()) test_hook_between_renames();
+  }
+  // An earlier run's outputs that this run does not write (its backward's, after a forward-only
+  // run): left in place they would read as this run's.  Only regular files and symlinks of those
+  // names go; a directory of such a name is not an output (run.cpp refuses it for names it writes).
+  for (size_t i = 0; s && i < every_output_.size(); ++i) {
+    const std::string& name = every_output_[i];
+    if (std::find(names_.begin(), names_.end(), name) != names_.end()) continue;
+    const std::string path = (fs::path(dir_) / name).string();
+    struct stat st;
+    if (::lstat(path.c_str(), &st) != 0 || S_ISDIR(st.st_mode)) continue;
+    if (::unlink(path.c_str()) != 0) {
+      s = Status::error("--out: cannot remove " + path + ", an earlier run's output (" + std::strerror(errno) + ")");
+      break;
+    }
+    removed_.push_back(name);
   }
   ::close(fd);
   return s;

@@ -31,7 +31,8 @@ const char* kRunHelp =
     "float32, slots and masks int32.  Prints the realized work.\n"
     "\n"
     "  --q, --k, --v, --do FILE   inputs (--do optional: runs the backward)\n"
-    "  --out DIR                  output directory (created; existing files are replaced)\n"
+    "  --out DIR                  output directory (created; outputs there are replaced,\n"
+    "                             and an earlier run's that this run does not write removed)\n"
     "  --tau T                    tolerance, >= 0; 0 = dense         (default 1)\n"
     "  --causal, --no-causal                                        (default causal)\n"
     "  --scale S                  softmax scale, > 0                 (default 1/sqrt(d))\n"
@@ -149,11 +150,12 @@ int run_main(int argc, char** argv) {
   };
 
   // --out before any work: a typo must not cost a computation.
+  const std::vector<std::string> kForwardOutputs = {"o.npy", "lse.npy", "fwd_slots.npy", "fwd_tile_mask.npy"};
+  const std::vector<std::string> kBackwardOutputs = {"dq.npy", "dk.npy", "dv.npy", "bwd_slots.npy"};
+  std::vector<std::string> every_output = kForwardOutputs;
+  every_output.insert(every_output.end(), kBackwardOutputs.begin(), kBackwardOutputs.end());
   {
-    std::vector<std::string> names = {"o.npy", "lse.npy", "fwd_slots.npy", "fwd_tile_mask.npy"};
-    if (inputs.size() > 3)
-      for (const char* n : {"dq.npy", "dk.npy", "dv.npy", "bwd_slots.npy"}) names.push_back(n);
-    Status s = check_out_dir(out_dir, names);
+    Status s = check_out_dir(out_dir, inputs.size() > 3 ? every_output : kForwardOutputs);
     if (!s) return fail(s.message);
   }
 
@@ -299,12 +301,12 @@ int run_main(int argc, char** argv) {
     }
   }
 
-  // Write: staged privately and published as a whole once all are written (tools/out_dir.h);
+  // Write: staged privately and published as a whole once all are written (cli/out_dir.h);
   // nothing partial on a failure or a SIGINT/SIGTERM.
   const std::vector<int64_t> row_shape =
       batched ? std::vector<int64_t>{p.batch, p.heads_q, p.seqlen_q}
               : std::vector<int64_t>{p.heads_q, p.seqlen_q};
-  OutputWriter writer(out_dir);
+  OutputWriter writer(out_dir, every_output);
   if (!(s = writer.begin())) return fail(s.message);
   if (!(s = writer.put("o.npy", npy::Type::f32, q.array.shape, fwd.o.data())) ||
       !(s = writer.put("lse.npy", npy::Type::f32, row_shape, fwd.lse.data())) ||
@@ -327,6 +329,7 @@ int run_main(int argc, char** argv) {
   }
   if (!(s = writer.commit())) return fail(s.message);
   const std::vector<std::string>& written = writer.names();
+  const std::vector<std::string>& removed = writer.removed();
   const int status = nonfinite.empty() ? 0 : kExitNonfiniteOutput;
 
   // Summary.
@@ -373,6 +376,9 @@ int run_main(int argc, char** argv) {
     std::string nf = "[";
     for (size_t i = 0; i < nonfinite.size(); ++i) nf += (i ? ", " : "") + json_escape(nonfinite[i]);
     j.raw("nonfinite_outputs", nf + "]");
+    std::string rm = "[";
+    for (size_t i = 0; i < removed.size(); ++i) rm += (i ? ", " : "") + json_escape(removed[i]);
+    j.raw("removed_outputs", rm + "]");
     std::printf("%s\n", j.dump().c_str());
     return status;
   }
@@ -399,6 +405,11 @@ int run_main(int argc, char** argv) {
   std::printf("  wrote        %s/{", out_dir.c_str());
   for (size_t i = 0; i < written.size(); ++i) std::printf("%s%s", i ? "," : "", written[i].c_str());
   std::printf("}\n");
+  if (!removed.empty()) {
+    std::printf("  removed      %s/{", out_dir.c_str());
+    for (size_t i = 0; i < removed.size(); ++i) std::printf("%s%s", i ? "," : "", removed[i].c_str());
+    std::printf("} (an earlier run's outputs that this run does not write)\n");
+  }
   return status;
 }
 
