@@ -32,7 +32,7 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
 import attn  # noqa: E402
-import corpus  # noqa: E402
+import code_corpus as corpus  # noqa: E402
 import train  # noqa: E402
 
 

@@ -34,7 +34,7 @@ phases() {
       --no-build-isolation --no-deps --no-cache-dir --upgrade --target "$STORE/site" . > "$RES/build.log" 2>&1 \
       && touch "$STORE/build.done" || touch "$STORE/build.failed" ) &
   ph "corpus scan"
-  python3 "$T/corpus.py" scan --out "$D" > "$RES/corpus.log" 2>&1
+  python3 "$T/code_corpus.py" scan --out "$D" > "$RES/corpus.log" 2>&1
   TOK=$T/tokenizer.json
   if [ ! -f "$TOK" ]; then
     ph "tokenizer train"
@@ -42,7 +42,7 @@ phases() {
     TOK=$RES/tokenizer.json
   fi
   ph "corpus build"
-  python3 "$T/corpus.py" build --data "$D" --tokenizer "$TOK" >> "$RES/corpus.log" 2>&1
+  python3 "$T/code_corpus.py" build --data "$D" --tokenizer "$TOK" >> "$RES/corpus.log" 2>&1
   cp "$D/manifest.tsv.gz" "$D/manifest.json" "$D/streams.json" "$RES/"
   while [ ! -f "$STORE/build.done" ]; do
     [ -f "$STORE/build.failed" ] && { ph "build failed"; exit 1; }

@@ -18,7 +18,7 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-import corpus  # noqa: E402
+import code_corpus as corpus  # noqa: E402
 
 VOCAB_SIZE = 32768
 

@@ -45,7 +45,7 @@ sys.path.insert(0, HERE)
 
 import attn  # noqa: E402
 import configs  # noqa: E402
-import corpus  # noqa: E402
+import code_corpus as corpus  # noqa: E402
 
 T0 = time.time()
 

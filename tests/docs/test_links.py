@@ -21,8 +21,9 @@ def _text(page):
 
 
 def _slug(heading):
-    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
-    h = re.sub(r"[`*_]", "", heading.strip().lower())
+    """GitHub's anchor for a heading: lower case, punctuation but hyphens and underscores dropped,
+    spaces to hyphens (underscores stay: GitHub keeps them, as in `layer_idx`)."""
+    h = re.sub(r"[`*]", "", heading.strip().lower())
     h = re.sub(r"[^\w\- ]", "", h)
     return h.replace(" ", "-")
 

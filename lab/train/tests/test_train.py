@@ -17,7 +17,7 @@ TRAIN = os.path.dirname(HERE)
 sys.path.insert(0, TRAIN)
 
 import configs  # noqa: E402
-import corpus  # noqa: E402
+import code_corpus as corpus  # noqa: E402
 import tokenizer as tok_mod  # noqa: E402
 
 

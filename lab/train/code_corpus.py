@@ -17,8 +17,8 @@ token streams: the training files in an order drawn from `seed`, the held-out fi
 order, each document followed by the separator token.  The same manifest, file bytes and tokenizer
 give the same streams (their SHA-256 is recorded), so every arm of the study sees the same data.
 
-    python3 lab/train/corpus.py scan --out /tmp/mala-train/data            # manifest.tsv.gz, manifest.json
-    python3 lab/train/corpus.py build --data /tmp/mala-train/data --tokenizer lab/train/tokenizer.json
+    python3 lab/train/code_corpus.py scan --out /tmp/mala-train/data            # manifest.tsv.gz, manifest.json
+    python3 lab/train/code_corpus.py build --data /tmp/mala-train/data --tokenizer lab/train/tokenizer.json
 """
 
 from __future__ import annotations

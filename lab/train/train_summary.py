@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The study's summary and plots from one run's results (a folder, or the .tgz gpu_run.sh packs).
 
-    python3 lab/train/summarize.py --res bench/results/train/run1.tgz --corpus lab/train/corpus \\
+    python3 lab/train/train_summary.py --res bench/results/train/run1.tgz --corpus lab/train/corpus \\
         --out bench/results/train/summary.json --plots docs/img
 
 summary.json: {"device", "corpus": {...}, "sizes": {NAME: {"dense": {...}, "mala": {...}}}}; each arm:
