@@ -43,8 +43,8 @@ def load(args, device):
     from tokenizers import Tokenizer
 
     vocab = Tokenizer.from_file(args.tokenizer).get_vocab_size()
-    w = os.path.join(args.work, f"{args.size}_{args.arm}_{args.stage}.final.pt")
-    return train.build_model(args.size, vocab, args.arm, device, w)
+    w = os.path.join(args.work, f"{train.run_tag(args.size, args.arm, args.stage, args.seed)}.final.pt")
+    return train.build_model(args.size, vocab, args.arm, device, w, args.seed)
 
 
 def merge(path, key, value):
@@ -83,7 +83,7 @@ def cmd_timing(args, device):
     res = {"seqlen": args.seqlen, "tokens_per_step": batch * args.seqlen, "steps": args.steps,
            "step_ms": float(r[0]), "attn_fwd_ms": float(r[1]), "attn_bwd_ms": float(r[2]),
            "rest_ms": float(r[0] - r[1] - r[2]), "attention": attn.TIMED["inner"]}
-    merge(os.path.join(args.out, "timing.json"), f"{args.size}_{args.arm}_{args.stage}_{args.seqlen}", res)
+    merge(os.path.join(args.out, "timing.json"), f"{train.run_tag(args.size, args.arm, args.stage, args.seed)}_{args.seqlen}", res)
     train.log(f"timing {args.size} {args.arm} {args.stage} N={args.seqlen}: {res}")
 
 
@@ -181,7 +181,7 @@ def cmd_regime(args, device):
                               for n in args.lengths))
         del states
         torch.cuda.empty_cache()
-    merge(os.path.join(args.out, "regime.json"), f"{args.size}_{args.arm}_{args.stage}", out)
+    merge(os.path.join(args.out, "regime.json"), train.run_tag(args.size, args.arm, args.stage, args.seed), out)
 
 
 def cmd_speed(args, device):
@@ -212,7 +212,7 @@ def cmd_speed(args, device):
             res[name]["bwd_ms"].append(b["ms"])
             del p
     tot = {k: {"fwd_ms": sum(v["fwd_ms"]), "bwd_ms": sum(v["bwd_ms"]), "layers": v} for k, v in res.items()}
-    merge(os.path.join(args.out, "speed.json"), f"{args.size}_{args.arm}_{args.stage}_{args.n}", tot)
+    merge(os.path.join(args.out, "speed.json"), f"{train.run_tag(args.size, args.arm, args.stage, args.seed)}_{args.n}", tot)
     train.log(f"speed {args.size} {args.arm} N={args.n}: "
               + ", ".join(f"{k} fwd {v['fwd_ms']:.3f} bwd {v['bwd_ms']:.3f} ms" for k, v in tot.items()))
 
@@ -228,6 +228,7 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--tokenizer", default=os.path.join(HERE, "tokenizer.json"))
     ap.add_argument("--tau", type=float, default=1.0)
+    ap.add_argument("--seed", type=int, default=42, help="which seed's run (train.py --seed)")
     ap.add_argument("--seqlen", type=int, default=4096)
     ap.add_argument("--tokens-per-step", type=int, default=65536)
     ap.add_argument("--steps", type=int, default=10)

@@ -11,12 +11,14 @@
 # Phases: build (the mala extension, in the background from the start), corpus (scan, tokenizer if
 # lab/train/tokenizer.json is absent, token streams), pt (4K pre-training: both arms of every size in
 # SIZES at once, PT_BUDGET_S each), lct (16K, LCT_BUDGET_S), timing, regime, speed, matched.
-# Environment: STORE (default /tmp/mala-train), SIZES (default "s4m m13m"), PT_BUDGET_S (330),
+# Timing, speed and the saved states use the first seed of SEEDS.
+# Environment: STORE (default /tmp/mala-train), SIZES (default "s4m m13m"), SEEDS (default 42), PT_BUDGET_S (330),
 # LCT_BUDGET_S (120), LCT_SIZES (default: SIZES).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 STORE=${STORE:-/tmp/mala-train}
 SIZES=${SIZES:-"s4m m13m"}
+SEEDS=${SEEDS:-42}
 LCT_SIZES=${LCT_SIZES:-$SIZES}
 PT_BUDGET_S=${PT_BUDGET_S:-330}
 LCT_BUDGET_S=${LCT_BUDGET_S:-120}
@@ -53,20 +55,25 @@ phases() {
   ph "pt"
   pids=()
   for s in $SIZES; do
-    for arm in dense mala; do
-      python3 "$T/train.py" --size "$s" --arm "$arm" --stage pt --seqlen 4096 --budget-s "$PT_BUDGET_S" \
-        --sync "$STORE/sync" --eval-every 100 "${common[@]}" > "$RES/pt_${s}_${arm}.log" 2>&1 &
-      pids+=($!)
+    for seed in $SEEDS; do
+      for arm in dense mala; do
+        python3 "$T/train.py" --size "$s" --arm "$arm" --seed "$seed" --stage pt --seqlen 4096 --budget-s "$PT_BUDGET_S" \
+          --sync "$STORE/sync" --eval-every 100 "${common[@]}" > "$RES/pt_${s}_${arm}_s${seed}.log" 2>&1 &
+        pids+=($!)
+      done
     done
   done
   for p in "${pids[@]}"; do wait "$p" || ph "a pt run failed (pid $p)"; done
   ph "lct"
   pids=()
   for s in $LCT_SIZES; do
-    for arm in dense mala; do
-      python3 "$T/train.py" --size "$s" --arm "$arm" --stage lct --seqlen 16384 --budget-s "$LCT_BUDGET_S" \
-        --probe-steps 20 --sync "$STORE/sync" --eval-every 25 "${common[@]}" > "$RES/lct_${s}_${arm}.log" 2>&1 &
-      pids+=($!)
+    for seed in $SEEDS; do
+      for arm in dense mala; do
+        python3 "$T/train.py" --size "$s" --arm "$arm" --seed "$seed" --stage lct --seqlen 16384 \
+          --budget-s "$LCT_BUDGET_S" --probe-steps 20 --sync "$STORE/sync" --eval-every 25 "${common[@]}" \
+          > "$RES/lct_${s}_${arm}_s${seed}.log" 2>&1 &
+        pids+=($!)
+      done
     done
   done
   for p in "${pids[@]}"; do wait "$p" || ph "an lct run failed (pid $p)"; done
@@ -74,24 +81,28 @@ phases() {
   A=(--data "$D" --tokenizer "$TOK" --out "$RES" --work "$W")
   for s in $SIZES; do
     for arm in dense mala; do
-      python3 "$T/analyze.py" timing --size "$s" --arm "$arm" --stage pt --seqlen 4096 "${A[@]}" >> "$RES/timing.log" 2>&1 || ph "timing $s $arm pt failed"
+      python3 "$T/analyze.py" timing --size "$s" --arm "$arm" --seed "${SEEDS%% *}" --stage pt --seqlen 4096 "${A[@]}" >> "$RES/timing.log" 2>&1 || ph "timing $s $arm pt failed"
       if [[ " $LCT_SIZES " == *" $s "* ]]; then
-        python3 "$T/analyze.py" timing --size "$s" --arm "$arm" --stage lct --seqlen 16384 "${A[@]}" >> "$RES/timing.log" 2>&1 || ph "timing $s $arm lct failed"
+        python3 "$T/analyze.py" timing --size "$s" --arm "$arm" --seed "${SEEDS%% *}" --stage lct --seqlen 16384 "${A[@]}" >> "$RES/timing.log" 2>&1 || ph "timing $s $arm lct failed"
       fi
     done
   done
   ph "regime"
+  seed0=${SEEDS%% *}
   for s in $LCT_SIZES; do
-    for arm in mala dense; do
-      save=()
-      [ "$arm" = mala ] && save=(--save-states "$W/states_${s}_mala" --save-n 16384)
-      python3 "$T/analyze.py" regime --size "$s" --arm "$arm" --stage lct "${save[@]}" "${A[@]}" >> "$RES/regime.log" 2>&1 || ph "regime $s $arm failed"
+    for seed in $SEEDS; do
+      for arm in mala dense; do
+        save=()
+        [ "$arm" = mala ] && [ "$seed" = "$seed0" ] && save=(--save-states "$W/states_${s}_mala" --save-n 16384)
+        python3 "$T/analyze.py" regime --size "$s" --arm "$arm" --seed "$seed" --stage lct "${save[@]}" "${A[@]}" \
+          >> "$RES/regime.log" 2>&1 || ph "regime $s $arm seed $seed failed"
+      done
     done
   done
   ph "speed"
   for s in ${SPEED_SIZES:-$LCT_SIZES}; do
     for arm in mala dense; do
-      python3 "$T/analyze.py" speed --size "$s" --arm "$arm" --stage lct --n 16384 "${A[@]}" >> "$RES/speed.log" 2>&1 || ph "speed $s $arm failed"
+      python3 "$T/analyze.py" speed --size "$s" --arm "$arm" --seed "${SEEDS%% *}" --stage lct --n 16384 "${A[@]}" >> "$RES/speed.log" 2>&1 || ph "speed $s $arm failed"
     done
   done
   ph "matched"
@@ -121,7 +132,7 @@ start)
   rm -rf "$STORE/repo" "$RES" && mkdir -p "$STORE/repo" "$RES"
   cp -r . "$STORE/repo/"
   export -f phases
-  export STORE SIZES LCT_SIZES PT_BUDGET_S LCT_BUDGET_S RES SPEED_SIZES
+  export STORE SIZES SEEDS LCT_SIZES PT_BUDGET_S LCT_BUDGET_S RES SPEED_SIZES
   setsid nohup bash -c phases > "$STORE/phases.out" 2>&1 < /dev/null &
   echo "gpu_run: started (log $RES/phases.log)"
   ;;

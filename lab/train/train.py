@@ -3,7 +3,7 @@
 weights), dense or MALA attention, one stage.
 
   --stage pt   pre-training at --seqlen (4K), WSD schedule from configs.py, from the seed's init
-  --stage lct  long-context stage at --seqlen (16K) from WORK/<size>_<arm>_pt.final.pt, constant
+  --stage lct  long-context stage at --seqlen (16K) from the same seed's WORK/<size>_<arm>_pt.final.pt, constant
                LCT_LR_FACTOR x peak
   --arm dense  transformers' "sdpa" attention;  --arm mala: attn_implementation="mala" (the
                library's transformers integration) at --tau, forward and backward
@@ -23,7 +23,8 @@ run ends within the budget; with --sync DIR the two arms of a size exchange thei
 and both take the step count of the slower, so they train on the same tokens.  --steps fixes it.
 --resume continues from WORK/<tag>.ckpt.pt (written every --ckpt-every steps and at --deadline-s).
 
-Writes OUT/train_<size>_<arm>_<stage>.json (after every eval) and WORK/<tag>.final.pt.
+Writes OUT/train_<tag>.json (after every eval) and WORK/<tag>.final.pt; <tag> is run_tag's
+<size>_<arm>_<stage>[_s<seed>].
 """
 
 from __future__ import annotations
@@ -81,10 +82,15 @@ def batches(seqs: np.ndarray, batch: int, seed: int):
         epoch += 1
 
 
-def build_model(size, vocab, arm, device, init_from=None):
+def run_tag(size, arm, stage, seed=configs.SEED):
+    """A run's name: <size>_<arm>_<stage>, with _s<seed> for any seed but the study's default."""
+    return f"{size}_{arm}_{stage}" + ("" if seed == configs.SEED else f"_s{seed}")
+
+
+def build_model(size, vocab, arm, device, init_from=None, seed=configs.SEED):
     from transformers import Qwen3ForCausalLM
 
-    torch.manual_seed(configs.SEED)
+    torch.manual_seed(seed)
     model = Qwen3ForCausalLM(configs.qwen3_config(size, vocab, attn="sdpa"))
     if init_from:
         model.load_state_dict(torch.load(init_from, map_location="cpu", weights_only=True))
@@ -167,6 +173,8 @@ def main():
     ap.add_argument("--arm", required=True, choices=("dense", "mala"))
     ap.add_argument("--stage", default="pt", choices=("pt", "lct"))
     ap.add_argument("--tau", type=float, default=1.0)
+    ap.add_argument("--seed", type=int, default=configs.SEED,
+                    help="the initial weights and the data order (both arms of a comparison take the same)")
     ap.add_argument("--data", required=True, help="corpus.build's folder (train.npy, heldout.npy)")
     ap.add_argument("--tokenizer", default=os.path.join(HERE, "tokenizer.json"))
     ap.add_argument("--out", required=True)
@@ -191,7 +199,7 @@ def main():
     from tokenizers import Tokenizer
 
     vocab = Tokenizer.from_file(a.tokenizer).get_vocab_size()
-    tag = f"{a.size}_{a.arm}_{a.stage}"
+    tag = run_tag(a.size, a.arm, a.stage, a.seed)
     os.makedirs(a.out, exist_ok=True)
     os.makedirs(a.work, exist_ok=True)
     train_seqs = corpus.sequences(np.load(os.path.join(a.data, "train.npy"), mmap_mode="r"), a.seqlen)
@@ -202,12 +210,12 @@ def main():
         held[n] = np.ascontiguousarray(s[: max(1, a.eval_tokens // n)])
     batch = max(1, a.tokens_per_step // a.seqlen)
     peak = configs.SIZES[a.size]["lr"]
-    init = os.path.join(a.work, f"{a.size}_{a.arm}_pt.final.pt") if a.stage == "lct" else None
-    model = build_model(a.size, vocab, a.arm, device, init)
+    init = os.path.join(a.work, f"{run_tag(a.size, a.arm, 'pt', a.seed)}.final.pt") if a.stage == "lct" else None
+    model = build_model(a.size, vocab, a.arm, device, init, a.seed)
     cfg = model.config
     opt = optimizer(model, peak, device)
-    rec = {"size": a.size, "arm": a.arm, "stage": a.stage, "tau": a.tau if a.arm == "mala" else 0.0,
-           "seqlen": a.seqlen, "batch": batch, "tokens_per_step": batch * a.seqlen, "peak_lr": peak,
+    rec = {"size": a.size, "arm": a.arm, "stage": a.stage, "seed": a.seed,
+           "tau": a.tau if a.arm == "mala" else 0.0, "seqlen": a.seqlen, "batch": batch, "tokens_per_step": batch * a.seqlen, "peak_lr": peak,
            "params": sum(p.numel() for p in model.parameters()),
            "non_embedding_params": configs.non_embedding_params(model),
            "config": {k: getattr(cfg, k) for k in ("hidden_size", "num_hidden_layers", "num_attention_heads",
@@ -225,7 +233,7 @@ def main():
         rec, step, attn_flops = st["rec"], st["step"], st["attn_flops"]
         log(f"{tag}: resumed at step {step}")
     total = rec["total_steps"] or a.max_steps
-    data = batches(train_seqs, batch, configs.SEED + (0 if a.stage == "pt" else 1))
+    data = batches(train_seqs, batch, a.seed + (0 if a.stage == "pt" else 1))
     for _ in range(step):  # the data order does not depend on where a run was cut
         next(data)
     t_run = time.time()
@@ -298,7 +306,8 @@ def main():
             ms_probe = float(np.median([s["ms"] for s in rec["steps"][-2:]]))
             left = a.budget_s - (time.time() - t_run)
             if a.sync:
-                total, other = agree_steps(a.sync, f"{a.size}_{a.stage}", a.arm, ms_probe, left, step, a.max_steps)
+                total, other = agree_steps(a.sync, run_tag(a.size, "pair", a.stage, a.seed), a.arm, ms_probe, left,
+                                           step, a.max_steps)
             else:
                 total, other = steps_for(ms_probe, left, step, a.max_steps), None
             rec["total_steps"] = total

@@ -159,14 +159,16 @@ def test_both_arms_agree_on_the_step_count(tmp_path):
     assert first[0] >= second[0]  # alone, the dense arm planned with its own, faster time
 
 
-def run_arm(tmp_path, data, tok_path, arm, steps=30, stage="pt", seqlen=64):
+def run_arm(tmp_path, data, tok_path, arm, steps=30, stage="pt", seqlen=64, seed=configs.SEED):
     cmd = [sys.executable, os.path.join(TRAIN, "train.py"), "--size", "tiny", "--arm", arm, "--stage", stage,
+           "--seed", str(seed),
            "--data", data, "--tokenizer", tok_path, "--out", str(tmp_path / "out"), "--work", str(tmp_path / "work"),
            "--seqlen", str(seqlen), "--tokens-per-step", "512", "--steps", str(steps), "--eval-every", "10",
            "--eval-lengths", "32,64", "--eval-tokens", "64", "--device", "cpu"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
-    with open(tmp_path / "out" / f"train_tiny_{arm}_{stage}.json") as f:
+    tag = f"tiny_{arm}_{stage}" + ("" if seed == configs.SEED else f"_s{seed}")
+    with open(tmp_path / "out" / f"train_{tag}.json") as f:
         return json.load(f)
 
 
@@ -196,6 +198,10 @@ def test_a_few_steps_of_each_arm_lower_the_loss(roots, tmp_path):
     lct = run_arm(tmp_path, data, tok_path, "mala", steps=5, stage="lct", seqlen=128)
     assert lct["evals"][0]["len_64"]["loss"] == pytest.approx(recs["mala"]["evals"][-1]["len_64"]["loss"], rel=1e-5)
     assert lct["steps"][-1]["lr"] == pytest.approx(configs.SIZES["tiny"]["lr"] * configs.LCT_LR_FACTOR)
+    # Another seed: other initial weights (and data order), recorded under its own name.
+    other = run_arm(tmp_path, data, tok_path, "dense", steps=2, seed=7)
+    assert other["seed"] == 7
+    assert other["evals"][0]["len_64"]["loss"] != pytest.approx(recs["dense"]["evals"][0]["len_64"]["loss"], rel=1e-4)
 
 
 def test_manifest_is_gzip_text(tmp_path, roots):
