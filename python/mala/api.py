@@ -13,7 +13,7 @@ from typing import Optional, Union
 
 import torch
 
-from . import _C
+from . import _C, paged
 from .stats import AttentionStats, visible_keys_decode, visible_keys_dense, visible_keys_varlen
 
 
@@ -143,6 +143,17 @@ def _host_checks_allowed(t):
     if torch.compiler.is_compiling():
         return False
     return not (t.is_cuda and torch.cuda.is_current_stream_capturing())
+
+
+def _gather_paged(k, v, block_table, cu_seqlens_k, max_seqlen_k, check_inputs):
+    """attention_varlen's packed k/v from paged ones.  The values are read on the host where that is
+    free (CPU) or asked for (check_inputs), which also gives the exact packed row count; otherwise the
+    gather runs without a synchronization (mala/paged.py, gather_paged_kv)."""
+    paged.check_paged_shapes(k, v, block_table, cu_seqlens_k)
+    total_k = None
+    if (check_inputs or not k.is_cuda) and _host_checks_allowed(k):
+        total_k = paged.check_paged_values(k, block_table, cu_seqlens_k, max_seqlen_k)[-1]
+    return paged.gather_paged_kv(k, v, block_table, cu_seqlens_k, max_seqlen_k, total_k)
 
 
 def _check_cu_seqlens(cu, name, total, max_seqlen, max_name):
@@ -305,16 +316,27 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
 def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                      cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, tau: float = 1.0,
                      causal: bool = True, softmax_scale: Optional[float] = None, return_lse: bool = False,
-                     return_stats: bool = False, check_inputs: bool = True, deterministic: bool = False):
+                     return_stats: bool = False, check_inputs: bool = True, deterministic: bool = False,
+                     block_table: Optional[torch.Tensor] = None):
     """MALA attention over packed sequences.  q [total_q, Hq, d], k/v [total_k, Hkv, d]; sequence b is
     rows cu_seqlens_q[b]:cu_seqlens_q[b+1] of q (and likewise for k).  cu_seqlens_* are int32
     [batch + 1] on the device of q.  lse is [Hq, total_q].  check_inputs validates the offsets on the
     host (one synchronization; skipped under torch.compile and CUDA-graph capture).  deterministic and
     head dims as for attention.
+
+    block_table: paged keys (flash_attn_varlen_func's): k/v [num_blocks, page_size, Hkv, d] and
+    block_table int32 [batch, max_blocks], sequence b's key j at k[block_table[b, j // page_size],
+    j % page_size]; cu_seqlens_k then gives the key counts.  The pages are gathered into packed k/v
+    (one copy of the used keys, mala/paged.py) for the contiguous call, whose decisions and results
+    this gives.  Differentiable: dK/dV come back in the paged shape.  check_inputs (always on the
+    CPU) also checks the used block_table entries and that each sequence fits its pages.
     """
     tau = _tau_arg(tau)
     scale = _scale_arg(softmax_scale)
     max_seqlen_q, max_seqlen_k = int(max_seqlen_q), int(max_seqlen_k)
+    if block_table is not None:
+        # Gathered before autocast and head-dim padding, so that those touch the used keys only.
+        k, v = _gather_paged(k, v, block_table, cu_seqlens_k, max_seqlen_k, check_inputs)
     q, k, v = _autocast_inputs(q, k, v)
     pad_to = _cuda_pad_target(q, k, v)
     if pad_to is not None:

@@ -69,13 +69,13 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
                            deterministic: bool = False, return_attn_probs: bool = False,
                            block_table: Optional[torch.Tensor] = None, *, tau: float = 1.0,
                            check_inputs: bool = False):
-    """flash_attn.flash_attn_varlen_func: packed q [total_q, Hq, d], k/v [total_k, Hkv, d]."""
+    """flash_attn.flash_attn_varlen_func: packed q [total_q, Hq, d], k/v [total_k, Hkv, d]; with
+    block_table int32 [batch, max_blocks], paged k/v [num_blocks, page_size, Hkv, d] (any page_size;
+    flash_attn 2's kernels take multiples of 256), differentiable unlike flash_attn's."""
     _common_checks(dropout_p, window_size, softcap, alibi_slopes)
-    if block_table is not None:
-        raise NotImplementedError("block_table: paged keys are supported by flash_attn_with_kvcache only")
     res = attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, tau=tau, causal=causal,
                            softmax_scale=softmax_scale, return_lse=return_attn_probs, check_inputs=check_inputs,
-                           deterministic=deterministic)
+                           deterministic=deterministic, block_table=block_table)
     return (*res, None) if return_attn_probs else res
 
 
