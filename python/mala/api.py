@@ -146,14 +146,16 @@ def _host_checks_allowed(t):
 
 
 def _gather_paged(k, v, block_table, cu_seqlens_k, max_seqlen_k, check_inputs):
-    """attention_varlen's packed k/v from paged ones.  The values are read on the host where that is
-    free (CPU) or asked for (check_inputs), which also gives the exact packed row count; otherwise the
-    gather runs without a synchronization (mala/paged.py, gather_paged_kv)."""
+    """attention_varlen's packed k/v from paged ones, and whether cu_seqlens_k's values were checked.
+    The values are read on the host where that is free (CPU) or asked for (check_inputs), which also
+    gives the exact packed row count; otherwise the gather runs without a synchronization
+    (mala/paged.py, gather_paged_kv)."""
     paged.check_paged_shapes(k, v, block_table, cu_seqlens_k)
     total_k = None
     if (check_inputs or not k.is_cuda) and _host_checks_allowed(k):
         total_k = paged.check_paged_values(k, block_table, cu_seqlens_k, max_seqlen_k)[-1]
-    return paged.gather_paged_kv(k, v, block_table, cu_seqlens_k, max_seqlen_k, total_k)
+    k, v = paged.gather_paged_kv(k, v, block_table, cu_seqlens_k, max_seqlen_k, total_k)
+    return k, v, total_k is not None
 
 
 def _check_cu_seqlens(cu, name, total, max_seqlen, max_name):
@@ -334,9 +336,10 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     tau = _tau_arg(tau)
     scale = _scale_arg(softmax_scale)
     max_seqlen_q, max_seqlen_k = int(max_seqlen_q), int(max_seqlen_k)
+    k_checked = False  # cu_seqlens_k's values already checked on the host (by the paged gather)
     if block_table is not None:
         # Gathered before autocast and head-dim padding, so that those touch the used keys only.
-        k, v = _gather_paged(k, v, block_table, cu_seqlens_k, max_seqlen_k, check_inputs)
+        k, v, k_checked = _gather_paged(k, v, block_table, cu_seqlens_k, max_seqlen_k, check_inputs)
     q, k, v = _autocast_inputs(q, k, v)
     pad_to = _cuda_pad_target(q, k, v)
     if pad_to is not None:
@@ -347,7 +350,8 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
                                  check_inputs=check_inputs, deterministic=deterministic))
     if check_inputs and _host_checks_allowed(q):
         _check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", q.shape[0], max_seqlen_q, "max_seqlen_q")
-        _check_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", k.shape[0], max_seqlen_k, "max_seqlen_k")
+        if not k_checked:  # one host copy of cu_seqlens_k per call
+            _check_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", k.shape[0], max_seqlen_k, "max_seqlen_k")
         if cu_seqlens_k.numel() != cu_seqlens_q.numel():
             raise ValueError(f"cu_seqlens_k: must have {cu_seqlens_q.numel()} entries like cu_seqlens_q "
                              f"(got {cu_seqlens_k.numel()})")

@@ -255,3 +255,32 @@ def test_paged_padded_head_dim(device):
     out_p = mala.attention_varlen(q, kp, vp, cu_q, cu_k, max_q, max_k, tau=1.0, block_table=table)
     assert out_p.shape == q.shape
     torch.testing.assert_close(out_p, out, **_tol(device))
+
+
+@pytest.mark.parametrize("device", device_params())
+def test_paged_views_of_a_joint_cache(device):
+    """k/v as views of one [num_blocks, 2, page_size, Hkv, d] cache (page dims that cannot be
+    flattened without a copy), as engines that keep K and V together pass them."""
+    q, k, v, cu_q, cu_k, max_q, max_k = _case(device, seed=37)
+    kp, vp, table, _ = _to_paged(k, v, cu_k, 16, seed=41)
+    joint = torch.stack([kp, vp], dim=1)
+    out = mala.attention_varlen(q, kp, vp, cu_q, cu_k, max_q, max_k, tau=1.0, block_table=table)
+    out_j = mala.attention_varlen(q, joint[:, 0], joint[:, 1], cu_q, cu_k, max_q, max_k, tau=1.0,
+                                  block_table=table)
+    assert torch.equal(out_j, out)
+
+
+@pytest.mark.parametrize("device", device_params(cpu=False))
+def test_cuda_default_call_does_not_read_indices_on_host(device, monkeypatch):
+    """flash_attn_varlen_func's default (check_inputs=False) gathers the pages without a host copy of
+    block_table or cu_seqlens_k; check_inputs=True reads them (the spy works)."""
+    q, k, v, cu_q, cu_k, max_q, max_k = _case(device, seed=43)
+    kp, vp, table, _ = _to_paged(k, v, cu_k, 16, seed=47)
+    ref = mala.attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, tau=1.0, causal=True)
+    with monkeypatch.context() as m:
+        _forbid_host_copies(m)
+        out = flash_attn_varlen_func(q, kp, vp, cu_q, cu_k, max_q, max_k, causal=True, block_table=table, tau=1.0)
+        with pytest.raises(_HostCopy):
+            flash_attn_varlen_func(q, kp, vp, cu_q, cu_k, max_q, max_k, causal=True, block_table=table, tau=1.0,
+                                   check_inputs=True)
+    torch.testing.assert_close(out, ref, **_tol(device))
