@@ -28,7 +28,12 @@ def _train(tmp_path, method, steps, *extra):
     out = tmp_path / f"{method}.json"
     args = ar_train.parser().parse_args(["train", "--method", method, "--steps", str(steps), "--out", str(out)]
                                         + TINY + list(extra))
-    cell = ar_train.run_train(args, log=lambda *_: None)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matrices: more threads only contend on a shared machine
+    try:
+        cell = ar_train.run_train(args, log=lambda *_: None)
+    finally:
+        torch.set_num_threads(threads)
     assert json.loads(out.read_text())["method"] == method
     return cell
 
