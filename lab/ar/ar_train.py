@@ -2,12 +2,13 @@
 
   python3 lab/ar/ar_train.py train --seqlen 8192 --d-model 512 --method mala --seeds 0 1 2 \
       --steps 2000 --out bench/results/ar/cells/8192_512_mala.json
-  python3 lab/ar/ar_train.py collect --cells bench/results/ar/cells --out bench/results/ar/ar.json
+  python3 lab/ar/ar_train.py collect --cells bench/results/ar/cells --out bench/results/ar/ar.json \
+      [--timing DIR]   (step_ms from cells timed alone; the training cells' own become step_ms_concurrent)
 
 train: for each seed, a fresh model (the seed fixes its init and the order of the training pool;
 the pool and the test set are the same for every method and seed), AdamW with a linear warm-up and
-cosine decay for --steps steps (or until --budget-s seconds of training, whichever comes first),
-then accuracy over every query of the fixed test set.  The cell it writes:
+cosine decay over --steps steps or --budget-s seconds of training (whichever ends first), then
+accuracy over every query of the fixed test set.  The cell it writes:
   seqlen, d_model, method, accuracy (pooled over seeds), ci95 ([lo, hi], a bootstrap over seeds
   and, within each, over test sequences: the queries of one sequence are not independent), seeds,
   mean_slots (mean forward post-score key slots per query row on the test set, over layers, heads
@@ -54,10 +55,12 @@ def bootstrap_ci95(correct_per_seed, n_q: int, reps: int = 2000, seed: int = 0):
     return [float(lo), float(hi)]
 
 
-def lr_at(step, steps, lr, warmup):
+def lr_at(step, steps, lr, warmup, progress=0.0):
+    """Linear warm-up over `warmup` steps, then cosine decay to 0 at whichever ends first: step
+    `steps`, or `progress` (the fraction of a time budget spent) reaching 1."""
     if step < warmup:
         return lr * (step + 1) / warmup
-    t = (step - warmup) / max(1, steps - warmup)
+    t = max((step - warmup) / max(1, steps - warmup), progress)
     return lr * 0.5 * (1.0 + math.cos(math.pi * min(1.0, t)))
 
 
@@ -102,12 +105,13 @@ def train_seed(args, cfg, mcfg, seed, test, dev, log):
     t_start = time.perf_counter()
     step = 0
     for step in range(args.steps):
-        if args.budget_s and time.perf_counter() - t_start > args.budget_s:
+        spent = (time.perf_counter() - t_start) / args.budget_s if args.budget_s else 0.0
+        if spent >= 1.0:
             break
         tok, lab = stream.next()
         tok, lab = torch.from_numpy(tok).to(dev), torch.from_numpy(lab).to(dev)
         for g in opt.param_groups:
-            g["lr"] = lr_at(step, args.steps, args.lr, args.warmup)
+            g["lr"] = lr_at(step, args.steps, args.lr, args.warmup, spent)
         _sync(dev)
         t0 = time.perf_counter()
         where = lab != ar_data.IGNORE
@@ -188,6 +192,15 @@ def run_collect(args):
             cells.append(json.load(f))
     cells.sort(key=lambda c: (c["seqlen"], c["d_model"], ar_methods.METHODS.index(c["method"])))
     setups = [c.pop("setup") for c in cells]
+    timed = {}
+    for p in sorted(glob.glob(os.path.join(args.timing, "*.json"))) if args.timing else []:
+        with open(p) as f:
+            t = json.load(f)
+        timed[(t["seqlen"], t["d_model"], t["method"])] = t["step_ms"]
+    for c in cells:
+        key = (c["seqlen"], c["d_model"], c["method"])
+        if key in timed:
+            c["step_ms_concurrent"], c["step_ms"] = c["step_ms"], timed[key]
     for c in cells:
         for r in c.get("runs", []):
             r.pop("correct_per_sequence", None)  # kept in the cell files, not in the summary
@@ -236,6 +249,7 @@ def parser():
     c.add_argument("--cells", required=True)
     c.add_argument("--out", required=True)
     c.add_argument("--device", default="")
+    c.add_argument("--timing", default="", help="cells of short runs timed one at a time")
     return ap
 
 

@@ -64,13 +64,21 @@ def test_nsa_cell_is_skipped_with_reason_and_collect(tmp_path):
     cell = _train(tmp_path, "nsa", 3)
     assert cell["accuracy"] is None and "CUDA" in cell["skipped"]
     _train(tmp_path, "swa", 2)
-    out = tmp_path / "ar.json"
+    out = tmp_path / "summary" / "ar.json"  # outside the cells folder
     doc = ar_train.run_collect(ar_train.parser().parse_args(["collect", "--cells", str(tmp_path), "--out", str(out)]))
     assert [c["method"] for c in doc["cells"]] == ["swa", "nsa"]
     assert doc["device"] == "cpu" and doc["setup"]["task"]["n_kv"] == 4
     for c in doc["cells"]:
         assert {"seqlen", "d_model", "method", "accuracy", "ci95", "seeds", "mean_slots", "step_ms"} <= set(c)
     assert json.loads(out.read_text()) == doc
+    # Timing cells run alone replace the concurrent runs' step times.
+    tdir = tmp_path / "timing"
+    tdir.mkdir()
+    (tdir / "swa.json").write_text(json.dumps({"seqlen": 32, "d_model": 32, "method": "swa", "step_ms": 1.5}))
+    doc = ar_train.run_collect(ar_train.parser().parse_args(["collect", "--cells", str(tmp_path), "--out", str(out),
+                                                             "--timing", str(tdir)]))
+    swa = doc["cells"][0]
+    assert swa["step_ms"] == 1.5 and swa["step_ms_concurrent"] > 0
 
 
 def test_bootstrap_ci95():
@@ -92,4 +100,5 @@ def test_schedule():
     assert ar_train.lr_at(0, 100, 1.0, 10) == pytest.approx(0.1)
     assert ar_train.lr_at(10, 100, 1.0, 10) == pytest.approx(1.0)
     assert ar_train.lr_at(99, 100, 1.0, 10) < 0.01
+    assert ar_train.lr_at(20, 100, 1.0, 10, progress=0.999) < 0.01  # the time budget ends it first
     assert ar_methods.METHODS[-1] == "nsa"
