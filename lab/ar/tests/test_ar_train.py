@@ -13,7 +13,6 @@ torch = pytest.importorskip("torch")
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import ar_methods  # noqa: E402
 import ar_train  # noqa: E402
 
 # 4 pairs in 32 tokens, 16 values: chance is 1/16.  Ceiling 8 keys, MoBA blocks of 4, NSA's own
@@ -101,4 +100,3 @@ def test_schedule():
     assert ar_train.lr_at(10, 100, 1.0, 10) == pytest.approx(1.0)
     assert ar_train.lr_at(99, 100, 1.0, 10) < 0.01
     assert ar_train.lr_at(20, 100, 1.0, 10, progress=0.999) < 0.01  # the time budget ends it first
-    assert ar_methods.METHODS[-1] == "nsa"
