@@ -12,7 +12,7 @@
 # .whl/ into $STORE/site: fla-core 0.6.0 and einops for nsa), nsa check (parallel_nsa against its
 # naive reference), head (SEQLEN_HEAD x D_HEAD, every method, SEEDS_HEAD), trend (TREND_LENS at
 # D_TREND, SEEDS_TREND), grid (GRID_LENS x GRID_DS, SEEDS_TREND; empty by default), timing (each
-# method alone at SEQLEN_HEAD x D_HEAD for TIMING_STEPS steps), collect (ar.json).
+# method alone at SEQLEN_HEAD x D_HEAD for TIMING_STEPS steps), collect (ar.json, tables.md).
 # Cells of one phase run PAR at a time on the one GPU, so their own step_ms is concurrent; the
 # timing phase's is the one reported.
 # Environment (defaults): STORE (/tmp/mala-ar), METHODS ("full mala swa moba dsa nsa"),
@@ -28,11 +28,11 @@ METHODS=${METHODS:-"full mala swa moba dsa nsa"}
 SEQLEN_HEAD=${SEQLEN_HEAD:-8192}
 D_HEAD=${D_HEAD:-512}
 SEEDS_HEAD=${SEEDS_HEAD:-"0 1 2"}
-TREND_LENS=${TREND_LENS:-"1024 2048 4096"}
+TREND_LENS=${TREND_LENS-"1024 2048 4096"}  # set empty for no trend
 D_TREND=${D_TREND:-512}
 SEEDS_TREND=${SEEDS_TREND:-0}
-GRID_LENS=${GRID_LENS:-}
-GRID_DS=${GRID_DS:-}
+GRID_LENS=${GRID_LENS-}
+GRID_DS=${GRID_DS-}
 PAR=${PAR:-6}
 STEPS=${STEPS:-4000}
 BUDGET_S=${BUDGET_S:-150}
@@ -113,6 +113,7 @@ phases() {
   done
   ph "collect"
   python3 "$A/ar_train.py" collect --cells "$RES/cells" --timing "$RES/timing" --out "$RES/ar.json" >> "$RES/phases.log" 2>&1
+  python3 "$A/ar_report.py" "$RES/ar.json" > "$RES/tables.md" 2>> "$RES/phases.log" || ph "report failed"
   ph "all done"
 }
 
@@ -141,7 +142,7 @@ wait)
   nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader 2>/dev/null || true
   if [ -n "${OUT:-}" ]; then
     (cd "$RES" && tar czf "$OUT/ar_results.tgz" .) 2>/dev/null || true
-    [ -f "$RES/ar.json" ] && cp "$RES/ar.json" "$OUT/" || true
+    for f in ar.json tables.md; do [ -f "$RES/$f" ] && cp "$RES/$f" "$OUT/"; done || true
   fi
   ;;
 *)

@@ -100,3 +100,22 @@ def test_schedule():
     assert ar_train.lr_at(10, 100, 1.0, 10) == pytest.approx(1.0)
     assert ar_train.lr_at(99, 100, 1.0, 10) < 0.01
     assert ar_train.lr_at(20, 100, 1.0, 10, progress=0.999) < 0.01  # the time budget ends it first
+
+
+def test_report_tables():
+    import ar_report
+
+    doc = {"device": "x", "setup": {}, "cells": [
+        {"seqlen": 1024, "d_model": 512, "method": "mala", "accuracy": 0.9, "ci95": [0.88, 0.92], "seeds": [0, 1, 2],
+         "mean_slots": 500.0, "step_ms": 12.0},
+        {"seqlen": 8192, "d_model": 512, "method": "full", "accuracy": 0.5, "ci95": [0.4, 0.6], "seeds": [0],
+         "mean_slots": 4096.5, "step_ms": 30.0},
+        {"seqlen": 8192, "d_model": 512, "method": "nsa", "accuracy": None, "ci95": None, "seeds": [0],
+         "mean_slots": None, "step_ms": None, "skipped": "no GPU"}]}
+    text = ar_report.tables(doc)
+    assert "| full |  | 50.00% [40.00%, 60.00%] (1) |" in text
+    assert "| mala | 90.00% [88.00%, 92.00%] (3) |  |" in text
+    assert "| nsa |  | skipped |" in text
+    assert "| full |  | 4096 / 30 |" in text
+    # full comes before mala in the method order
+    assert text.index("| full |") < text.index("| mala |")
