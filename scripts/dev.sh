@@ -6,7 +6,7 @@
 #                                                  C++ bad-input tests under ASan + UBSan (scripts/sanitize.sh,
 #                                                  build-asan), then the Python package's tests and the lab's
 #                                                  (python/tests, lab/real/tests, lab/suite, lab/train/tests,
-#                                                  and tests/docs: the docs' links) in .venv-py
+#                                                  lab/ar/tests and tests/docs: the docs' links) in .venv-py
 #   scripts/dev.sh build                           build only
 # Build and install output goes to stderr, so stdout carries only the step's own output
 # (`dev.sh report --json` prints one JSON object).  An unknown step is rejected before building.
@@ -69,7 +69,7 @@ python_tests() {
   .venv-py/bin/pip install "${quiet[@]}" --disable-pip-version-check --no-cache-dir -r python/requirements-ci.txt >&2
   [ ${#quiet[@]} -gt 0 ] || echo "dev.sh: .venv-py installed; building the extension and running pytest" >&2
   PYTHON=.venv-py/bin/python CMAKE_ARGS="-DMALA_CUDA=OFF" JOBS="$JOBS" \
-    bash scripts/python_check.sh -q python/tests lab/real/tests lab/suite lab/train/tests tests/docs
+    bash scripts/python_check.sh -q python/tests lab/real/tests lab/suite lab/train/tests lab/ar/tests tests/docs
 }
 
 install_deps

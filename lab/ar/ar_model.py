@@ -1,0 +1,92 @@
+"""The study's model: a small pre-norm transformer (2 layers, as Zoology's MQAR models), identical
+for every method except the attention inside each layer (ar_methods.Attention).
+
+Rotary position embeddings on q and k (the task needs relative position: the first layer has to
+copy each key into the position of its value); heads of head_dim 64 (d_model / 64 of them, one head
+below d_model 64); a 4x GELU MLP; untied embedding and output.  The output head runs only at the
+scored (query) positions, so a batch of 8K sequences never materializes N x vocab logits.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ar_methods import Attention, MethodConfig
+
+
+def rope(x: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
+    """Rotary embedding of x [B, N, H, d] (d even), positions 0 .. N - 1, half-split layout."""
+    n, d = x.shape[1], x.shape[-1]
+    inv = 1.0 / base ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d)
+    ang = torch.arange(n, device=x.device, dtype=torch.float32)[:, None] * inv[None, :]
+    cos, sin = ang.cos()[None, :, None, :], ang.sin()[None, :, None, :]
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).to(x.dtype)
+
+
+def head_layout(d_model: int, head_dim: int = 64) -> tuple[int, int]:
+    hd = min(head_dim, d_model)
+    if d_model % hd:
+        raise ValueError(f"d_model {d_model} is not a multiple of head_dim {hd}")
+    return d_model // hd, hd
+
+
+class Block(nn.Module):
+    def __init__(self, method, d_model, head_dim, mcfg):
+        super().__init__()
+        self.n_heads, self.head_dim = head_layout(d_model, head_dim)
+        self.ln1, self.ln2 = nn.LayerNorm(d_model), nn.LayerNorm(d_model)
+        self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)
+        self.proj = nn.Linear(d_model, d_model, bias=False)
+        self.attn = Attention(method, d_model, self.n_heads, self.head_dim, mcfg)
+        self.mlp = nn.Sequential(nn.Linear(d_model, 4 * d_model), nn.GELU(), nn.Linear(4 * d_model, d_model))
+
+    def forward(self, x):
+        B, n, D = x.shape
+        h = self.ln1(x)
+        q, k, v = self.qkv(h).view(B, n, 3, self.n_heads, self.head_dim).unbind(2)
+        a = self.attn(rope(q), rope(k), v, h, rope)
+        x = x + self.proj(a.reshape(B, n, D))
+        return x + self.mlp(self.ln2(x))
+
+
+class ARModel(nn.Module):
+    def __init__(self, vocab: int, d_model: int, method: str, n_layers: int = 2, head_dim: int = 64,
+                 mcfg: MethodConfig = MethodConfig()):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d_model)
+        self.blocks = nn.ModuleList(Block(method, d_model, head_dim, mcfg) for _ in range(n_layers))
+        self.ln_f = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, vocab, bias=False)
+        self.apply(self._init)
+
+    @staticmethod
+    def _init(m):
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, std=0.02)
+            if getattr(m, "bias", None) is not None:
+                nn.init.zeros_(m.bias)
+
+    def attentions(self):
+        return [b.attn for b in self.blocks]
+
+    def forward(self, tokens: torch.Tensor, where: torch.Tensor):
+        """Logits [len(where rows), vocab] at the positions where `where` [B, N] is True, and the
+        summed auxiliary loss of the attentions (0 when none has one)."""
+        x = self.emb(tokens)
+        for b in self.blocks:
+            x = b(x)
+        logits = self.head(self.ln_f(x[where]))
+        aux = [a.aux for a in self.attentions() if a.aux is not None]
+        return logits, (torch.stack(aux).sum() if aux else logits.new_zeros(()))
+
+    def mean_slots(self) -> float:
+        """Mean realized forward slots per query row over the layers of the last forward."""
+        s = [float(a.last_slots) for a in self.attentions()]
+        return sum(s) / len(s)
+
+
+def loss_fn(logits, labels):
+    return F.cross_entropy(logits.float(), labels)

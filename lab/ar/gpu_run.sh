@@ -1,0 +1,152 @@
+#!/usr/bin/env bash
+# The associative-recall study (issue #65) on one GPU machine, in the background, across device
+# calls (a call lasts at most 10 minutes; the machine is held while calls follow one another).
+# docs/evaluation.md ("Associative recall against fixed-budget sparse attention") gives the commands.
+#
+#   there: bash lab/ar/gpu_run.sh start    copies this tree to $STORE/repo and runs every phase
+#                                          there (setsid); returns at once
+#   there: bash lab/ar/gpu_run.sh wait [S] waits up to S seconds (default 540) or until the run ends;
+#                                          prints the phase log and each log's tail; packs the results
+#                                          into $OUT/ar_results.tgz
+# Phases: build (the mala extension, in the background from the start), wheels (every .whl under
+# .whl/ into $STORE/site: fla-core 0.6.0 and einops for nsa), nsa check (parallel_nsa against its
+# naive reference), head (SEQLEN_HEAD x D_HEAD, every method, SEEDS_HEAD), trend (TREND_LENS at
+# D_TREND, SEEDS_TREND), grid (GRID_LENS x GRID_DS, SEEDS_TREND; empty by default), timing (each
+# method alone at SEQLEN_HEAD x D_HEAD for TIMING_STEPS steps), collect (ar.json, tables.md).
+# Cells of one phase run PAR at a time on the one GPU, so their own step_ms is concurrent; the
+# timing phase's is the one reported.
+# Environment (defaults): STORE (/tmp/mala-ar), METHODS ("full mala swa moba dsa nsa"),
+# SEQLEN_HEAD (8192), D_HEAD (512), SEEDS_HEAD ("0 1 2"), TREND_LENS ("1024 2048 4096"),
+# D_TREND (512), SEEDS_TREND ("0"), GRID_LENS (""), GRID_DS (""), PAR (6), STEPS (4000),
+# BUDGET_S (per seed of the headline cell; 150), TREND_BUDGET_S (90), BATCH (16), LR (1e-3),
+# N_TRAIN (32000), N_TEST (256), TIMING_STEPS (25); for a dry run elsewhere: DEVICE (cuda), BUILD (1;
+# 0 uses the mala already on PYTHONPATH), TASK_ARGS (extra ar_train.py train arguments, e.g. a tiny task).
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+STORE=${STORE:-/tmp/mala-ar}
+METHODS=${METHODS:-"full mala swa moba dsa nsa"}
+SEQLEN_HEAD=${SEQLEN_HEAD:-8192}
+D_HEAD=${D_HEAD:-512}
+SEEDS_HEAD=${SEEDS_HEAD:-"0 1 2"}
+TREND_LENS=${TREND_LENS-"1024 2048 4096"}  # set empty for no trend
+D_TREND=${D_TREND:-512}
+SEEDS_TREND=${SEEDS_TREND:-0}
+GRID_LENS=${GRID_LENS-}
+GRID_DS=${GRID_DS-}
+PAR=${PAR:-6}
+STEPS=${STEPS:-4000}
+BUDGET_S=${BUDGET_S:-150}
+TREND_BUDGET_S=${TREND_BUDGET_S:-90}
+BATCH=${BATCH:-16}
+LR=${LR:-1e-3}
+N_TRAIN=${N_TRAIN:-32000}
+N_TEST=${N_TEST:-256}
+TIMING_STEPS=${TIMING_STEPS:-25}
+DEVICE=${DEVICE:-cuda}
+BUILD=${BUILD:-1}
+TASK_ARGS=${TASK_ARGS:-}
+RES=$STORE/res
+
+phases() {
+  local R=$STORE/repo A=$STORE/repo/lab/ar
+  export PYTHONPATH=$STORE/site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+  mkdir -p "$RES/cells" "$RES/timing" "$RES/logs"
+  cd "$R"
+  ph() { echo "$(date +%T) $*" >> "$RES/phases.log"; }
+  ph "start METHODS=$METHODS head=${SEQLEN_HEAD}x${D_HEAD} seeds=[$SEEDS_HEAD] trend=[$TREND_LENS]x$D_TREND" \
+     "budget ${BUDGET_S}s/${TREND_BUDGET_S}s steps $STEPS batch $BATCH"
+  rm -rf "$STORE/site" "$STORE/build.done" "$STORE/build.failed"
+  mkdir -p "$STORE/site"
+  [ "$BUILD" = 1 ] || touch "$STORE/build.done"
+  [ "$BUILD" = 1 ] && ( CMAKE_ARGS=-DCMAKE_CUDA_ARCHITECTURES=90a CMAKE_BUILD_PARALLEL_LEVEL=16 python3 -m pip install \
+      --no-build-isolation --no-deps --no-cache-dir --upgrade --target "$STORE/site" . > "$RES/build.log" 2>&1 \
+      && touch "$STORE/build.done" || touch "$STORE/build.failed" ) &
+  if ls .whl/*.whl > /dev/null 2>&1; then
+    ph "wheels"
+    python3 -m pip install --no-index --no-deps --target "$STORE/site" .whl/*.whl > "$RES/wheels.log" 2>&1 \
+      || ph "wheels failed (nsa will be skipped)"
+  fi
+  while [ ! -f "$STORE/build.done" ]; do
+    [ -f "$STORE/build.failed" ] && { ph "build failed"; exit 1; }
+    sleep 2
+  done
+  ph "build done"
+  ph "nsa check"
+  python3 -m pytest -q -p no:cacheprovider "$A/tests/test_ar_methods.py" -k nsa > "$RES/nsa_check.log" 2>&1 \
+    || ph "nsa check failed (see nsa_check.log)"
+  # shellcheck disable=SC2206
+  task=($TASK_ARGS)
+  common=(--steps "$STEPS" --batch "$BATCH" --lr "$LR" --n-train "$N_TRAIN" --n-test "$N_TEST" --device "$DEVICE" "${task[@]}")
+  # cells PHASE BUDGET SEEDS "LEN:D ..." : every method of every (LEN, D), PAR at a time
+  cells() {
+    local phase=$1 budget=$2 seeds=$3 shapes=$4 pids=() n d m
+    ph "$phase"
+    for nd in $shapes; do
+      n=${nd%%:*} d=${nd##*:}
+      for m in $METHODS; do
+        # shellcheck disable=SC2086
+        python3 "$A/ar_train.py" train --seqlen "$n" --d-model "$d" --method "$m" --seeds $seeds --budget-s "$budget" \
+          "${common[@]}" --out "$RES/cells/${n}_${d}_${m}.json" > "$RES/logs/${phase}_${n}_${d}_${m}.log" 2>&1 &
+        pids+=($!)
+        if [ ${#pids[@]} -ge "$PAR" ]; then
+          wait "${pids[0]}" || ph "a $phase cell failed (pid ${pids[0]})"
+          pids=("${pids[@]:1}")
+        fi
+      done
+    done
+    for p in "${pids[@]}"; do wait "$p" || ph "a $phase cell failed (pid $p)"; done
+  }
+  cells head "$BUDGET_S" "$SEEDS_HEAD" "$SEQLEN_HEAD:$D_HEAD"
+  trend=""
+  for n in $TREND_LENS; do trend="$trend $n:$D_TREND"; done
+  [ -n "$trend" ] && cells trend "$TREND_BUDGET_S" "$SEEDS_TREND" "$trend"
+  grid=""
+  for n in $GRID_LENS; do for d in $GRID_DS; do
+    [ -f "$RES/cells/${n}_${d}_full.json" ] || grid="$grid $n:$d"
+  done; done
+  [ -n "$grid" ] && cells grid "$TREND_BUDGET_S" "$SEEDS_TREND" "$grid"
+  ph "timing"
+  for m in $METHODS; do
+    python3 "$A/ar_train.py" train --seqlen "$SEQLEN_HEAD" --d-model "$D_HEAD" --method "$m" --seeds 0 \
+      --steps "$TIMING_STEPS" --batch "$BATCH" --lr "$LR" --n-train "$N_TRAIN" --n-test 16 --device "$DEVICE" "${task[@]}" \
+      --out "$RES/timing/${SEQLEN_HEAD}_${D_HEAD}_${m}.json" > "$RES/logs/timing_${m}.log" 2>&1 || ph "timing $m failed"
+  done
+  ph "collect"
+  python3 "$A/ar_train.py" collect --cells "$RES/cells" --timing "$RES/timing" --out "$RES/ar.json" >> "$RES/phases.log" 2>&1
+  python3 "$A/ar_report.py" "$RES/ar.json" > "$RES/tables.md" 2>> "$RES/phases.log" || ph "report failed"
+  ph "all done"
+}
+
+case "${1:-}" in
+start)
+  rm -rf "$STORE/repo" "$RES" && mkdir -p "$STORE/repo" "$RES"
+  cp -r . "$STORE/repo/"
+  export -f phases
+  export STORE METHODS SEQLEN_HEAD D_HEAD SEEDS_HEAD TREND_LENS D_TREND SEEDS_TREND GRID_LENS GRID_DS PAR STEPS \
+    BUDGET_S TREND_BUDGET_S BATCH LR N_TRAIN N_TEST TIMING_STEPS DEVICE BUILD TASK_ARGS RES
+  setsid nohup bash -c phases > "$STORE/phases.out" 2>&1 < /dev/null &
+  echo "gpu_run: started (log $RES/phases.log)"
+  ;;
+wait)
+  limit=${2:-540}
+  t0=$(date +%s)
+  while ! grep -q "all done\|build failed" "$RES/phases.log" 2>/dev/null && [ $(( $(date +%s) - t0 )) -lt "$limit" ]; do
+    sleep 10
+  done
+  cat "$RES/phases.log" 2>/dev/null || true
+  tail -n 5 "$STORE/phases.out" 2>/dev/null || true
+  for f in "$RES"/*.log "$RES"/logs/*.log; do
+    [ -f "$f" ] || continue
+    case "$f" in */phases.log) ;; *) echo "== $(basename "$f")"; tail -n 2 "$f" | cut -c1-300 ;; esac
+  done
+  nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader 2>/dev/null || true
+  if [ -n "${OUT:-}" ]; then
+    (cd "$RES" && tar czf "$OUT/ar_results.tgz" .) 2>/dev/null || true
+    for f in ar.json tables.md; do [ -f "$RES/$f" ] && cp "$RES/$f" "$OUT/"; done || true
+  fi
+  ;;
+*)
+  echo "usage: gpu_run.sh start | wait [SECONDS]" >&2
+  exit 2
+  ;;
+esac

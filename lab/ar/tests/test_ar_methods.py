@@ -1,0 +1,240 @@
+"""CPU tests of the study's attention methods (lab/ar/ar_methods.py): each fixed-budget baseline's
+selected support against a brute-force reference from the same scores, its slots against the
+ceiling, its output against softmax over that support, and chunking/checkpointing invariance."""
+
+import math
+import os
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import ar_methods as M  # noqa: E402
+from ar_model import rope  # noqa: E402
+
+B, N, H, D = 2, 37, 2, 8
+CFG = M.MethodConfig(ceiling=8, moba_block=4, dsa_heads=4, dsa_dim=4)
+
+
+def qkv(seed=0, n=N, requires_grad=False):
+    g = torch.Generator().manual_seed(seed)
+    t = [torch.randn(B, n, H, D, generator=g, dtype=torch.float64).float() for _ in range(3)]
+    return [x.requires_grad_(requires_grad) for x in t]
+
+
+def ref_swa(n, W):
+    m = torch.zeros(n, n, dtype=torch.bool)
+    for i in range(n):
+        for j in range(max(0, i - W + 1), i + 1):
+            m[i, j] = True
+    return m
+
+
+def ref_moba(q, k, blk, topk):
+    Bq, n, Hq, d = q.shape
+    nb = -(-n // blk)
+    m = torch.zeros(Bq, Hq, n, n, dtype=torch.bool)
+    for b in range(Bq):
+        for h in range(Hq):
+            means = [k[b, s * blk:min(n, (s + 1) * blk), h].double().mean(0) for s in range(nb)]
+            for i in range(n):
+                cur = i // blk
+                past = sorted(((float(q[b, i, h].double() @ means[s]), s) for s in range(cur)), reverse=True)
+                chosen = {cur} | {s for _, s in past[:topk - 1]}
+                for j in range(i + 1):
+                    m[b, h, i, j] = (j // blk) in chosen
+    return m
+
+
+def ref_dsa_scores(qi, ki, wi):
+    Bq, n, HI, _ = qi.shape
+    s = torch.zeros(Bq, n, n, dtype=torch.float64)
+    for b in range(Bq):
+        for i in range(n):
+            for j in range(n):
+                s[b, i, j] = sum(float(wi[b, i, h]) * max(0.0, float(qi[b, i, h].double() @ ki[b, j].double()))
+                                 for h in range(HI))
+    return s
+
+
+def ref_topk(scores, K):
+    """The top-K past keys of each row, and whether the row's choice is ambiguous (a tie at the
+    K-th score: relu makes exact zeros common, and any of the tied keys is then correct)."""
+    Bq, n, _ = scores.shape
+    m = torch.zeros(Bq, n, n, dtype=torch.bool)
+    tie = torch.zeros(Bq, n, dtype=torch.bool)
+    for b in range(Bq):
+        for i in range(n):
+            order = sorted(range(i + 1), key=lambda j: -float(scores[b, i, j]))
+            m[b, i, order[:K]] = True
+            tie[b, i] = i + 1 > K and float(scores[b, i, order[K - 1]]) == float(scores[b, i, order[K]])
+    return m, tie
+
+
+def dense_ref(q, k, v, allow):
+    """float64 softmax over the allowed keys; allow broadcastable to [B, H, N, N]."""
+    s = torch.einsum("bihd,bjhd->bhij", q.double(), k.double()) / math.sqrt(q.shape[-1])
+    p = torch.softmax(s.masked_fill(~allow, float("-inf")), -1)
+    return torch.einsum("bhij,bjhd->bihd", p, v.double())
+
+
+@pytest.mark.parametrize("r0,r1", [(0, N), (5, 19), (30, N)])
+def test_swa_support(r0, r1):
+    W = CFG.ceiling
+    got = M.swa_allow(r0, r1, N, W, "cpu")
+    assert torch.equal(got, ref_swa(N, W)[r0:r1])
+    assert got.sum(-1).max() <= W
+
+
+@pytest.mark.parametrize("r0,r1", [(0, N), (6, 23)])
+def test_moba_support(r0, r1):
+    q, k, _ = qkv(1)
+    blk, topk = CFG.moba_block, CFG.moba_topk
+    gate = M.moba_gate(q[:, r0:r1], M.block_means(k, blk))
+    got = M.moba_allow(gate, r0, N, blk, topk)
+    assert torch.equal(got, ref_moba(q, k, blk, topk)[:, :, r0:r1])
+    assert got.sum(-1).max() <= CFG.ceiling
+    # Routing matters here: some row leaves out a past block it could have seen.
+    assert (got.sum(-1) < M.causal_allow(r0, r1, N, "cpu").sum(-1)).any()
+
+
+@pytest.mark.parametrize("r0,r1", [(0, N), (9, 31)])
+def test_dsa_support(r0, r1):
+    g = torch.Generator().manual_seed(2)
+    qi, ki, wi = torch.randn(B, N, 4, 4, generator=g), torch.randn(B, N, 4, generator=g), torch.randn(B, N, 4, generator=g)
+    scores = M.dsa_index_scores(qi[:, r0:r1], ki, wi[:, r0:r1])
+    ref = ref_dsa_scores(qi, ki, wi)
+    assert torch.allclose(scores.double(), ref[:, r0:r1], atol=1e-4)
+    got = M.dsa_allow(scores, r0, CFG.ceiling)
+    want, tie = ref_topk(ref, CFG.ceiling)
+    want, tie, ref = want[:, r0:r1], tie[:, r0:r1], ref[:, r0:r1]
+    assert (~tie).float().mean() > 0.5  # most rows have one right answer
+    assert torch.equal(got[~tie], want[~tie])
+    for b, i in tie.nonzero().tolist():  # a tied row: every chosen key scores at least every other
+        row = ref[b, i, :r0 + i + 1]
+        assert row[got[b, i, :r0 + i + 1]].min() >= row[~got[b, i, :r0 + i + 1]].max()
+    counts = got.sum(-1)
+    rows = torch.arange(r0, r1)
+    assert torch.equal(counts, torch.clamp(rows + 1, max=CFG.ceiling).expand_as(counts))
+
+
+def _module(method, cfg=CFG, chunk=5, seed=0):
+    torch.manual_seed(seed)
+    m = M.Attention(method, H * D, H, D, cfg)
+    m.chunk = chunk
+    return m
+
+
+def _x(seed=3):
+    return torch.randn(B, N, H * D, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("method", ["swa", "moba", "dsa"])
+def test_baseline_output_slots_and_chunking(method):
+    q, k, v = qkv(4, requires_grad=True)
+    x = _x()
+    m = _module(method)
+    out = m(q, k, v, x, rope)
+    rows = torch.ones(B, N, dtype=torch.bool)  # rows whose reference support is unambiguous
+    if method == "swa":
+        allow = ref_swa(N, CFG.ceiling)
+    elif method == "moba":
+        allow = ref_moba(q.detach(), k.detach(), CFG.moba_block, CFG.moba_topk)
+    else:
+        xd = x
+        qi = rope(m.iq(xd).view(B, N, 4, 4)) * 4 ** -0.5
+        ki = rope(m.ik(xd).view(B, N, 1, 4))[:, :, 0]
+        wi = m.iw(xd) * 4 ** -0.5
+        allow, tie = ref_topk(ref_dsa_scores(qi.detach(), ki.detach(), wi.detach()), CFG.ceiling)
+        allow, rows = allow[:, None], ~tie
+        assert rows.float().mean() > 0.5
+    assert torch.allclose(out.double()[rows], dense_ref(q, k, v, allow)[rows], atol=1e-5)
+    full_allow = allow.expand(B, H, N, N)  # ties change which keys, not how many
+    assert float(m.last_slots) == pytest.approx(float(full_allow.sum()) / (B * H * N))
+    assert float(m.last_slots) <= CFG.ceiling
+    assert float(m.last_slots) < (N + 1) / 2  # the ceiling binds at this length
+    # Checkpointed chunks of 5 rows give the gradients of one unchunked pass.
+    loss = out.square().sum() + (m.aux if m.aux is not None else 0.0)
+    gq = torch.autograd.grad(loss, (q, k, v), retain_graph=False)
+    q2, k2, v2 = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+    m.chunk = N
+    out2 = m(q2, k2, v2, x, rope)
+    loss2 = out2.square().sum() + (m.aux if m.aux is not None else 0.0)
+    g2 = torch.autograd.grad(loss2, (q2, k2, v2))
+    assert torch.allclose(out, out2, atol=1e-6)
+    for a, b in zip(gq, g2):
+        assert torch.allclose(a, b, atol=1e-5)
+
+
+def test_dsa_indexer_learns_from_kl_only():
+    q, k, v = qkv(5, requires_grad=True)
+    x = _x().requires_grad_(True)
+    m = _module("dsa")
+    out = m(q, k, v, x, rope)
+    assert m.aux is not None and float(m.aux.detach()) > 0
+    out.sum().backward(retain_graph=True)
+    assert all(p.grad is None for p in (m.iq.weight, m.ik.weight, m.iw.weight))
+    m.aux.backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in (m.iq.weight, m.ik.weight, m.iw.weight))
+    assert x.grad is None  # the indexer's input is detached
+
+
+@pytest.mark.parametrize("method", ["swa", "moba", "dsa"])
+def test_wide_ceiling_is_full_attention(method):
+    cfg = M.MethodConfig(ceiling=64, moba_block=8, dsa_heads=2, dsa_dim=4)
+    q, k, v = qkv(6)
+    out = _module(method, cfg)(q, k, v, _x(), rope)
+    full = _module("full", cfg)(q, k, v, _x(), rope)
+    assert torch.allclose(out, full, atol=1e-5)
+
+
+def test_mala_on_cpu():
+    pytest.importorskip("mala")
+    q, k, v = qkv(7, n=64, requires_grad=True)
+    full = _module("full")
+    ref = full(q, k, v, None, rope)
+    exact = _module("mala", M.MethodConfig(tau=0.0))
+    out = exact(q, k, v, None, rope)
+    assert torch.allclose(out, ref, atol=1e-5)
+    # mala counts block_k slots per retained tile (its stats' unit), so tau = 0 retains every
+    # legal tile: at least the visible keys.
+    dense_slots = float(exact.last_slots)
+    assert dense_slots >= float(full.last_slots)
+    m = _module("mala")
+    out = m(q, k, v, None, rope)
+    out.sum().backward()
+    assert q.grad is not None and 0 < float(m.last_slots) <= dense_slots
+    assert m.last_stats.mean_bwd_slots is not None
+
+
+def test_nsa_skips_with_a_reason_on_cpu():
+    ok, why = M.available("nsa", "cpu")
+    assert not ok and "CUDA" in why
+    assert M.available("swa", "cpu") == (True, "")
+    assert not M.available("flash", "cpu")[0]
+
+
+def test_nominal_budgets():
+    c = M.MethodConfig()
+    assert c.moba_topk * c.moba_block == c.ceiling == 1024
+    assert c.nsa_blocks * c.nsa_block + c.nsa_window <= c.ceiling
+    assert M.nsa_nominal_slots(8192, c) <= c.ceiling
+    with pytest.raises(ValueError):
+        M.MethodConfig(ceiling=1000, moba_block=128).moba_topk
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="parallel_nsa is a Triton kernel: CUDA only")
+def test_nsa_matches_its_naive_reference_on_gpu():
+    fla_nsa = pytest.importorskip("fla.ops.nsa")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    Bg, T, Hkv, G, d = 1, 256, 1, 16, 64
+    q = torch.randn(Bg, T, Hkv * G, d, device="cuda", generator=g, dtype=torch.bfloat16)
+    k, v = (torch.randn(Bg, T, Hkv, d, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(2))
+    gates = [torch.rand(Bg, T, Hkv * G, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(3)]
+    kw = dict(block_counts=2, block_size=32, window_size=32)
+    out = fla_nsa.parallel_nsa(q, k, v, *gates, **kw)
+    ref = fla_nsa.naive_nsa(q, k, v, *gates, **kw)
+    assert (out.float() - ref.float()).abs().max() < 5e-2
