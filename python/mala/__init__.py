@@ -42,5 +42,5 @@ def __getattr__(name):
     if name in ("integrations", "sdpa"):
         import importlib
 
-        return importlib.import_module(".integrations", __name__)
+        return importlib.import_module("." + name, __name__)
     raise AttributeError(f"module 'mala' has no attribute {name!r}")

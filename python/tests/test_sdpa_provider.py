@@ -62,6 +62,16 @@ def test_import_registers_nothing_and_register_activates_nothing():
     assert attention.current_flash_attention_impl() is None and mala.sdpa.active_tau() is None
 
 
+def test_mala_sdpa_is_reachable_as_an_attribute_of_mala():
+    # The README's route: `import mala` only, then mala.sdpa.register (the lazy attribute, no import of
+    # mala.sdpa by name); likewise mala.integrations.
+    code = ("import mala; print(mala.sdpa.__name__, callable(mala.sdpa.register), "
+            "mala.integrations.__name__)")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stdout
+    assert out.split() == ["mala.sdpa", "True", "mala.integrations"], out
+
+
 def test_activation_routes_the_flash_operator_and_restore_undoes_it(on_cpu):
     q, k, v = _bhnd()
     res = flash(q, k, v, 0.0, True)
