@@ -30,8 +30,12 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, HERE)
+sys.path.append(os.path.join(ROOT, "lab", "real"))  # fidelity.py, after this folder's modules
+
+import mala  # noqa: E402
 
 import attn  # noqa: E402
+from fidelity import layer_metrics  # noqa: E402  (lab/real: the Fig. 2 protocol)
 import code_corpus as corpus  # noqa: E402
 import train  # noqa: E402
 
@@ -111,35 +115,6 @@ def capture_states(model, x):
     return [got[i] for i in sorted(got)]
 
 
-def per_head_err(x, ref):
-    dx = (x.float() - ref.float()).square().sum(dim=(0, 1, 3)).sqrt()
-    return (dx / ref.float().square().sum(dim=(0, 1, 3)).sqrt().clamp_min(1e-30)).tolist()
-
-
-def fidelity(q, k, v, dout, tau):
-    """One layer's MALA tau against tau = 0 on the same states: per head omitted mass (mean, P95,
-    max over rows: 1 - exp(lse_tau - lse_0)), relative errors of O, dQ, dK, dV, slots, retained."""
-    import mala
-
-    res = {}
-    for t in (0.0, tau):
-        qg, kg, vg = (x.detach().clone().requires_grad_(True) for x in (q, k, v))
-        o, lse, st = mala.attention(qg, kg, vg, tau=t, causal=True, return_lse=True, return_stats=True)
-        grads = torch.autograd.grad(o, (qg, kg, vg), dout)
-        res[t] = (o.detach(), lse.detach(), st) + tuple(grads)
-    o0, lse0, _, dq0, dk0, dv0 = res[0.0]
-    o1, lse1, st, dq1, dk1, dv1 = res[tau]
-    om = (1.0 - torch.exp(lse1[0].double() - lse0[0].double())).clamp_min(0.0)
-    ret = lambda m: ((m[0] == 2).sum(dim=(1, 2)).double() / (m[0] >= 1).sum(dim=(1, 2)).double()).tolist()  # noqa: E731
-    return {"fwd_slots": st.fwd_slots[0].double().mean(dim=1).tolist(),
-            "bwd_slots": st.bwd_slots[0].double().mean(dim=1).tolist(),
-            "fwd_retained": ret(st.fwd_tile_mask), "bwd_retained": ret(st.bwd_tile_mask),
-            "omitted_mean": om.mean(dim=1).tolist(), "omitted_p95": torch.quantile(om.float(), 0.95, dim=1).tolist(),
-            "omitted_max": om.max(dim=1).values.tolist(),
-            "o_err": per_head_err(o1, o0), "dq_err": per_head_err(dq1, dq0), "dk_err": per_head_err(dk1, dk0),
-            "dv_err": per_head_err(dv1, dv0)}
-
-
 def lowp(device):
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
@@ -174,7 +149,7 @@ def cmd_regime(args, device):
             for q, k, v in states:
                 qq, kk, vv = (t[:n].unsqueeze(0).to(lowp(device)) for t in (q, k, v))
                 dout = torch.randn(qq.shape, generator=gen, device=device).to(qq.dtype)
-                per_layer.append(fidelity(qq, kk, vv, dout, args.tau))
+                per_layer.append(layer_metrics(mala, qq, kk, vv, dout, [args.tau])[0][args.tau])
             out["fidelity"].setdefault(str(n), []).append(per_layer)
         train.log(f"regime {args.size} {args.arm} sequence {s}: fwd slots "
                   + ", ".join(f"{n}: {np.mean([x['fwd_slots'] for x in out['lengths'][str(n)][-1]['layers']]):.0f}"

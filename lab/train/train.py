@@ -263,7 +263,8 @@ def main():
         log(f"{tag} step {step}: " + "; ".join(parts) + f" ({time.time() - t:.1f} s)")
         save_json()
 
-    do_eval() if step == 0 else None
+    if step == 0:
+        do_eval()
     window = []
     while step < total:
         if time.time() - T0 > a.deadline_s:

@@ -149,10 +149,11 @@ def plots(summary, runs, out_dir):
         for arm in ("dense", "mala"):
             pt, lct = runs[size][arm]
             steps = [e["step"] for e in pt["evals"]]
-            per = np.array([[x["fwd_slots"] / (4096 + 1) * 2 for x in e["len_4096"]["layers"]] for e in pt["evals"]])
+            dense_slots = (4096 + 1) / 2
+            per = np.array([[x["fwd_slots"] / dense_slots for x in e["len_4096"]["layers"]] for e in pt["evals"]])
             for li in range(per.shape[1]):
                 ax.plot(steps, per[:, li], styles[li % 3] if li < 3 else "-.", color=colors[arm],
-                        label=f"{arm} layer {li}" if True else None, alpha=0.8)
+                        label=f"{arm} layer {li}", alpha=0.8)
         ax.set_title(f"{size}: forward slots / dense slots, 4K pre-training")
         ax.set_xlabel("step")
         ax.set_ylim(0, 1.1)

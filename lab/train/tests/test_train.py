@@ -198,6 +198,20 @@ def test_a_few_steps_of_each_arm_lower_the_loss(roots, tmp_path):
     lct = run_arm(tmp_path, data, tok_path, "mala", steps=5, stage="lct", seqlen=128)
     assert lct["evals"][0]["len_64"]["loss"] == pytest.approx(recs["mala"]["evals"][-1]["len_64"]["loss"], rel=1e-5)
     assert lct["steps"][-1]["lr"] == pytest.approx(configs.SIZES["tiny"]["lr"] * configs.LCT_LR_FACTOR)
+    # The regime step on the trained tiny model (CPU): slots and the Fig. 2 fidelity per layer. At 64 keys
+    # a row has one key tile, always retained, so MALA omits nothing there.
+    cmd = [sys.executable, os.path.join(TRAIN, "analyze.py"), "regime", "--size", "tiny", "--arm", "mala", "--stage",
+           "pt", "--data", data, "--tokenizer", tok_path, "--work", str(tmp_path / "work"), "--out",
+           str(tmp_path / "out"), "--lengths", "32,64", "--sequences", "1", "--device", "cpu"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    with open(tmp_path / "out" / "regime.json") as f:
+        regime = json.load(f)["tiny_mala_pt"]
+    layers = regime["fidelity"]["64"][0]
+    assert len(layers) == configs.SIZES["tiny"]["layers"]
+    for layer in layers:
+        assert layer["omitted_mean"] == [0.0] * configs.SIZES["tiny"]["heads"] and max(layer["o_err"]) == 0.0
+        assert layer["fwd_retained"] == [1.0] * configs.SIZES["tiny"]["heads"]
     # Another seed: other initial weights (and data order), recorded under its own name.
     other = run_arm(tmp_path, data, tok_path, "dense", steps=2, seed=7)
     assert other["seed"] == 7
