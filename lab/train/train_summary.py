@@ -10,7 +10,8 @@ _16k (the final model), the same after pre-training (pt_*), fwd_slots_16k, bwd_s
 fwd_retained_16k, bwd_retained_16k (MALA tau = 1 on the held-out batch, both arms, mean over layers),
 per-layer slots, step_ms / attn_fwd_ms / attn_bwd_ms at 16K (and _4k), attn_flops_per_token at 16K
 (the paper's accounting: dense for the dense arm, realized slots for MALA), and the fidelity at 16K
-(means over sequence x layer x head with 95% bootstrap intervals).  Plots need matplotlib.
+(means over sequence x layer x head with 95% bootstrap intervals); the MALA arm also holds
+the matched-work study on its states (matched_work, by N).  Plots need matplotlib.
 """
 
 from __future__ import annotations
@@ -249,10 +250,10 @@ def main(argv=None):
                 s["attention_speed_16k"] = {k: {"fwd_ms": v["fwd_ms"], "bwd_ms": v["bwd_ms"]} for k, v in sp.items()}
             summary["sizes"][size][arm] = s
             runs[size][arm] = (pt, lct)
-        for n in ("8192", "16384"):
+        for n in ("8192", "16384"):  # the matched-work study runs on the MALA-trained model's states
             m = matched.get(f"{size}_{n}")
             if m:
-                summary["sizes"][size].setdefault("matched_work_mala_trained", {})[n] = {
+                summary["sizes"][size]["mala"].setdefault("matched_work", {})[n] = {
                     p: {k: m[p][k] for k in ("slots", "omitted_mean", "omitted_p95", "err_mean", "err_p95")}
                     for p in m if isinstance(m[p], dict) and "slots" in m[p]}
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
