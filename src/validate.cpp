@@ -102,12 +102,10 @@ Status check_strides(const char* name, const Strides& s, int64_t batch, int64_t 
   if (s.batch < 0 || s.row < 0 || s.head < 0)
     return fail(name, "strides must be >= 0 (got batch=" + str(s.batch) + ", row=" + str(s.row) +
                           ", head=" + str(s.head) + ")");
-  // layout::resolve's defaults, computed checked: heads * head and seqlen * row may not wrap.
+  // The default strides may not wrap: heads * head and seqlen * row.
   const std::string tensor = std::string(name).substr(0, std::string(name).rfind("_strides"));
-  layout::Resolved r{s.batch, s.row, s.head != 0 ? s.head : head_dim};
-  bool fits = s.row != 0 || checked::mul(heads, r.head, &r.row);
-  fits = fits && (s.batch != 0 || checked::mul(seqlen, r.row, &r.batch));
-  if (!fits)
+  layout::Resolved r;
+  if (!layout::resolve_checked(s, seqlen, heads, head_dim, &r))
     return fail(tensor, "its shape [" + str(batch) + ", " + str(seqlen) + ", " + str(heads) + ", " + str(head_dim) +
                             "] and strides overflow int64 element offsets");
   struct Dim {

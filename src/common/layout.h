@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "common/checked.h"
 #include "mala/mala.h"
 
 namespace mala {
@@ -19,11 +20,22 @@ struct Resolved {
   int64_t batch, row, head;
 };
 
+// The one definition of those defaults.  False when a default's product overflows int64 (the
+// argument checks refuse such a tensor; *r then holds the wrapped values).
+inline bool resolve_checked(const Strides& s, int64_t seqlen, int64_t heads, int64_t head_dim, Resolved* r) {
+  r->head = s.head != 0 ? s.head : head_dim;
+  bool fits = true;
+  r->row = s.row;
+  if (s.row == 0) fits = checked::mul(heads, r->head, &r->row);
+  r->batch = s.batch;
+  if (s.batch == 0) fits = checked::mul(seqlen, r->row, &r->batch) && fits;
+  return fits;
+}
+
+// For tensors that passed the checks (mala::check), whose defaults fit.
 inline Resolved resolve(const Strides& s, int64_t seqlen, int64_t heads, int64_t head_dim) {
   Resolved r;
-  r.head = s.head != 0 ? s.head : head_dim;
-  r.row = s.row != 0 ? s.row : heads * r.head;
-  r.batch = s.batch != 0 ? s.batch : seqlen * r.row;
+  resolve_checked(s, seqlen, heads, head_dim, &r);
   return r;
 }
 
