@@ -89,6 +89,22 @@ def cmd_timing(args, device):
            "rest_ms": float(r[0] - r[1] - r[2]), "attention": attn.TIMED["inner"]}
     merge(os.path.join(args.out, "timing.json"), f"{train.run_tag(args.size, args.arm, args.stage, args.seed)}_{args.seqlen}", res)
     train.log(f"timing {args.size} {args.arm} {args.stage} N={args.seqlen}: {res}")
+    if args.profile:
+        # Where "rest" goes: two more steps under torch.profiler, the kernels by total CUDA time.
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(2):
+                x = torch.from_numpy(next(data)[1].astype(np.int64)).to(device)
+                with train.autocast(device):
+                    loss = train.sequence_loss(model, x)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            torch.cuda.synchronize()
+        with open(args.profile, "w") as f:
+            f.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=80))
 
 
 def capture_states(model, x):
@@ -213,6 +229,7 @@ def main():
     ap.add_argument("--save-n", type=int, default=8192)
     ap.add_argument("--n", type=int, default=16384)
     ap.add_argument("--device", default="cuda", help="cpu: the regime step only, for the tests")
+    ap.add_argument("--profile", default="", help="timing: also write a torch.profiler table of two steps here")
     a = ap.parse_args()
     a.lengths = [int(x) for x in a.lengths.split(",") if x]
     device = torch.device(a.device)
