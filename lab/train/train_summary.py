@@ -1,17 +1,23 @@
 #!/usr/bin/env python3
-"""The study's summary and plots from one run's results (a folder, or the .tgz gpu_run.sh packs).
+"""The study's summary and plots from its runs' results (folders, or the .tgz files gpu_run.sh packs).
 
-    python3 lab/train/train_summary.py --res bench/results/train/run1.tgz --corpus lab/train/corpus \\
-        --out bench/results/train/summary.json --plots docs/img
+    python3 lab/train/train_summary.py --res bench/results/train/run1.tgz --res bench/results/train/run2.tgz \\
+        --corpus lab/train/corpus --out bench/results/train/summary.json --plots docs/img
 
-summary.json: {"device", "corpus": {...}, "sizes": {NAME: {"dense": {...}, "mala": {...}}}}; each arm:
-params (and non_embedding_params), tokens (pre-training + long-context), final_heldout_loss_4k /
-_16k (the final model), the same after pre-training (pt_*), fwd_slots_16k, bwd_slots_16k,
-fwd_retained_16k, bwd_retained_16k (MALA tau = 1 on the held-out batch, both arms, mean over layers),
-per-layer slots, step_ms / attn_fwd_ms / attn_bwd_ms at 16K (and _4k), attn_flops_per_token at 16K
-(the paper's accounting: dense for the dense arm, realized slots for MALA), and the fidelity at 16K
-(means over sequence x layer x head with 95% bootstrap intervals); the MALA arm also holds
-the matched-work study on its states (matched_work, by N).  Plots need matplotlib.
+Each --res is one run; a size is taken from the last --res that trained it (with all of that run's
+seeds).  summary.json: {"device", "corpus": {...}, "sizes": {NAME: {"dense": {...}, "mala": {...},
+"paired": {...}}}}.  Each arm: params (and non_embedding_params), tokens (pre-training +
+long-context), final_heldout_loss_4k / _16k (the final model), the same after pre-training (pt_*),
+fwd_slots_16k, bwd_slots_16k, fwd_retained_16k, bwd_retained_16k (MALA tau = 1 on the held-out batch,
+both arms, mean over layers), per-layer slots, step_ms / attn_fwd_ms / attn_bwd_ms at 16K (and _4k),
+attn_flops_per_token at 16K (the paper's accounting: dense for the dense arm, realized slots for
+MALA), and the fidelity at 16K (means over sequence x layer x head with 95% bootstrap intervals); the
+MALA arm also holds the matched-work study on its states (matched_work, by N).  With several seeds,
+an arm's numbers are means over its seeds, "seeds" lists them, "per_seed" holds each seed's own
+summary and "ci95" the 95% t-intervals of the mean over seeds; "paired" holds, per loss, the
+MALA-minus-dense difference of the two arms trained from the same seed (same initial weights and
+data order): mean, 95% t-interval, and the same relative to dense.  Timing, speed, the fidelity and
+the matched-work study use the first seed.  Plots need matplotlib.
 """
 
 from __future__ import annotations
@@ -42,13 +48,46 @@ def bootstrap_ci(x, reps=2000, seed=0, stat=np.mean):
     return [float(stat(x)), float(np.percentile(boots, 2.5)), float(np.percentile(boots, 97.5))]
 
 
+# Two-sided 95% quantiles of Student's t by degrees of freedom (intervals over a handful of seeds).
+T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
+
+
+def t_interval(x):
+    """[mean, low, high]: the 95% t-interval of the mean of the samples x (None without two)."""
+    x = np.asarray(x, dtype=float)
+    if x.size < 2:
+        return None
+    m, se = float(x.mean()), float(x.std(ddof=1) / np.sqrt(x.size))
+    t = T975.get(x.size - 1, 1.96)
+    return [m, m - t * se, m + t * se]
+
+
+def run_tag(size, arm, stage, seed):
+    """train.py's run_tag (that module needs torch): _s<seed> for any seed but the study's default."""
+    return f"{size}_{arm}_{stage}" + ("" if seed == configs.SEED else f"_s{seed}")
+
+
+def seeds_of(res, size, arm):
+    """The seeds of the pre-training runs of size / arm in a results folder, the default seed first."""
+    out = []
+    for f in os.listdir(res):
+        head = f"train_{size}_{arm}_pt"
+        if f.startswith(head) and f.endswith(".json"):
+            rest = f[len(head):-len(".json")]
+            if rest == "":
+                out.append(configs.SEED)
+            elif rest.startswith("_s") and rest[2:].isdigit():
+                out.append(int(rest[2:]))
+    return sorted(out, key=lambda s: (s != configs.SEED, s))
+
+
 def layer_means(layers, key):
     return float(np.mean([x[key] for x in layers]))
 
 
-def arm_summary(res, size, arm):
-    pt = load(os.path.join(res, f"train_{size}_{arm}_pt.json"))
-    lct_path = os.path.join(res, f"train_{size}_{arm}_lct.json")
+def arm_summary(res, size, arm, seed=configs.SEED):
+    pt = load(os.path.join(res, f"train_{run_tag(size, arm, 'pt', seed)}.json"))
+    lct_path = os.path.join(res, f"train_{run_tag(size, arm, 'lct', seed)}.json")
     lct = load(lct_path) if os.path.exists(lct_path) else None
     last = (lct or pt)["evals"][-1]
     cfg = pt["config"]
@@ -80,7 +119,7 @@ def arm_summary(res, size, arm):
     if os.path.exists(timing_path):
         t = load(timing_path)
         for stage, n, tag in (("lct", 16384, ""), ("pt", 4096, "_4k")):
-            r = t.get(f"{size}_{arm}_{stage}_{n}")
+            r = t.get(f"{run_tag(size, arm, stage, seed)}_{n}")
             if r:
                 for k in ("step_ms", "attn_fwd_ms", "attn_bwd_ms"):
                     out[k + tag] = r[k]
@@ -109,6 +148,46 @@ def slots_vs_length(regime):
     return out
 
 
+LOSSES = ("final_heldout_loss_4k", "final_heldout_loss_16k", "pt_heldout_loss_4k", "pt_heldout_loss_16k")
+SPREAD = LOSSES + ("fwd_retained_16k", "bwd_retained_16k", "fwd_slots_16k", "bwd_slots_16k", "fwd_retained_4k",
+                   "attn_flops_per_token")
+
+
+def over_seeds(per_seed):
+    """One arm's summary over its seeds: scalars and lists averaged, other entries from the first
+    seed; with two or more seeds, "ci95" of the main quantities and "per_seed"."""
+    seeds = list(per_seed)
+    first = per_seed[seeds[0]]
+    out = {}
+    for k, v in first.items():
+        vals = [per_seed[s].get(k) for s in seeds]
+        if all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in vals):
+            out[k] = float(np.mean(vals)) if len(seeds) > 1 else v
+        elif all(isinstance(x, list) and x and all(isinstance(y, (int, float)) for y in x) for x in vals) \
+                and len({len(x) for x in vals}) == 1:
+            out[k] = [float(y) for y in np.mean(np.array(vals, dtype=float), axis=0)]
+        else:
+            out[k] = v
+    out["seeds"] = seeds
+    if len(seeds) > 1:
+        out["ci95"] = {k: t_interval([per_seed[s][k] for s in seeds]) for k in SPREAD if k in first}
+        out["per_seed"] = {str(s): per_seed[s] for s in seeds}
+    return out
+
+
+def paired(dense_seeds, mala_seeds):
+    """Per loss: MALA minus dense of the two arms trained from the same seed, over the seeds both
+    arms have: mean and 95% t-interval, absolute and relative to dense."""
+    common = [s for s in dense_seeds if s in mala_seeds]
+    out = {"seeds": common}
+    for k in LOSSES:
+        d = np.array([mala_seeds[s][k] - dense_seeds[s][k] for s in common])
+        r = np.array([(mala_seeds[s][k] - dense_seeds[s][k]) / dense_seeds[s][k] for s in common])
+        out[k] = {"diff": [float(x) for x in d], "mean": float(d.mean()), "ci95": t_interval(d),
+                  "relative_mean": float(r.mean()), "relative_ci95": t_interval(r)}
+    return out
+
+
 def plots(summary, runs, out_dir):
     import matplotlib
 
@@ -122,22 +201,23 @@ def plots(summary, runs, out_dir):
     # Held-out loss against tokens and against attention FLOPs.
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for si, size in enumerate(sizes):
-        for arm in ("dense", "mala"):
-            pt, lct = runs[size][arm]
+        for arm, (pt, lct), seed_i in ((arm, r, i) for arm in ("dense", "mala")
+                                      for i, r in enumerate(runs[size][arm])):
             evs = pt["evals"] + ([dict(e, step=e["step"] + pt["final"]["step"]) for e in lct["evals"]] if lct else [])
             tok = [e["tokens"] for e in pt["evals"]] + ([pt["final"]["tokens"] + e["tokens"] for e in lct["evals"]]
                                                        if lct else [])
             fl = [e["attn_flops_arm"] for e in pt["evals"]] + (
                 [pt["evals"][-1]["attn_flops_arm"] + e["attn_flops_arm"] for e in lct["evals"]] if lct else [])
             loss = [e["len_4096"]["loss"] for e in evs]
-            lab = f"{size} {arm}"
-            axes[0].plot(np.array(tok[1:]) / 1e6, loss[1:], styles[si % 3], color=colors[arm], label=lab)
-            axes[1].plot(np.array(fl[1:]) / 1e15, loss[1:], styles[si % 3], color=colors[arm], label=lab)
+            lab = f"{size} {arm}" if seed_i == 0 else None
+            alpha = 1.0 if seed_i == 0 else 0.45
+            axes[0].plot(np.array(tok[1:]) / 1e6, loss[1:], styles[si % 3], color=colors[arm], label=lab, alpha=alpha)
+            axes[1].plot(np.array(fl[1:]) / 1e15, loss[1:], styles[si % 3], color=colors[arm], label=lab, alpha=alpha)
     axes[0].set_xlabel("training tokens (M)")
     axes[1].set_xlabel("attention FLOPs, paper's accounting (PFLOP)")
     for ax in axes:
         ax.set_ylabel("held-out loss at 4K (nats)")
-        ax.set_ylim(3, 7)
+        ax.set_ylim(2.5, 7)
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
     fig.tight_layout()
@@ -148,7 +228,7 @@ def plots(summary, runs, out_dir):
     for si, size in enumerate(sizes):
         ax = axes[0][si]
         for arm in ("dense", "mala"):
-            pt, lct = runs[size][arm]
+            pt, lct = runs[size][arm][0]
             steps = [e["step"] for e in pt["evals"]]
             dense_slots = (4096 + 1) / 2
             per = np.array([[x["fwd_slots"] / dense_slots for x in e["len_4096"]["layers"]] for e in pt["evals"]])
@@ -207,49 +287,65 @@ def plots(summary, runs, out_dir):
     plt.close(fig)
 
 
+def unpack(res):
+    """A results folder, or a packed one (.tgz) unpacked into a temporary folder."""
+    if not res.endswith(".tgz"):
+        return res
+    import tarfile
+    import tempfile
+
+    tmp = tempfile.mkdtemp(prefix="train-res-")
+    with tarfile.open(res) as t:
+        t.extractall(tmp, filter="data")
+    return tmp
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--res", required=True)
+    ap.add_argument("--res", required=True, action="append", help="a run's results (repeatable)")
     ap.add_argument("--corpus", required=True, help="the folder with manifest.json and streams.json")
     ap.add_argument("--out", required=True)
     ap.add_argument("--plots", default="")
     a = ap.parse_args(argv)
-    if a.res.endswith(".tgz"):  # a packed results folder, as gpu_run.sh returns it
-        import tarfile
-        import tempfile
-
-        tmp = tempfile.mkdtemp(prefix="train-res-")
-        with tarfile.open(a.res) as t:
-            t.extractall(tmp, filter="data")
-        a.res = tmp
+    folders = [unpack(r) for r in a.res]
     manifest = load(os.path.join(a.corpus, "manifest.json"))
     streams = load(os.path.join(a.corpus, "streams.json"))
-    sizes = sorted({f.split("_")[1] for f in os.listdir(a.res) if f.startswith("train_") and f.endswith("_pt.json")},
-                   key=lambda s: configs.SIZES[s]["hidden"] * configs.SIZES[s]["layers"])
-    regime = load(os.path.join(a.res, "regime.json")) if os.path.exists(os.path.join(a.res, "regime.json")) else {}
-    speed = load(os.path.join(a.res, "speed.json")) if os.path.exists(os.path.join(a.res, "speed.json")) else {}
-    matched = load(os.path.join(a.res, "matched_work.json")) if os.path.exists(
-        os.path.join(a.res, "matched_work.json")) else {}
+    where = {}  # size -> the last run that trained it
+    for res in folders:
+        for f in os.listdir(res):
+            if f.startswith("train_") and f.endswith(".json") and "_pt" in f:
+                where[f.split("_")[1]] = res
+    sizes = sorted(where, key=lambda s: configs.SIZES[s]["hidden"] * configs.SIZES[s]["layers"])
     summary = {"device": None, "corpus": {"files": manifest["counts"], "tokens": {
         "train": streams["train_tokens"], "heldout": streams["heldout_tokens"]},
         "stream_sha256": {"train": streams["train_sha256"], "heldout": streams["heldout_sha256"]},
         "heldout_packages": {k: len(v) for k, v in manifest["heldout_packages"].items()}}, "sizes": {}}
     runs = {}
     for size in sizes:
+        res = where[size]
+        regime, speed, matched = (load(os.path.join(res, f)) if os.path.exists(os.path.join(res, f)) else {}
+                                  for f in ("regime.json", "speed.json", "matched_work.json"))
         summary["sizes"][size] = {}
         runs[size] = {}
+        per_arm = {}
         for arm in ("dense", "mala"):
-            s, pt, lct = arm_summary(a.res, size, arm)
-            summary["device"] = summary["device"] or pt["device"]
-            key = f"{size}_{arm}_lct"
-            if key in regime:
-                s["slots_vs_length"] = slots_vs_length(regime[key])
-                s["fidelity_16k"] = fidelity_summary(regime[key])
-            sp = speed.get(f"{size}_{arm}_lct_16384")
-            if sp:
-                s["attention_speed_16k"] = {k: {"fwd_ms": v["fwd_ms"], "bwd_ms": v["bwd_ms"]} for k, v in sp.items()}
-            summary["sizes"][size][arm] = s
-            runs[size][arm] = (pt, lct)
+            per_seed = {}
+            runs[size][arm] = []
+            for seed in seeds_of(res, size, arm):
+                s, pt, lct = arm_summary(res, size, arm, seed)
+                summary["device"] = summary["device"] or pt["device"]
+                key = run_tag(size, arm, "lct", seed)
+                if key in regime:
+                    s["slots_vs_length"] = slots_vs_length(regime[key])
+                    s["fidelity_16k"] = fidelity_summary(regime[key])
+                sp = speed.get(f"{key}_16384")
+                if sp:
+                    s["attention_speed_16k"] = {k: {"fwd_ms": v["fwd_ms"], "bwd_ms": v["bwd_ms"]} for k, v in sp.items()}
+                per_seed[seed] = s
+                runs[size][arm].append((pt, lct))
+            per_arm[arm] = per_seed
+            summary["sizes"][size][arm] = over_seeds(per_seed)
+        summary["sizes"][size]["paired"] = paired(per_arm["dense"], per_arm["mala"])
         for n in ("8192", "16384"):  # the matched-work study runs on the MALA-trained model's states
             m = matched.get(f"{size}_{n}")
             if m:
@@ -264,10 +360,15 @@ def main(argv=None):
     for size in sizes:
         for arm in ("dense", "mala"):
             s = summary["sizes"][size][arm]
-            print(f"{size} {arm}: tokens {s['tokens'] / 1e6:.1f}M, loss 4K {s['final_heldout_loss_4k']:.3f} "
+            print(f"{size} {arm} (seeds {s['seeds']}): tokens {s['tokens'] / 1e6:.1f}M, loss 4K {s['final_heldout_loss_4k']:.3f} "
                   f"16K {s['final_heldout_loss_16k']:.3f}, fwd retained 16K {s['fwd_retained_16k']:.3f}, "
                   f"slots {s['fwd_slots_16k']:.0f} / {s['bwd_slots_16k']:.0f}, step {s.get('step_ms', 0):.1f} ms "
                   f"(attn {s.get('attn_fwd_ms', 0):.1f} + {s.get('attn_bwd_ms', 0):.1f})")
+        p = summary["sizes"][size]["paired"]
+        for k in ("final_heldout_loss_4k", "final_heldout_loss_16k"):
+            ci = p[k]["relative_ci95"]
+            print(f"{size} paired {k}: mala - dense {p[k]['mean']:+.4f} nats, {100 * p[k]['relative_mean']:+.2f}%"
+                  + (f" (95% CI {100 * ci[1]:+.2f}% .. {100 * ci[2]:+.2f}%)" if ci else ""))
 
 
 if __name__ == "__main__":

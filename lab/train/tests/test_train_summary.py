@@ -1,0 +1,61 @@
+"""CPU tests of the study's summary over seeds (lab/train/train_summary.py): the t-interval, the
+seeds found in a results folder, the averages over seeds and the paired differences."""
+
+import json
+import os
+import sys
+
+import pytest
+
+np = pytest.importorskip("numpy")
+
+TRAIN = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, TRAIN)
+
+import train_summary as ts  # noqa: E402
+
+
+def test_t_interval_matches_a_hand_computation():
+    # mean 2, sample sd 1, n 3: half-width 4.303 / sqrt(3)
+    m, lo, hi = ts.t_interval([1.0, 2.0, 3.0])
+    assert m == pytest.approx(2.0)
+    assert hi - m == pytest.approx(4.303 / np.sqrt(3))
+    assert m - lo == pytest.approx(4.303 / np.sqrt(3))
+    assert ts.t_interval([1.0]) is None
+
+
+def test_seeds_of_reads_the_run_tags(tmp_path):
+    for name in ("train_s4m_mala_pt.json", "train_s4m_mala_pt_s44.json", "train_s4m_mala_pt_s43.json",
+                 "train_s4m_mala_lct_s45.json", "train_s4m_dense_pt_s46.json", "train_m13m_mala_pt_s47.json"):
+        (tmp_path / name).write_text("{}")
+    assert ts.seeds_of(str(tmp_path), "s4m", "mala") == [42, 43, 44]
+    assert ts.seeds_of(str(tmp_path), "s4m", "dense") == [46]
+    assert ts.run_tag("s4m", "mala", "pt", 42) == "s4m_mala_pt"
+    assert ts.run_tag("s4m", "mala", "lct", 43) == "s4m_mala_lct_s43"
+
+
+def test_over_seeds_averages_numbers_and_lists_and_keeps_the_first_seed_elsewhere():
+    per = {42: {"final_heldout_loss_4k": 3.0, "fwd_slots_16k_per_layer": [1.0, 3.0], "fidelity_16k": {"a": 1}},
+           43: {"final_heldout_loss_4k": 3.2, "fwd_slots_16k_per_layer": [3.0, 5.0], "fidelity_16k": {"a": 2}}}
+    out = ts.over_seeds(per)
+    assert out["final_heldout_loss_4k"] == pytest.approx(3.1)
+    assert out["fwd_slots_16k_per_layer"] == pytest.approx([2.0, 4.0])
+    assert out["fidelity_16k"] == {"a": 1}
+    assert out["seeds"] == [42, 43]
+    assert out["ci95"]["final_heldout_loss_4k"][0] == pytest.approx(3.1)
+    assert set(out["per_seed"]) == {"42", "43"}
+    single = ts.over_seeds({42: per[42]})
+    assert "ci95" not in single and single["final_heldout_loss_4k"] == 3.0
+
+
+def test_paired_differences_are_per_seed():
+    keys = ts.LOSSES
+    dense = {42: {k: 2.0 for k in keys}, 43: {k: 3.0 for k in keys}, 44: {k: 4.0 for k in keys}}
+    mala = {42: {k: 2.2 for k in keys}, 43: {k: 3.0 for k in keys}, 45: {k: 9.0 for k in keys}}
+    p = ts.paired(dense, mala)
+    assert p["seeds"] == [42, 43]
+    d = p["final_heldout_loss_4k"]
+    assert d["diff"] == pytest.approx([0.2, 0.0])
+    assert d["mean"] == pytest.approx(0.1)
+    assert d["relative_mean"] == pytest.approx((0.1 + 0.0) / 2)
+    json.dumps(p)  # serialisable
