@@ -96,19 +96,21 @@ class _Handle:
 
 _ACTIVE: Optional[_Handle] = None
 
+# Each replaced operator's kernel, by the name of the module global that implements it.
+_KERNELS = dict(zip(OPERATORS, ("_sdpa_forward", "_sdpa_backward", "_flash_forward", "_flash_backward")))
+
 
 def _activate(tau: float, dispatch_key: str = "CUDA") -> _Handle:
     """The registry's register_fn.  dispatch_key is for the CPU tests, which register the same kernels
     at "CPU" to run aten's autograd formulas and varlen_attn through them without a GPU."""
     global _ACTIVE
-    kernels = dict(zip(OPERATORS, (_sdpa_forward, _sdpa_backward, _flash_forward, _flash_backward)))
     lib = torch.library.Library("aten", "IMPL", dispatch_key)  # noqa: TOR901 (overriding aten kernels is the point)
     with warnings.catch_warnings():
         # torch warns that a kernel it ships is overridden: the user asked for exactly that.
         warnings.filterwarnings("ignore", message="(?s).*Overriding a previously registered kernel")
-        for op, kernel in kernels.items():
-            # Looked up at each call (a module global), so a test can wrap one.
-            lib.impl(op, lambda *a, _name=kernel.__name__, **kw: globals()[_name](tau, *a, **kw), dispatch_key)
+        for op, name in _KERNELS.items():
+            # Looked up by name at each call (a module global), so a test can wrap one.
+            lib.impl(op, lambda *a, _name=name, **kw: globals()[_name](tau, *a, **kw), dispatch_key)
     _ACTIVE = _Handle(lib, tau)
     return _ACTIVE
 

@@ -72,6 +72,24 @@ def test_mala_sdpa_is_reachable_as_an_attribute_of_mala():
     assert out.split() == ["mala.sdpa", "True", "mala.integrations"], out
 
 
+def test_a_kernel_wrapped_before_activation_is_the_one_called(monkeypatch):
+    # The CUDA tests count calls by wrapping mala.sdpa._sdpa_forward before activating: activation must
+    # look each kernel up by its name, not by the __name__ of whatever object the global holds now.
+    calls = []
+    forward = mala.sdpa._sdpa_forward
+    monkeypatch.setattr(mala.sdpa, "_sdpa_forward", lambda *a, **kw: calls.append(1) or forward(*a, **kw))
+    attention.register_flash_attention_impl("MALA-cpu-wrapped", register_fn=lambda: mala.sdpa._activate(0.0, "CPU"))
+    attention.activate_flash_attention_impl("MALA-cpu-wrapped")
+    try:
+        q, k, v = _bhnd()
+        out = flash(q, k, v, 0.0, True)[0]
+    finally:
+        attention.restore_flash_attention_impl()
+    assert calls == [1]
+    want = mala.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True, tau=0.0)
+    assert torch.allclose(out, want)
+
+
 def test_activation_routes_the_flash_operator_and_restore_undoes_it(on_cpu):
     q, k, v = _bhnd()
     res = flash(q, k, v, 0.0, True)
@@ -238,8 +256,20 @@ def test_cuda_transformers_sdpa_model_equals_mala_integration(on_cuda, monkeypat
     forward = mala.sdpa._sdpa_forward
     monkeypatch.setattr(mala.sdpa, "_sdpa_forward", lambda *a, **kw: calls.append(1) or forward(*a, **kw))
     on_cuda(1.0)
+    seen = []
+    sdpa_fn = F.scaled_dot_product_attention
+
+    def spy(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        seen.append(dict(shape=tuple(q.shape), kv=tuple(k.shape), mask=attn_mask is not None, causal=is_causal,
+                         gqa=enable_gqa, dropout=dropout_p, dtype=str(q.dtype),
+                         backend=int(torch._fused_sdp_choice(q, k, v, attn_mask, dropout_p, is_causal, scale=scale,
+                                                             enable_gqa=enable_gqa))))
+        return sdpa_fn(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                       enable_gqa=enable_gqa)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
     loss = sdpa(ids, labels=ids).loss
-    assert len(calls) == 2, "both layers' SDPA calls must reach MALA"
+    assert len(calls) == 2, f"both layers' SDPA calls must reach MALA; torch's calls (backend 1 = flash): {seen}"
     loss.backward()
     ref_loss = ref(ids, labels=ids).loss
     ref_loss.backward()
