@@ -47,8 +47,20 @@ def load(args, device):
     from tokenizers import Tokenizer
 
     vocab = Tokenizer.from_file(args.tokenizer).get_vocab_size()
+    if args.random_init:
+        return train.build_model(args.size, vocab, args.arm, device, None, args.seed)
     w = os.path.join(args.work, f"{train.run_tag(args.size, args.arm, args.stage, args.seed)}.final.pt")
     return train.build_model(args.size, vocab, args.arm, device, w, args.seed)
+
+
+def train_batches(args, batch, vocab_hint=32768):
+    """The timing's batches: the training stream, or (--data random) uniform random tokens."""
+    if args.data == "random":
+        rng = np.random.default_rng(12345)
+        while True:
+            yield 0, rng.integers(0, vocab_hint, size=(batch, args.seqlen), dtype=np.int64)
+    seqs = corpus.sequences(np.load(os.path.join(args.data, "train.npy"), mmap_mode="r"), args.seqlen)
+    yield from train.batches(seqs, batch, 12345)
 
 
 def merge(path, key, value):
@@ -64,16 +76,15 @@ def cmd_timing(args, device):
     attn.TIMED["inner"] = "mala" if args.arm == "mala" else "sdpa"
     attn.set_attention(model, "timed")
     opt = train.optimizer(model, 1e-5, device)
-    seqs = corpus.sequences(np.load(os.path.join(args.data, "train.npy"), mmap_mode="r"), args.seqlen)
     batch = max(1, args.tokens_per_step // args.seqlen)
-    data = train.batches(seqs, batch, 12345)
+    data = train_batches(args, batch)
     rows = []
     for i in range(3 + args.steps):
         x = torch.from_numpy(next(data)[1].astype(np.int64)).to(device)
         e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         e0.record()
         with train.autocast(device):
-            loss = train.sequence_loss(model, x)
+            loss = train.sequence_loss(model, x, compiled=args.compile_loss)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -86,8 +97,12 @@ def cmd_timing(args, device):
     r = np.median(np.array(rows), axis=0)
     res = {"seqlen": args.seqlen, "tokens_per_step": batch * args.seqlen, "steps": args.steps,
            "step_ms": float(r[0]), "attn_fwd_ms": float(r[1]), "attn_bwd_ms": float(r[2]),
-           "rest_ms": float(r[0] - r[1] - r[2]), "attention": attn.TIMED["inner"]}
-    merge(os.path.join(args.out, "timing.json"), f"{train.run_tag(args.size, args.arm, args.stage, args.seed)}_{args.seqlen}", res)
+           "rest_ms": float(r[0] - r[1] - r[2]), "attention": attn.TIMED["inner"], "compile_loss": args.compile_loss,
+           "weights": "random" if args.random_init else "trained", "data": "random" if args.data == "random" else "train"}
+    key = f"{train.run_tag(args.size, args.arm, args.stage, args.seed)}_{args.seqlen}"
+    if args.random_init or args.compile_loss:
+        key += "_random" * args.random_init + "_compiled" * args.compile_loss
+    merge(os.path.join(args.out, "timing.json"), key, res)
     train.log(f"timing {args.size} {args.arm} {args.stage} N={args.seqlen}: {res}")
     if args.profile:
         # Where "rest" goes: two more steps under torch.profiler, the kernels by total CUDA time.
@@ -97,7 +112,7 @@ def cmd_timing(args, device):
             for _ in range(2):
                 x = torch.from_numpy(next(data)[1].astype(np.int64)).to(device)
                 with train.autocast(device):
-                    loss = train.sequence_loss(model, x)
+                    loss = train.sequence_loss(model, x, compiled=args.compile_loss)
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
                 opt.step()
@@ -230,6 +245,9 @@ def main():
     ap.add_argument("--n", type=int, default=16384)
     ap.add_argument("--device", default="cuda", help="cpu: the regime step only, for the tests")
     ap.add_argument("--profile", default="", help="timing: also write a torch.profiler table of two steps here")
+    ap.add_argument("--compile-loss", action="store_true", help="timing: the loss through torch.compile")
+    ap.add_argument("--random-init", action="store_true",
+                    help="timing: the seed's initial weights instead of a trained model (--data random: random tokens)")
     a = ap.parse_args()
     a.lengths = [int(x) for x in a.lengths.split(",") if x]
     device = torch.device(a.device)

@@ -55,20 +55,38 @@ def log(msg):
     print(f"[train {time.time() - T0:7.1f}s] {msg}", flush=True)
 
 
-def sequence_loss(model, x, chunk=8192):
+def _chunk_loss(weight, hh, yy):
+    """Summed next-token loss of one chunk: the LM head and a float32 cross-entropy."""
+    return F.cross_entropy(F.linear(hh, weight).float(), yy, reduction="sum")
+
+
+_COMPILED = {}
+
+
+def chunk_loss_fn(compiled=False):
+    """_chunk_loss, or the same function through torch.compile: Inductor fuses the float32 cast and the
+    log-softmax into the reductions over the logits, which eager mode writes out in float32 (about
+    half of an s4m step's time outside attention)."""
+    if not compiled:
+        return _chunk_loss
+    if "fn" not in _COMPILED:
+        _COMPILED["fn"] = torch.compile(_chunk_loss, dynamic=False)
+    return _COMPILED["fn"]
+
+
+def sequence_loss(model, x, chunk=8192, compiled=False):
     """Mean next-token loss (nats) of a [B, N] batch; the LM head and its loss in checkpointed chunks
-    so that the [B * N, vocab] logits are never held at once."""
+    so that the [B * N, vocab] logits are never held at once.  compiled: the chunks' loss through
+    torch.compile (chunk_loss_fn)."""
     hidden = model.model(input_ids=x).last_hidden_state[:, :-1]
     h = hidden.reshape(-1, hidden.shape[-1])
     y = x[:, 1:].reshape(-1)
     total = h.new_zeros((), dtype=torch.float32)
-
-    def part(hh, yy):
-        return F.cross_entropy(model.lm_head(hh).float(), yy, reduction="sum")
-
+    part = chunk_loss_fn(compiled)
+    w = model.lm_head.weight
     for s in range(0, y.numel(), chunk):
         e = min(s + chunk, y.numel())
-        total = total + checkpoint(part, h[s:e], y[s:e], use_reentrant=False)
+        total = total + checkpoint(part, w, h[s:e], y[s:e], use_reentrant=False)
     return total / y.numel()
 
 
@@ -193,6 +211,7 @@ def main():
     ap.add_argument("--deadline-s", type=float, default=1e9)
     ap.add_argument("--resume", action="store_true")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--compile-loss", action="store_true", help="the training steps' loss through torch.compile")
     a = ap.parse_args()
     device = torch.device(a.device)
     attn.register(a.tau)
@@ -223,7 +242,7 @@ def main():
                                                     "vocab_size")},
            "train_sequences": int(len(train_seqs)), "heldout_batch": {str(n): list(x.shape) for n, x in held.items()},
            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-           "steps": [], "evals": [], "total_steps": a.steps or None}
+           "compile_loss": a.compile_loss, "steps": [], "evals": [], "total_steps": a.steps or None}
     step, attn_flops = 0, {"dense": 0.0, "arm": 0.0}
     ckpt = os.path.join(a.work, f"{tag}.ckpt.pt")
     if a.resume and os.path.exists(ckpt):
@@ -280,7 +299,7 @@ def main():
         x = torch.from_numpy(xb.astype(np.int64)).to(device, non_blocking=True)
         t = time.perf_counter()
         with autocast(device):
-            loss = sequence_loss(model, x)
+            loss = sequence_loss(model, x, compiled=a.compile_loss)
         loss.backward()
         gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), configs.CLIP)
         opt.step()

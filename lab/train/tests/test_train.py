@@ -224,3 +224,20 @@ def test_manifest_is_gzip_text(tmp_path, roots):
     with gzip.open(tmp_path / "manifest.tsv.gz", "rt") as f:
         first = f.readline().rstrip("\n").split("\t")
     assert first[0] in ("train", "heldout") and len(first[1]) == 64 and int(first[2]) > 0
+
+
+def test_compiled_loss_equals_the_eager_loss():
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    import train
+
+    model = train.build_model("tiny", 512, "dense", torch.device("cpu"), None, 0)
+    x = torch.randint(0, 512, (2, 64), generator=torch.Generator().manual_seed(0))
+    grads = []
+    for compiled in (False, True):
+        model.zero_grad(set_to_none=True)
+        loss = train.sequence_loss(model, x, chunk=48, compiled=compiled)
+        loss.backward()
+        grads.append((float(loss), model.lm_head.weight.grad.clone()))
+    assert grads[1][0] == pytest.approx(grads[0][0], rel=1e-5)
+    assert torch.allclose(grads[1][1], grads[0][1], rtol=1e-4, atol=1e-6)
