@@ -14,7 +14,8 @@
 # Timing, speed and the saved states use the first seed of SEEDS.
 # Environment: STORE (default /tmp/mala-train), SIZES (default "s4m m13m"), SEEDS (default 42), PT_BUDGET_S (330),
 # LCT_BUDGET_S (120), LCT_SIZES (default: SIZES); PT_STEPS / LCT_STEPS fix the step counts instead of the
-# budgets (both arms then train on the same tokens without agreeing).
+# budgets (both arms then train on the same tokens without agreeing); COMPILE_LOSS=1 runs the loss
+# through torch.compile in training and timing (train.py --compile-loss).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 STORE=${STORE:-/tmp/mala-train}
@@ -25,6 +26,7 @@ PT_BUDGET_S=${PT_BUDGET_S:-330}
 LCT_BUDGET_S=${LCT_BUDGET_S:-120}
 PT_STEPS=${PT_STEPS:-0}
 LCT_STEPS=${LCT_STEPS:-0}
+COMPILE_LOSS=${COMPILE_LOSS:-0}
 RES=$STORE/res
 
 phases() {
@@ -33,7 +35,7 @@ phases() {
   mkdir -p "$D" "$W" "$RES" "$STORE/sync"
   cd "$R"
   ph() { echo "$(date +%T) $*" >> "$RES/phases.log"; }
-  ph "start SIZES=$SIZES SEEDS=$SEEDS PT_BUDGET_S=$PT_BUDGET_S LCT_BUDGET_S=$LCT_BUDGET_S PT_STEPS=$PT_STEPS LCT_STEPS=$LCT_STEPS"
+  ph "start SIZES=$SIZES SEEDS=$SEEDS PT_BUDGET_S=$PT_BUDGET_S LCT_BUDGET_S=$LCT_BUDGET_S PT_STEPS=$PT_STEPS LCT_STEPS=$LCT_STEPS COMPILE_LOSS=$COMPILE_LOSS"
   rm -rf "$STORE/site" "$STORE/build.done" "$STORE/build.failed"
   ( CMAKE_ARGS=-DCMAKE_CUDA_ARCHITECTURES=90a CMAKE_BUILD_PARALLEL_LEVEL=16 python3 -m pip install \
       --no-build-isolation --no-deps --no-cache-dir --upgrade --target "$STORE/site" . > "$RES/build.log" 2>&1 \
@@ -55,13 +57,15 @@ phases() {
   done
   ph "build done"
   common=(--data "$D" --tokenizer "$TOK" --out "$RES" --work "$W")
+  cl=()
+  [ "$COMPILE_LOSS" = 1 ] && cl=(--compile-loss)
   ph "pt"
   pids=()
   for s in $SIZES; do
     for seed in $SEEDS; do
       for arm in dense mala; do
         python3 "$T/train.py" --size "$s" --arm "$arm" --seed "$seed" --stage pt --seqlen 4096 --budget-s "$PT_BUDGET_S" --steps "$PT_STEPS" \
-          --sync "$STORE/sync" --eval-every 100 "${common[@]}" > "$RES/pt_${s}_${arm}_s${seed}.log" 2>&1 &
+          --sync "$STORE/sync" --eval-every 100 "${cl[@]}" "${common[@]}" > "$RES/pt_${s}_${arm}_s${seed}.log" 2>&1 &
         pids+=($!)
       done
     done
@@ -73,7 +77,7 @@ phases() {
     for seed in $SEEDS; do
       for arm in dense mala; do
         python3 "$T/train.py" --size "$s" --arm "$arm" --seed "$seed" --stage lct --seqlen 16384 \
-          --budget-s "$LCT_BUDGET_S" --steps "$LCT_STEPS" --probe-steps 20 --sync "$STORE/sync" --eval-every 25 "${common[@]}" \
+          --budget-s "$LCT_BUDGET_S" --steps "$LCT_STEPS" --probe-steps 20 --sync "$STORE/sync" --eval-every 25 "${cl[@]}" "${common[@]}" \
           > "$RES/lct_${s}_${arm}_s${seed}.log" 2>&1 &
         pids+=($!)
       done
@@ -82,12 +86,13 @@ phases() {
   for p in "${pids[@]}"; do wait "$p" || ph "an lct run failed (pid $p)"; done
   ph "timing"
   A=(--data "$D" --tokenizer "$TOK" --out "$RES" --work "$W")
+  T_A=("${A[@]}" "${cl[@]}")
   for s in $SIZES; do
     for arm in dense mala; do
       python3 "$T/analyze.py" timing --size "$s" --arm "$arm" --seed "${SEEDS%% *}" --stage pt --seqlen 4096 \
-        --profile "$RES/profile_${s}_${arm}_pt.txt" "${A[@]}" >> "$RES/timing.log" 2>&1 || ph "timing $s $arm pt failed"
+        --profile "$RES/profile_${s}_${arm}_pt.txt" "${T_A[@]}" >> "$RES/timing.log" 2>&1 || ph "timing $s $arm pt failed"
       if [[ " $LCT_SIZES " == *" $s "* ]]; then
-        python3 "$T/analyze.py" timing --size "$s" --arm "$arm" --seed "${SEEDS%% *}" --stage lct --seqlen 16384 "${A[@]}" >> "$RES/timing.log" 2>&1 || ph "timing $s $arm lct failed"
+        python3 "$T/analyze.py" timing --size "$s" --arm "$arm" --seed "${SEEDS%% *}" --stage lct --seqlen 16384 "${T_A[@]}" >> "$RES/timing.log" 2>&1 || ph "timing $s $arm lct failed"
       fi
     done
   done
@@ -136,7 +141,7 @@ start)
   rm -rf "$STORE/repo" "$RES" && mkdir -p "$STORE/repo" "$RES"
   cp -r . "$STORE/repo/"
   export -f phases
-  export STORE SIZES SEEDS LCT_SIZES PT_BUDGET_S LCT_BUDGET_S PT_STEPS LCT_STEPS RES SPEED_SIZES
+  export STORE SIZES SEEDS LCT_SIZES PT_BUDGET_S LCT_BUDGET_S PT_STEPS LCT_STEPS COMPILE_LOSS RES SPEED_SIZES
   setsid nohup bash -c phases > "$STORE/phases.out" 2>&1 < /dev/null &
   echo "gpu_run: started (log $RES/phases.log)"
   ;;

@@ -119,7 +119,8 @@ def arm_summary(res, size, arm, seed=configs.SEED):
     if os.path.exists(timing_path):
         t = load(timing_path)
         for stage, n, tag in (("lct", 16384, ""), ("pt", 4096, "_4k")):
-            r = t.get(f"{run_tag(size, arm, stage, seed)}_{n}")
+            key = f"{run_tag(size, arm, stage, seed)}_{n}"
+            r = t.get(key) or t.get(key + "_compiled")  # a run with COMPILE_LOSS=1 times its compiled loss
             if r:
                 for k in ("step_ms", "attn_fwd_ms", "attn_bwd_ms"):
                     out[k + tag] = r[k]
