@@ -218,6 +218,8 @@ def sparse_info(ctx, sysm, q, k, v, dout, lse_dense, with_bwd=True):
                 info.pop("bwd_slots_mean", None)
         else:
             _, lse = sysm.outputs(q, k, v)
+            if hasattr(sysm, "rule_stats"):  # FlashInfer skip-softmax: its rule replayed in torch
+                info.update(sysm.rule_stats(q, k))
         if lse is not None and lse_dense is not None:
             mean, mx = common.omitted_mass(lse, lse_dense)
             info.update(omitted_mass_mean=mean, omitted_mass_max=mx)
@@ -368,14 +370,16 @@ def section_guard(ctx, systems):
                 ctx.log(f"guard {sysm.name:12s} {regime} N={N} d={d} Hkv={Hkv}: unavailable ({why[:120]})")
                 continue
             try:
-                p = sysm.prepare(q, k, v, dout)
-                p.fwd_bwd()  # warm-up: compilation / autotuning happen here, not in the checked call
+                fo = getattr(sysm, "forward_only", False)  # e.g. FlashInfer fmha_v2: O and lse only
+                p = sysm.prepare(q, k, v, dout, need_grad=not fo)
+                p.fwd() if fo else p.fwd_bwd()  # warm-up: compilation / autotuning happen here
                 timing.sync()
                 out, lse = sysm.outputs(q, k, v)
-                grads = sysm.grads_in_bnhd(p.fwd_bwd(), Hkv)
-                rec.update(status="ok", rel_l2_o=common.rel_l2(out, o_ref),
-                           rel_l2_dq=common.rel_l2(grads[0], dq_ref), rel_l2_dk=common.rel_l2(grads[1], dk_ref),
-                           rel_l2_dv=common.rel_l2(grads[2], dv_ref))
+                grads = [None] * 3 if fo else sysm.grads_in_bnhd(p.fwd_bwd(), Hkv)
+                rel = lambda x, r: float("nan") if x is None else common.rel_l2(x, r)  # noqa: E731
+                rec.update(status="ok", rel_l2_o=common.rel_l2(out, o_ref), forward_only=fo,
+                           rel_l2_dq=rel(grads[0], dq_ref), rel_l2_dk=rel(grads[1], dk_ref),
+                           rel_l2_dv=rel(grads[2], dv_ref))
                 if lse is not None:
                     mean, mx = common.omitted_mass(lse, lse_ref)
                     rec.update(omitted_mass_mean=mean, omitted_mass_max=mx)
@@ -388,11 +392,11 @@ def section_guard(ctx, systems):
                 if sysm.tau and rec.get("omitted_mass_max") is not None and \
                         rec["omitted_mass_max"] > sysm.tau / (1 + sysm.tau) + 1e-4:
                     flags.append(f"omitted mass {rec['omitted_mass_max']:.3g} > tau/(1+tau)")
-                if not sysm.tau:
+                if not sysm.tau and not fo:
                     for gname in ("dq", "dk", "dv"):
                         if rec[f"rel_l2_{gname}"] > 2e-2:
                             flags.append(f"rel L2 of {gname} {rec[f'rel_l2_{gname}']:.2e} > 2e-2 at tau=0")
-                if any(not math.isfinite(rec[x]) for x in ("rel_l2_o", "rel_l2_dq", "rel_l2_dk", "rel_l2_dv")):
+                if any(not math.isfinite(rec[x]) for x in ("rel_l2_o",) + (() if fo else ("rel_l2_dq", "rel_l2_dk", "rel_l2_dv"))):
                     flags.append("non-finite output or gradient")
                 if flags:
                     rec.update(flagged=True, flag_reason="; ".join(flags))
@@ -686,9 +690,12 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT") or "bench_suite_out")
     ap.add_argument("--sections", default="guard,primary,decode,sweep,secondary")
     ap.add_argument("--systems", default=None,
-                    help="sdpa_flash,sdpa_cudnn,flex,fsa,fsa0,mala,mala0 (fsa/mala at --tau); default "
+                    help="sdpa_flash,sdpa_cudnn,flex,fsa,fsa0,mala,mala0,fa4,flashinfer,flashinfer_skip_softmax"
+                         " (fsa/mala at --tau, flashinfer_skip_softmax at --fi-scale-factors); default "
                          + ",".join(DEFAULT_SYSTEMS) + " (--dist: sdpa_flash,sdpa_cudnn,fsa,mala,mala0)")
     ap.add_argument("--tau", type=float, default=1.0)
+    ap.add_argument("--fi-scale-factors", type=lambda s: [float(x) for x in s.split(",")], default=None,
+                    help="flashinfer_skip_softmax's threshold scale factors (lambda = sf / N); default --tau")
     ap.add_argument("--ns", type=lambda s: [int(x) for x in s.split(",")], default=None,
                     help="primary sequence lengths in K tokens (overrides the preset)")
     ap.add_argument("--decode-ns", type=lambda s: [int(x) for x in s.split(",")], default=None)
@@ -743,7 +750,8 @@ def main():
     ctx.log(f"mala: {meta.get('mala')}")
     ctx.log(f"flash_sparse_attn: {meta.get('flash_sparse_attn')}")
     ctx.log(f"time budget: {ctx.deadline - time.time():.0f}s (reserve {RESERVE_S:.0f}s for outputs)")
-    systems = S.all_systems((args.systems or ",".join(DEFAULT_SYSTEMS)).split(","), taus=(args.tau,))
+    systems = S.all_systems((args.systems or ",".join(DEFAULT_SYSTEMS)).split(","), taus=(args.tau,),
+                            fi_scale_factors=args.fi_scale_factors)
     sections = args.sections.split(",")
     funcs = {"calibrate": section_calibrate, "guard": section_guard, "primary": section_primary, "decode": section_decode,
              "sweep": section_sweep, "secondary": section_secondary, "real": section_real}

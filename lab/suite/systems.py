@@ -483,9 +483,22 @@ class Mala(System):
         return Prepared(decode=decode, out=lambda: decode(), out_lse=out_lse, stats=stats)
 
 
-def all_systems(names, taus=(1.0,)):
+# ---- FlashInfer fmha_v2 (NVIDIA skip-softmax, BLASST): lab/suite/fi_system.py ------------------
+
+def flashinfer_system(scale_factor: float):
+    import fi_system
+
+    class FlashInfer(fi_system.FlashInferSkipSoftmax, System):
+        def __init__(self, sf):
+            self.setup(sf)
+
+    return FlashInfer(scale_factor)
+
+
+def all_systems(names, taus=(1.0,), fi_scale_factors=None):
     """Systems by name: sdpa_flash, sdpa_cudnn, fa4, flex, fsa (at each tau in taus), fsa0, mala
-    (at each tau), mala0."""
+    (at each tau), mala0, flashinfer (fmha_v2 at scale factor 0: the same API, its non-skip
+    kernel), flashinfer_skip_softmax (at each of fi_scale_factors; default: the taus)."""
     out = []
     for n in names:
         if n == "sdpa_flash":
@@ -504,6 +517,10 @@ def all_systems(names, taus=(1.0,)):
             out += [Mala(t) for t in taus]
         elif n == "mala0":
             out.append(Mala(0.0))
+        elif n == "flashinfer":
+            out.append(flashinfer_system(0.0))
+        elif n == "flashinfer_skip_softmax":
+            out += [flashinfer_system(f) for f in (fi_scale_factors or taus)]
         else:
             raise ValueError(f"unknown system {n!r}")
     return out
