@@ -150,6 +150,57 @@ def blasst_rule(q, k, scale_factor, sm_scale=None, step_q=STEP_Q, step_kv=STEP_K
     return {"retained_fraction": kept / max(legal, 1), "omitted_mass": om}
 
 
+@torch.no_grad()
+def blasst_critical(q, k, sm_scale=None, step_q=STEP_Q, step_kv=STEP_KV, chunk_rows=4096):
+    """Per legal (head, 64-row group, 128-key step) block, the scale factor above which the kernel
+    skips it: sf_crit = N * max_rows exp(sm_scale * (step_max - running_max)) (+inf for the first
+    step).  retained(sf) = mean(sf_crit >= sf), so one pass gives the whole sparsity curve."""
+    B, N, Hq, d = q.shape
+    g = Hq // k.shape[2]
+    sm_scale = sm_scale or 1.0 / math.sqrt(d)
+    nb = (N + step_kv - 1) // step_kv
+    rows_per = max(step_q, chunk_rows - chunk_rows % step_q)
+    out = []
+    for b in range(B):
+        for h in range(Hq):
+            kh = k[b, :, h // g].float()
+            for r0 in range(0, N, rows_per):
+                r1 = min(N, r0 + rows_per)
+                R = r1 - r0
+                if R % step_q:
+                    raise ValueError("rows must be a multiple of step_q")
+                s = q[b, r0:r1, h].float() @ kh.T
+                rows = torch.arange(r0, r1, device=q.device)
+                s = s.masked_fill(torch.arange(N, device=q.device)[None, :] > rows[:, None], -math.inf)
+                s = torch.nn.functional.pad(s, (0, nb * step_kv - N), value=-math.inf)
+                bmax = s.view(R, nb, step_kv).amax(-1)
+                del s
+                prev = torch.cat([torch.full_like(bmax[:, :1], -math.inf),
+                                  torch.cummax(bmax, dim=1).values[:, :-1]], 1)
+                ratio = torch.exp(sm_scale * (bmax - prev)).nan_to_num(nan=0.0)  # -inf - -inf: no entry
+                ratio = torch.where(torch.isfinite(bmax), ratio, torch.zeros_like(ratio))
+                crit = N * ratio.view(R // step_q, step_q, nb).amax(1)
+                legal = torch.isfinite(bmax).view(R // step_q, step_q, nb).any(1)
+                crit[:, 0] = math.inf
+                out.append(crit[legal])
+    return torch.cat(out)
+
+
+def retained_at(crit, scale_factor):
+    return 1.0 if scale_factor <= 0 else float((crit >= scale_factor).double().mean())
+
+
+def matched_scale_factor(crit, retained):
+    """The scale factor whose replayed retained fraction is closest to `retained` (3 digits)."""
+    c = torch.sort(crit.float(), descending=True).values
+    n = c.numel()
+    kidx = min(max(int(round(retained * n)), 1), n)
+    sf = float(c[kidx - 1]) if kidx < n else float(c[-1])
+    if not math.isfinite(sf) or sf <= 0:
+        return 0.0
+    return float(f"{sf:.3g}")
+
+
 # ---- the system -----------------------------------------------------------------------------------
 
 def load_flashinfer():
