@@ -54,9 +54,10 @@ MALA_HD float log_threshold(float log_tau, float log_L) { return log_tau - log_L
 //   log_thr  : log(tau / L_q)
 // All three must be in the same log base (natural on the CPU, base 2 in the kernels).
 // A tile is skipped iff every row of the query tile allows it.
-// The comparison itself, for callers that guarantee log_norm finite and log_thr > -inf (the offline
-// test of the backward kernel: a row without legal keys, lse = -inf, passes log_norm = 0 and
-// log_thr = +inf; tau > 0).  Then tile_max = -inf gives -inf < log_thr: no special case is needed.
+// The comparison itself, for callers that guarantee log_norm finite and log_thr > -inf.  Then
+// tile_max = -inf gives -inf < log_thr: no special case is needed.  (A NaN log_norm, the saved lse
+// of a NaN row in the backward, breaks that: -inf - NaN < log_thr is false, so a row without legal
+// keys in the tile would block it; the backward therefore tests with row_allows_skip.)
 MALA_HD bool row_allows_skip_finite_norm(float tile_max, float log_norm, float log_thr) {
   return tile_max - log_norm < log_thr;
 }
@@ -65,9 +66,20 @@ MALA_HD bool row_allows_skip_finite_norm(float tile_max, float log_norm, float l
 // fmaxf drop it): a NaN row would otherwise look like a row without legal keys (-inf), its tile be
 // skipped, and the output become a finite zero.  A NaN tile_max fails every test (NaN < x is false),
 // so the tile is retained and the NaN reaches o and lse, as in dense attention.
+// The one definition for every kernel's row maxima too (scores, warp and CTA reductions, the
+// running m, the split-KV combine): on the device one max.NaN.f32 (sm_80+), as cheap as fmaxf.
 template <class T>
 MALA_HD T nan_max(T a, T b) {
   return (a > b || a != a) ? a : b;
+}
+MALA_HD float nan_max(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  float r;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+#else
+  return (a > b || a != a) ? a : b;
+#endif
 }
 
 MALA_HD bool row_allows_skip(float tile_max, float log_norm, float log_thr) {
@@ -82,11 +94,14 @@ MALA_HD bool row_allows_skip(float tile_max, float log_norm, float log_thr) {
 // the rearrangement (margins near 1e-6, far inside the 1e-3 flips docs/spec.md allows).  The special
 // rows need no branch: nothing retained yet (log_norm = -inf) gives the bound -inf, which any legal
 // (finite) score exceeds and a row without legal keys in the tile (raw = -inf) does not; a row with
-// no legal key at all (log_thr = +inf, raw always -inf) gets +inf or NaN, which nothing exceeds.
+// no legal key at all (log_thr = +inf, raw always -inf) gets +inf or NaN, which raw = -inf passes.
 MALA_HD float skip_bound_raw(float log_norm, float log_thr, float inv_scale) {
   return log_norm * inv_scale + log_thr * inv_scale;
 }
-MALA_HD bool row_allows_skip_raw(float raw_max, float bound) { return !(raw_max > bound); }
+// NaN: a NaN raw_max (a NaN score) blocks, and so does any legal score (raw_max > -inf) against a
+// NaN bound (a row whose m, l or lse is NaN), as row_allows_skip does; raw_max = -inf (no legal key
+// in the tile) allows whatever the bound, NaN included (the row without any legal key above).
+MALA_HD bool row_allows_skip_raw(float raw_max, float bound) { return raw_max == -INFINITY || raw_max <= bound; }
 
 // Margin of the test, (tile_max - log_norm) - log_thr: negative allows skipping.  Used by tests to
 // recognise rounding flips (|margin| below ~1e-3).

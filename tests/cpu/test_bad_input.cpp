@@ -195,6 +195,57 @@ TEST(BadInput, NanScoreInOneTileIsRetainedNotSkipped) {
   EXPECT_TRUE(std::isnan(f.lse[0]));
 }
 
+// The backward pattern the GPU tests (tests/gpu/test_bad_input.cpp) expect of every kernel: one NaN
+// query row gives NaN dq for that row alone and NaN dk, dv for exactly the keys it sees; one NaN key
+// gives NaN o, lse and dq for exactly the rows that see it, and NaN dk, dv for every key (the last
+// row sees them all).  Causal, GQA (2 query heads on 1 KV head), tau 0 and 1.
+TEST(BadInput, NanQueryRowOrKeyGivesNanGradientsWhereItIsSeen) {
+  constexpr int64_t kRow = 40, kKey = 50;
+  for (bool key : {false, true})
+    for (float tau : {0.f, 1.f}) {
+      Problem p;
+      p.nq = p.nk = 96;
+      p.hq = 2;
+      p.hkv = 1;
+      p.d = 16;
+      p.tau = tau;
+      p.bq = 16;
+      p.bk = 32;
+      p.randomize(21);
+      if (key)
+        p.k[kKey * p.d + 2] = NAN;
+      else
+        p.q[(kRow * p.hq + 0) * p.d + 2] = NAN;
+      const ForwardOut f = run_forward(p);
+      const BackwardOut b = run_backward(p, f);
+      const std::string what = std::string(key ? "NaN key" : "NaN query") + " tau=" + std::to_string(tau);
+      auto row_is = [&](const std::vector<float>& x, int64_t row, bool nan) {
+        for (int64_t i = 0; i < p.d; ++i)
+          if (std::isnan(x[row * p.d + i]) != nan) return false;
+        return true;
+      };
+      for (int64_t h = 0; h < p.hq; ++h)
+        for (int64_t r = 0; r < p.nq; ++r) {
+          const bool nan = key ? r >= kKey : (r == kRow && h == 0);
+          EXPECT_TRUE(row_is(f.o, r * p.hq + h, nan)) << what << " o head " << h << " row " << r;
+          EXPECT_EQ(std::isnan(f.lse[h * p.nq + r]), nan) << what << " lse head " << h << " row " << r;
+          EXPECT_TRUE(row_is(b.dq, r * p.hq + h, nan)) << what << " dq head " << h << " row " << r;
+        }
+      for (int64_t c = 0; c < p.nk; ++c) {
+        const bool nan = key || c <= kRow;
+        EXPECT_TRUE(row_is(b.dk, c, nan)) << what << " dk key " << c;
+        EXPECT_TRUE(row_is(b.dv, c, nan)) << what << " dv key " << c;
+      }
+      // The NaN row's tiles that hold its legal keys are retained, in the forward and the backward.
+      if (!key) {
+        for (int64_t kt = 0; kt * p.bk <= kRow; ++kt) {
+          EXPECT_EQ(f.mask[(0 * f.n_q_tiles + kRow / p.bq) * f.n_k_tiles + kt], mala::kTileRetained) << what << kt;
+          EXPECT_EQ(b.mask[(0 * b.n_q_tiles + kRow / p.bq) * b.n_k_tiles + kt], mala::kTileRetained) << what << kt;
+        }
+      }
+    }
+}
+
 // ---- D5: sizes that overflow int64 ---------------------------------------------------------------
 
 mala::ForwardArgs fake_forward() {

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "common/rule.h"
+#include "common/splits.h"
 #include "cpu/common.h"
 #include "test_util.h"
 
@@ -263,6 +264,25 @@ TEST(Split, BadArgumentsAreNamed) {
   std::vector<int32_t> cu = {0, 64};
   g.cu_seqlens_q = g.cu_seqlens_k = cu.data();
   EXPECT_NE(mala::backward(g).message.find("rows_before: is not supported with varlen"), std::string::npos);
+}
+
+// The decode's automatic split count (num_splits = 0, src/cuda/decode/dispatch.cu): one wave of
+// CTAs, within the cache's key tiles and within the bound a caller may ask for.  It picked 132 on a
+// 132-SM H100 / H200 for one CTA per split, past kMaxNumSplits = 128, which the API refuses.
+TEST(Split, AutomaticCountStaysWithinTheCallersBound) {
+  EXPECT_EQ(mala::splits::auto_num_splits(1, 1000, 132), mala::kMaxNumSplits);
+  EXPECT_EQ(mala::splits::auto_num_splits(2, 1000, 132), 66);
+  EXPECT_EQ(mala::splits::auto_num_splits(1, 5, 132), 5);
+  EXPECT_EQ(mala::splits::auto_num_splits(200, 1000, 132), 1);
+  EXPECT_EQ(mala::splits::auto_num_splits(1, 0, 132), 1);
+  for (int sms : {1, 78, 108, 132, 144, 264, 1024})
+    for (int64_t ctas : {0, 1, 2, 3, 7, 64, 1000})
+      for (int64_t tiles : {0, 1, 9, 200, 4096}) {
+        const int n = mala::splits::auto_num_splits(ctas, tiles, sms);
+        EXPECT_GE(n, 1);
+        EXPECT_LE(n, mala::kMaxNumSplits) << sms << " " << ctas << " " << tiles;
+        if (tiles >= 1) EXPECT_LE(n, tiles);
+      }
 }
 
 }  // namespace

@@ -45,7 +45,7 @@ __device__ __forceinline__ float softmax_p_base(float m, bool keep) {
 // each row.
 __device__ __forceinline__ void softmax_row_max(float m_old, float tile_max_raw, float scale_log2, bool keep,
                                                 float& m_new, float& base) {
-  m_new = fmaxf(m_old, tile_max_raw * scale_log2);
+  m_new = rule::nan_max(m_old, tile_max_raw * scale_log2);
   base = softmax_p_base(m_new, true);
   if (!keep) {
     m_new = m_old;
@@ -237,7 +237,7 @@ __device__ __forceinline__ void p_to_a(const float (&p)[MT][NT][4], int mt, int 
 }
 
 // Final normalisation: acc /= l (0 where l = 0) and the natural-log lse = (m + log2 l) * ln 2
-// (-inf where l = 0).
+// (-inf where l = 0; NaN where l is NaN).
 template <int MT, int DT>
 __device__ __forceinline__ void softmax_finalize(const float (&m)[MT][2], const float (&l)[MT][2],
                                                  float (&acc)[MT][DT][4], float (&lse)[MT][2]) {
@@ -246,7 +246,7 @@ __device__ __forceinline__ void softmax_finalize(const float (&m)[MT][2], const 
     float inv[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      bool empty = !(l[mt][h] > 0.f);
+      bool empty = l[mt][h] == 0.f;  // (a NaN l, from a NaN score, is no empty row: o and lse NaN)
       inv[h] = empty ? 0.f : 1.f / l[mt][h];
       lse[mt][h] = empty ? -INFINITY : log2_norm(m[mt][h], l[mt][h]) * rule::kLn2;
     }

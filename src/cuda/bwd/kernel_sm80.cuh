@@ -303,7 +303,7 @@ __global__ void __launch_bounds__(256, 1) bwd_main_kernel(const BwdParams p) {
 #pragma unroll
         for (int c = 0; c < 2; ++c) {
           const int col = n * 8 + 2 * tq + c;
-          allow &= rule::row_allows_skip_finite_norm(fmaxf(s[n][c], s[n][c + 2]), lse_t[col], thr_t[col]);
+          allow &= rule::row_allows_skip(rule::nan_max(s[n][c], s[n][c + 2]), lse_t[col], thr_t[col]);
         }
       }
     }

@@ -248,7 +248,7 @@ __global__ void __launch_bounds__(256, 1) bwd_main_kernel_sm90(const BwdParams p
         // The offline test on the max of this thread's two raw entries per query row against the row's
         // bound (rule::skip_bound_raw, from the preprocess kernel), then the CTA vote.
         auto blocks_skip = [&](int n, int c, float bound) {
-          return !rule::row_allows_skip_raw(fmaxf(s[4 * n + c], s[4 * n + 2 + c]), bound);
+          return !rule::row_allows_skip_raw(rule::nan_max(s[4 * n + c], s[4 * n + 2 + c]), bound);
         };
         // After a retained tile (the dp_early copy) this one is likely retained too: a warp first tests
         // only its first two query rows against the bounds read at the top (32 x 4 entries per warp;

@@ -374,7 +374,7 @@ __global__ void __launch_bounds__(384, 1)
       if (!kDense) {
         // A warp first tests only its first two query rows; the full test runs only when none of
         // those blocks the skip (same decisions, fewer instructions where tiles are kept).
-        auto blocks = [&](int c, float bound) { return !rule::row_allows_skip_raw(fmaxf(s[c], s[2 + c]), bound); };
+        auto blocks = [&](int c, float bound) { return !rule::row_allows_skip_raw(rule::nan_max(s[c], s[2 + c]), bound); };
         bool warp_retain = __any_sync(0xffffffffu, blocks(0, early_bound.x) || blocks(1, early_bound.y));
         if (!warp_retain) warp_retain = warp_blocks(s, bound_t);
         // The mbarrier vote: warps that retain do not wait (on inputs that keep most tiles, none does).

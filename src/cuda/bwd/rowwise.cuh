@@ -108,8 +108,11 @@ __device__ __forceinline__ float bwd_row_skip_bound(const RowParams& p, int64_t 
 
 // The fixed-point unit of a dQ row (BwdParams::dq_unit): the power of two that takes `bound`, a bound
 // on the row's |dQ| before the softmax scale, to at most 2^kDqFixedBits.  (A zero or non-finite bound
-// belongs to a row whose dQ is zero, or not finite anyway.)
+// belongs to a row whose dQ is zero, or not finite anyway.)  A NaN bound (the row's D is NaN: its O
+// was) gives a NaN unit: its dQ sums stay 0 (a NaN converts to the integer 0) and the convert
+// kernel, dividing by the unit, writes the row's dQ as NaN, as the fp32 accumulation would.
 __device__ __forceinline__ float bwd_dq_fixed_unit(float bound) {
+  if (bound != bound) return bound;
   int e = 0;
   if (bound > 0.f && bound <= 3.402823466e38f) frexpf(bound, &e);  // bound < 2^e
   const int s = min(max(kDqFixedBits - e, -126), 126);
@@ -208,7 +211,8 @@ __global__ void bwd_preprocess_kernel(const RowParams p) {
     }
     const int64_t idx = p.cu ? h * total + g : ((g / p.seqlen) * p.heads + h) * p.seqlen + g % p.seqlen;
     // The main kernel's offline test and P = exp2(S - lse2) read this: converted once per row instead
-    // of once per visited tile (and finite, so the test needs no -inf case).
+    // of once per visited tile (and finite, so the test needs no -inf case; a NaN lse stays NaN: its
+    // bound is NaN, which every legal score of the row fails, and its P is NaN, as on the CPU).
     const float l2 = p.lse[idx] * rule::kLog2e;
     const float l2f = l2 == -INFINITY ? 0.f : l2;
     p.lse2[h * p.rows_cap + g] = l2f;

@@ -7,6 +7,8 @@
 #include <cuda_fp16.h>
 #include <stdint.h>
 
+#include "common/rule.h"
+
 namespace mala {
 namespace cuda {
 
@@ -155,8 +157,8 @@ __device__ __forceinline__ void warpgroup_barrier_sync(int wg) {
   asm volatile("bar.sync %0, 128;\n" ::"r"(wg + 1) : "memory");
 }
 __device__ __forceinline__ float warp_max_quad(float x) {  // over the 4 lanes sharing an mma row
-  x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, 1));
-  x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, 2));
+  x = rule::nan_max(x, __shfl_xor_sync(0xffffffff, x, 1));  // NaN propagates
+  x = rule::nan_max(x, __shfl_xor_sync(0xffffffff, x, 2));
   return x;
 }
 __device__ __forceinline__ float warp_sum_quad(float x) {

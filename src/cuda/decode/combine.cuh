@@ -47,7 +47,9 @@ __device__ void merge_item(const DecodeParams& p, int64_t item, float* sm) {
   const float* lse_col = p.ws_lse + idx0 * kDecodeBlockQ + lr;
   const int64_t split_stride = static_cast<int64_t>(kDecodeBlockQ) * D;
   // A split's partial O is normalized by its own l, and lse_s = log2 of that l plus its m: the row's
-  // O = sum_s 2^(lse_s - lse) O_s.  Splits that saw nothing for the row have lse_s = -inf, O_s = 0.
+  // O = sum_s 2^(lse_s - lse) O_s.  Splits that saw nothing for the row have lse_s = -inf, O_s = 0
+  // (they add nothing); a split whose lse_s is NaN (a NaN score) makes the maxima (rule::nan_max),
+  // the weights, the row's O and its lse NaN.
   float4 v[kMergePre];
   float ls[kMergePre];
 #pragma unroll
@@ -60,7 +62,7 @@ __device__ void merge_item(const DecodeParams& p, int64_t item, float* sm) {
   float m = -INFINITY, l = 0.f;
   float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
-  for (int k = 0; k < kMergePre; ++k) m = fmaxf(m, ls[k]);
+  for (int k = 0; k < kMergePre; ++k) m = rule::nan_max(m, ls[k]);
   if (m != -INFINITY) {
 #pragma unroll
     for (int k = 0; k < kMergePre; ++k) {
@@ -73,7 +75,7 @@ __device__ void merge_item(const DecodeParams& p, int64_t item, float* sm) {
     const float lv = __ldcg(lse_col + s * kDecodeBlockQ);
     const float4 ov = __ldcg(reinterpret_cast<const float4*>(col + s * split_stride));
     if (lv == -INFINITY) continue;
-    const float m_new = fmaxf(m, lv), f = exp2f(m - m_new), w = exp2f(lv - m_new);
+    const float m_new = rule::nan_max(m, lv), f = exp2f(m - m_new), w = exp2f(lv - m_new);
     l = l * f + w;
     acc.x = acc.x * f + w * ov.x, acc.y = acc.y * f + w * ov.y, acc.z = acc.z * f + w * ov.z, acc.w = acc.w * f + w * ov.w;
     m = m_new;
@@ -86,7 +88,7 @@ __device__ void merge_item(const DecodeParams& p, int64_t item, float* sm) {
   __syncthreads();
   float M = -INFINITY;
 #pragma unroll
-  for (int k = 0; k < kMergeSubs; ++k) M = fmaxf(M, red_m[k]);
+  for (int k = 0; k < kMergeSubs; ++k) M = rule::nan_max(M, red_m[k]);
   const int tok = p.pack ? r / p.G : r, head = p.pack ? hs * p.G + r % p.G : hs;
   if (t < kMergeDims / 2) {
     float L = 0.f, o0 = 0.f, o1 = 0.f;
@@ -99,12 +101,12 @@ __device__ void merge_item(const DecodeParams& p, int64_t item, float* sm) {
         o1 += w * red[k * kMergeDims + 2 * t + 1];
       }
     }
-    const float inv = L > 0.f ? 1.f / L : 0.f;
+    const float inv = L == 0.f ? 0.f : 1.f / L;
     T* out = static_cast<T*>(p.o) + b * p.o_sb + tok * p.o_sr + head * p.o_sh + chunk * kMergeDims + 2 * t;
     *reinterpret_cast<uint32_t*>(out) = pack2<T>(o0 * inv, o1 * inv);
     if (t == 0 && chunk == 0) {
       const int64_t idx = (static_cast<int64_t>(b) * p.Hq + head) * p.Nq + tok;
-      if (p.lse) p.lse[idx] = L > 0.f ? log2_norm(M, L) * rule::kLn2 : -INFINITY;
+      if (p.lse) p.lse[idx] = L == 0.f ? -INFINITY : log2_norm(M, L) * rule::kLn2;
       if (p.slots) {
         int cnt = 0;
         for (int s = 0; s < p.S; ++s) cnt += __ldcg(p.ws_cnt + idx0 + s);

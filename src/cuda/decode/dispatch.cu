@@ -23,6 +23,7 @@
 
 #include "common/layout.h"
 #include "common/rule.h"
+#include "common/splits.h"
 #include "cuda/backend.h"
 #include "cuda/decode/launch.h"
 
@@ -33,7 +34,6 @@ namespace {
 
 using cuda::kDecodeBlockQ;
 
-constexpr int kMaxSplits = 256;
 // tau > 0 uses the same one-wave split count as tau = 0.  Under the seeded rule (the default) a
 // split skips about what the unsplit rule skips, so more splits cost little retention (tile 0 and
 // the newest tiles are kept, and each split reads the anchors' K once more).  Under per_split each
@@ -128,11 +128,7 @@ WorkspaceLayout workspace_layout(const DecodeArgs& a, const Geometry& g, int spl
 // partial wave would double the time).
 int num_splits_for(const DecodeArgs& a, const Geometry& g, int sms) {
   if (a.num_splits > 0) return a.num_splits;
-  const int64_t base = std::max<int64_t>(1, a.batch * g.HS * g.NQT);
-  int64_t want = std::max<int64_t>(1, sms / base);
-  want = std::min<int64_t>(want, g.n_cap);
-  want = std::min<int64_t>(want, kMaxSplits);
-  return static_cast<int>(std::max<int64_t>(want, 1));
+  return splits::auto_num_splits(a.batch * g.HS * g.NQT, g.n_cap, sms);
 }
 
 // The split kernel's instance for this call (see the top of the file).

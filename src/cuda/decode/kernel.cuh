@@ -377,7 +377,7 @@ __global__ void __launch_bounds__(DecodeConfig<D, kLargeSmem>::THREADS, 1) decod
       for (int e = 0; e < 4; ++e) {
         const int h = e >> 1, key = key0 + nf * 8 + (e & 1);
         sc[nf][e] = key < L[h] ? sc[nf][e] * p.scale_log2 : -INFINITY;
-        mx[h] = fmaxf(mx[h], sc[nf][e]);
+        mx[h] = rule::nan_max(mx[h], sc[nf][e]);
       }
     mx[0] = warp_max_quad(mx[0]);
     mx[1] = warp_max_quad(mx[1]);
@@ -404,7 +404,7 @@ __global__ void __launch_bounds__(DecodeConfig<D, kLargeSmem>::THREADS, 1) decod
     float psa[2] = {0.f, 0.f};
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const float m_new = fmaxf(ma[h], tmax[0][h]);
+      const float m_new = rule::nan_max(ma[h], tmax[0][h]);
       const float mu = m_new == -INFINITY ? 0.f : m_new;
       alpha_l[h] = exp2f(ma[h] - mu);
       ma[h] = m_new;
@@ -479,7 +479,7 @@ __global__ void __launch_bounds__(DecodeConfig<D, kLargeSmem>::THREADS, 1) decod
     float alpha[2], psum[2] = {0.f, 0.f}, m_use[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const float m_new = fmaxf(m[0][h], tmax[0][h]);
+      const float m_new = rule::nan_max(m[0][h], tmax[0][h]);
       m_use[h] = m_new == -INFINITY ? 0.f : m_new;
       alpha[h] = exp2f(m[0][h] - m_use[h]);
       m[0][h] = m_new;
@@ -542,14 +542,14 @@ __global__ void __launch_bounds__(DecodeConfig<D, kLargeSmem>::THREADS, 1) decod
       const int r = qt * kDecodeBlockQ + gid + 8 * h;
       if (r >= p.R) continue;
       const int tok = p.pack ? r / p.G : r, head = p.pack ? hs * p.G + r % p.G : hs;
-      const float inv = l[0][h] > 0.f ? 1.f / l[0][h] : 0.f;
+      const float inv = l[0][h] == 0.f ? 0.f : 1.f / l[0][h];  // NaN l: NaN o
       T* orow = go + b * p.o_sb + tok * p.o_sr + head * p.o_sh + warp * DW + tig * 2;
 #pragma unroll
       for (int i = 0; i < NDF; ++i)
         *reinterpret_cast<uint32_t*>(orow + i * 8) = pack2<T>(acc[i][2 * h] * inv, acc[i][2 * h + 1] * inv);
       if (warp == 0 && tig == 0) {
         const int64_t idx = (static_cast<int64_t>(b) * p.Hq + head) * p.Nq + tok;
-        if (p.lse) p.lse[idx] = l[0][h] > 0.f ? log2_norm(m[0][h], l[0][h]) * rule::kLn2 : -INFINITY;
+        if (p.lse) p.lse[idx] = l[0][h] == 0.f ? -INFINITY : log2_norm(m[0][h], l[0][h]) * rule::kLn2;
         if (p.slots) p.slots[idx] = L[h] > 0 ? retained * BK : 0;
       }
     }
@@ -558,13 +558,13 @@ __global__ void __launch_bounds__(DecodeConfig<D, kLargeSmem>::THREADS, 1) decod
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int lr = gid + 8 * h;
-      const float inv = l[0][h] > 0.f ? 1.f / l[0][h] : 0.f;
+      const float inv = l[0][h] == 0.f ? 0.f : 1.f / l[0][h];  // NaN l: NaN o
       float* wrow = p.ws_o + (idx * kDecodeBlockQ + lr) * D + warp * DW + tig * 2;
 #pragma unroll
       for (int i = 0; i < NDF; ++i)
         *reinterpret_cast<float2*>(wrow + i * 8) = make_float2(acc[i][2 * h] * inv, acc[i][2 * h + 1] * inv);
       if (warp == 0 && tig == 0)
-        p.ws_lse[idx * kDecodeBlockQ + lr] = l[0][h] > 0.f ? log2_norm(m[0][h], l[0][h]) : -INFINITY;
+        p.ws_lse[idx * kDecodeBlockQ + lr] = l[0][h] == 0.f ? -INFINITY : log2_norm(m[0][h], l[0][h]);
     }
     if (tid == 0) p.ws_cnt[idx] = retained;
   }

@@ -225,7 +225,8 @@ __device__ __forceinline__ uint8_t* wgmma_fwd_mask_row(const FwdParams& p, int b
 // does, and the warp's vote over the parts is the vote over the rows, bit for bit.
 // The first half, shared with the warp-specialized kernel (which tests against a raw bound): the
 // mask where needed and each lane's part of the row max.
-template <int NT>
+// kNanMax: lane_row_max's (false only for an instance without the test).
+template <int NT, bool kNanMax = true>
 __device__ __forceinline__ void warp_mask_max(float (&s)[1][NT][4], float (&mx)[1][2], int k0, int min_L_w,
                                               int row_w, int lane, int Nq, int Nk, bool causal) {
   if (k0 + 8 * NT > min_L_w) {
@@ -233,14 +234,14 @@ __device__ __forceinline__ void warp_mask_max(float (&s)[1][NT][4], float (&mx)[
     row_limits<1>(lim, row_w, lane, Nq, Nk, causal);
     apply_mask<1, NT>(s, lim, k0, lane);
   }
-  lane_row_max<1, NT>(s, 0, mx[0][0], mx[0][1]);
+  lane_row_max<1, NT, kNanMax>(s, 0, mx[0][0], mx[0][1]);
 }
-template <int NT>
+template <int NT, bool kNanMax = true>
 __device__ __forceinline__ bool warp_mask_max_test(float (&s)[1][NT][4], float (&mx)[1][2], int k0, int min_L_w,
                                                    int row_w, int lane, int Nq, int Nk, const FwdParams& p,
                                                    bool test_on, const float (&log_norm)[1][2],
                                                    const float (&log_thr)[1][2]) {
-  warp_mask_max<NT>(s, mx, k0, min_L_w, row_w, lane, Nq, Nk, p.causal);
+  warp_mask_max<NT, kNanMax>(s, mx, k0, min_L_w, row_w, lane, Nq, Nk, p.causal);
   if (!test_on) return true;
   float tmax[1][2];
 #pragma unroll

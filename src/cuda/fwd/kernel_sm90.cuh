@@ -139,7 +139,7 @@ __global__ void __launch_bounds__(FwdSm90<D>::kThreads, FwdSm90<D>::kMinBlocks)
   auto decide = [&](int t, bool have_s, STile& s) {
     bool warp_retain = false;
     if (have_s)
-      warp_retain = warp_mask_max_test<NT>(s, mx, t * BK, min_L_w, row_w, lane, Nq, Nk, p, test_on, log_norm, log_thr);
+      warp_retain = warp_mask_max_test<NT, !kDense>(s, mx, t * BK, min_L_w, row_w, lane, Nq, Nk, p, test_on, log_norm, log_thr);
     if (test_on) {
       pair_vote_flags(s_vote + 8 * (t & 1), warp, lane, wg, pair, warp_retain, pair_retain, wg_any);
     } else {
