@@ -224,19 +224,25 @@ def plots(summary, runs, out_dir):
     fig.tight_layout()
     fig.savefig(os.path.join(out_dir, "training_loss.png"), dpi=110)
     plt.close(fig)
-    # Slots per query over training, per layer (held-out batch at the stage's length, MALA tau = 1).
+    # Forward tiles kept over training, per layer (held-out batch at 4K, MALA tau = 1): the mean over
+    # seeds, with the seeds' range shaded.
     fig, axes = plt.subplots(1, len(sizes), figsize=(5.5 * len(sizes), 4), squeeze=False)
     for si, size in enumerate(sizes):
         ax = axes[0][si]
         for arm in ("dense", "mala"):
-            pt, lct = runs[size][arm][0]
-            steps = [e["step"] for e in pt["evals"]]
-            dense_slots = (4096 + 1) / 2
-            per = np.array([[x["fwd_slots"] / dense_slots for x in e["len_4096"]["layers"]] for e in pt["evals"]])
-            for li in range(per.shape[1]):
-                ax.plot(steps, per[:, li], styles[li % 3] if li < 3 else "-.", color=colors[arm],
-                        label=f"{arm} layer {li}", alpha=0.8)
-        ax.set_title(f"{size}: forward slots / dense slots, 4K pre-training")
+            runs_arm = [pt for pt, _ in runs[size][arm]]
+            n_ev = min(len(pt["evals"]) for pt in runs_arm)
+            steps = [e["step"] for e in runs_arm[0]["evals"][:n_ev]]
+            per = np.array([[[x["fwd_retained"] for x in e["len_4096"]["layers"]] for e in pt["evals"][:n_ev]]
+                            for pt in runs_arm])  # [seed, eval, layer]
+            for li in range(per.shape[2]):
+                ax.plot(steps, per[:, :, li].mean(axis=0), styles[li % 3] if li < 3 else "-.", color=colors[arm],
+                        label=f"{arm} layer {li}", alpha=0.9)
+                if per.shape[0] > 1:
+                    ax.fill_between(steps, per[:, :, li].min(axis=0), per[:, :, li].max(axis=0), color=colors[arm],
+                                    alpha=0.08)
+        n_seeds = len(runs[size]["mala"])
+        ax.set_title(f"{size}: forward tiles kept, 4K pre-training ({n_seeds} seed{'s' * (n_seeds > 1)})")
         ax.set_xlabel("step")
         ax.set_ylim(0, 1.1)
         ax.grid(alpha=0.3)
