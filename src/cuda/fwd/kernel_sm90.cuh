@@ -11,7 +11,7 @@
 // warp w rows 16w..16w+15 of those, and the warp pair w/2 one decision tile's 32 rows.  Per key tile:
 //   S = Q K^T       m64n64 per warpgroup, A = Q from registers (loaded once), B = K (K-major)
 //   mask, row max, test per warp; the pair's decision from the two warps' votes (the flag vote,
-//   attn/tile_test.cuh; no vote at tau = 0)
+//   attn/skip.cuh; no vote at tau = 0)
 //   retained pair: online-softmax update, P = exp2(S - m);  skipped pair: P = 0, m, l, O untouched
 //   O += P V        m64nD, A = P from registers, B = V (MN-major); only if a pair of the warpgroup
 //                   retains (P V is one warpgroup instruction: a skipped pair's zero rows add

@@ -240,7 +240,7 @@ __global__ void __launch_bounds__(384, 1)
     for (int hh = 0; hh < 2; ++hh) bound[0][hh] = rule::skip_bound_raw(log_norm[0][hh], log_thr[0][hh], inv_scale);
     if constexpr (kSeeded) anchors = fwd_held_anchors<BK>(p, row_dec, dec_hi, Nq, Nk);
   }
-  // Pair vote (tile_test.cuh, pair_vote_popc): every lane of a retaining pair-0 warp counts, lane 0
+  // Pair vote (skip.cuh, pair_vote_popc): every lane of a retaining pair-0 warp counts, lane 0
   // of a retaining pair-1 warp.
   const uint32_t vote_counted = wl < 2 || lane == 0;
   // One warp per decision tile stores its decisions.

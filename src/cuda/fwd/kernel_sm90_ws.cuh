@@ -250,7 +250,7 @@ __global__ void __launch_bounds__(384, 1)
       pair_retain = t <= pair_hi;
       wg_any = t <= wg_hi;
     } else {
-      // The pair vote in one barrier (pair_vote_popc, attn/tile_test.cuh: one barrier instead of
+      // The pair vote in one barrier (pair_vote_popc, attn/skip.cuh: one barrier instead of
       // flags in shared memory and a named barrier): a retaining warp of pair 0 counts 32 (every
       // lane), one of pair 1 counts 1 (lane 0), so the warpgroup's count says both pairs'
       // decisions (single-warp decision tiles: warp w counts 2^w).  The warpgroup's decision, the
