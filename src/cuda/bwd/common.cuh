@@ -12,7 +12,7 @@
 #include "cuda/bwd/cta_order.h"
 #include "cuda/bwd/params.cuh"
 #include "cuda/core/ptx.cuh"
-#include "mala/mala.h"
+#include "mala/tile_state.h"
 
 namespace mala {
 namespace cuda {

@@ -34,7 +34,6 @@
 #include <type_traits>
 
 #include "cuda/bwd/common.cuh"
-#include "cuda/bwd/launch.h"
 #include "cuda/core/smem_tile.cuh"
 #include "cuda/core/tma.cuh"
 #include "cuda/core/wgmma.cuh"

@@ -30,7 +30,6 @@
 
 #include "cuda/bwd/common.cuh"
 #include "cuda/bwd/dq_sm90_ws256.cuh"
-#include "cuda/bwd/launch.h"
 #include "cuda/core/smem_tile.cuh"
 #include "cuda/core/tma.cuh"
 #include "cuda/core/wgmma.cuh"

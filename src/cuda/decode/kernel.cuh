@@ -41,7 +41,7 @@
 #include "cuda/decode/params.h"
 #include "cuda/core/ptx.cuh"
 #include "cuda/attn/skip.cuh"
-#include "mala/mala.h"
+#include "mala/tile_state.h"
 
 namespace mala {
 namespace cuda {

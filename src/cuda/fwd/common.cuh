@@ -14,7 +14,7 @@
 #include "cuda/core/ptx.cuh"
 #include "cuda/core/wgmma.cuh"
 #include "cuda/fwd/params.h"
-#include "mala/mala.h"
+#include "mala/tile_state.h"
 
 namespace mala {
 namespace cuda {

@@ -13,7 +13,7 @@ namespace mala {
 namespace cuda {
 
 // Whether this build's wgmma kernels run on the current device (false for head dims without them:
-// fwd_has_sm90_ws, launch.h).
+// fwd_has_sm90_ws, params.h).
 template <typename T, int D>
 bool fwd_wgmma_usable() {
   if constexpr (fwd_has_sm90_ws(D)) {

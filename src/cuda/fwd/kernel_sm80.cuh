@@ -32,7 +32,7 @@
 #include "cuda/core/smem_tile.cuh"
 #include "cuda/fwd/common.cuh"
 #include "cuda/fwd/params.h"
-#include "mala/mala.h"
+#include "mala/tile_state.h"
 
 namespace mala {
 namespace cuda {

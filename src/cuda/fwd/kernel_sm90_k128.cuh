@@ -37,7 +37,6 @@
 #include "cuda/core/tma.cuh"
 #include "cuda/core/wgmma.cuh"
 #include "cuda/fwd/common.cuh"
-#include "cuda/fwd/launch.h"
 
 namespace mala {
 namespace cuda {
@@ -45,7 +44,7 @@ namespace cuda {
 template <int D_>
 struct FwdK128 {
   static constexpr int D = D_;
-  static_assert(fwd_has_sm90_k128(D), "128-key forward: head dims 64, 128 and 256 (fwd/launch.h)");
+  static_assert(fwd_has_sm90_k128(D), "128-key forward: head dims 64, 128 and 256 (fwd/params.h)");
   static constexpr int kThreads = 384, BQ = 128, BK = fwd_k128_bk(D);
   // d = 256: O takes 128 registers a thread, which leaves none for Q's 64; Q stays in shared memory
   // (an operand of an ss wgmma).

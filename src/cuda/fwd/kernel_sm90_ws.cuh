@@ -34,7 +34,6 @@
 #include "cuda/core/tma.cuh"
 #include "cuda/core/wgmma.cuh"
 #include "cuda/fwd/common.cuh"
-#include "cuda/fwd/launch.h"
 
 namespace mala {
 namespace cuda {
@@ -42,7 +41,7 @@ namespace cuda {
 template <int D_>
 struct FwdWs {
   static constexpr int D = D_;
-  static_assert(fwd_has_sm90_ws(D), "warp-specialized forward: head dims 64, 128 and 256 (fwd/launch.h)");
+  static_assert(fwd_has_sm90_ws(D), "warp-specialized forward: head dims 64, 128 and 256 (fwd/params.h)");
   // The decision tile is FwdConfig's (what every forward kernel decides on): 32 rows (a warp pair)
   // x 64 keys at d = 64 and 128, 16 rows (one warp) x 32 keys at d = 256.
   static constexpr int kThreads = 384, BQ = 128, BK = FwdConfig<D>::kBk, kDecWarps = FwdConfig<D>::kMT;

@@ -18,15 +18,6 @@ enum class FwdKernelKind {
   sm90_k128,  // one S accumulator, TMA loads (fwd/kernel_sm90_k128.cuh): sm_90a, every head dim (128-key
               // tiles, 64 at d = 256)
 };
-// The head dims each wgmma kernel is built for.
-constexpr bool fwd_has_sm90(int d) { return d == 128; }
-constexpr bool fwd_has_sm90_ws(int d) { return d == 64 || d == 128 || d == 256; }
-constexpr bool fwd_has_sm90_k128(int d) { return d == 64 || d == 128 || d == 256; }
-// The kernel's key tile (its K and V tensor maps' box rows, and its decision tile's keys): 128 keys,
-// 64 at d = 256 (where O's 128 registers a thread leave room for a 64-key S only).
-constexpr int fwd_k128_bk(int d) { return d == 256 ? 64 : 128; }
-// Its decision tile's rows: a warp's at d = 128, a warp pair's at d = 64 and 256 (FwdK128::kWarpVote).
-constexpr int fwd_k128_dec_rows(int d) { return d == 128 ? 16 : 32; }
 struct FwdLaunch {
   FwdKernelKind kernel = FwdKernelKind::sm80;
   bool dense = false;   // tau = 0: the kernel's dense instance (sm80: where FwdConfig has one)

@@ -1,5 +1,6 @@
-// Forward kernel parameters and the per-head-dim tile configuration (shared by dispatch.cu and the
-// kernels).  No CUDA types: plain C++ so tests and benchmarks can read the configuration too.
+// Forward kernel parameters, the per-head-dim tile configuration and the head dims each kernel is
+// built for (shared by dispatch.cu and the kernels).  No CUDA types: plain C++ so tests and
+// benchmarks can read the configuration too.
 #pragma once
 
 #include <math.h>
@@ -19,6 +20,16 @@ template <int D> struct FwdConfig;
 template <> struct FwdConfig<64>  { static constexpr int kMT = 2, kWarps = 4, kBk = 64; static constexpr bool kDenseInstance = true; };
 template <> struct FwdConfig<128> { static constexpr int kMT = 2, kWarps = 4, kBk = 64; static constexpr bool kDenseInstance = false; };
 template <> struct FwdConfig<256> { static constexpr int kMT = 1, kWarps = 4, kBk = 32; static constexpr bool kDenseInstance = true; };
+
+// The head dims each wgmma kernel is built for.
+constexpr bool fwd_has_sm90(int d) { return d == 128; }
+constexpr bool fwd_has_sm90_ws(int d) { return d == 64 || d == 128 || d == 256; }
+constexpr bool fwd_has_sm90_k128(int d) { return d == 64 || d == 128 || d == 256; }
+// The 128-key kernel's key tile (its K and V tensor maps' box rows, and its decision tile's keys):
+// 128 keys, 64 at d = 256 (where O's 128 registers a thread leave room for a 64-key S only).
+constexpr int fwd_k128_bk(int d) { return d == 256 ? 64 : 128; }
+// Its decision tile's rows: a warp's at d = 128, a warp pair's at d = 64 and 256 (FwdK128::kWarpVote).
+constexpr int fwd_k128_dec_rows(int d) { return d == 128 ? 16 : 32; }
 
 struct FwdParams {
   const void* q;
