@@ -247,6 +247,8 @@ cuda::BwdLaunch choose_kernel(const BackwardArgs& a, const Plan& pl, const BwdPa
                               cuda::BwdTmaMaps* maps) {
   cuda::BwdLaunch l;
   l.dense = dense;
+  l.fwd_mask = p.fwd_mask != nullptr;  // (reads_fwd_mask: set only where sm90_ws at d = 64 / 128 can run)
+  l.dq_fixed = p.dq_fixed != nullptr;  // (the plan's dq_fixed: deterministic, d = 64 / 128)
   l.kernel = cuda::BwdKernelKind::sm80;
   if (D == 256) {  // as the plan decided (d256_direct); a map that fails now leaves maps null
     if (pl.dq_direct) {

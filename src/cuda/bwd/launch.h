@@ -20,6 +20,10 @@ struct BwdLaunch {
   BwdKernelKind kernel = BwdKernelKind::sm80;
   bool dense = false;               // tau = 0: the kernel's dense instance
   const BwdTmaMaps* maps = nullptr;  // sm90_ws
+  // sm90_ws at d = 64 / 128: the instances that read forward_tile_mask (BwdParams::fwd_mask set) and
+  // that add dQ in fixed point (deterministic mode, BwdParams::dq_fixed set).
+  bool fwd_mask = false;
+  bool dq_fixed = false;
 };
 
 // Launches the main kernel l names; every choice is the caller's (dispatch.cu).

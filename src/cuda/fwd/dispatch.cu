@@ -63,6 +63,9 @@ cuda::FwdLaunch choose_kernel(const cuda::FwdParams& p, bool dense) {
                : k128 ? cuda::FwdKernelKind::sm90_k128
                       : cuda::FwdKernelKind::sm90_ws;
     l.dense = dense;  // every wgmma kernel serves tau = 0 with code of its own
+    // The 128-key kernel records where the call asks for the tile mask or the slots (its instances
+    // without the recording code count no slots).
+    if (l.kernel == cuda::FwdKernelKind::sm90_k128) l.record = l.record || p.slots != nullptr;
   }
   return l;
 }

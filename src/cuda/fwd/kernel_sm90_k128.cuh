@@ -449,14 +449,12 @@ __global__ void __launch_bounds__(384, 1)
 #endif
 }
 
-// Launches the instance for (dense, seeded, record) (grid: query tiles of 128 rows, heads, batch),
-// record where the call asks for the tile mask or the slots.  The tensor maps' boxes are
-// FwdK128<D>::BK rows.
+// Launches the instance (dense, record, seeded) names (grid: query tiles of 128 rows, heads, batch).
+// The tensor maps' boxes are FwdK128<D>::BK rows.
 template <typename T, int D>
-cudaError_t launch_fwd_sm90_k128(const FwdParams& p, bool dense, bool seeded, const CUtensorMap& tk,
+cudaError_t launch_fwd_sm90_k128(const FwdParams& p, bool dense, bool record, bool seeded, const CUtensorMap& tk,
                                  const CUtensorMap& tv, cudaStream_t stream) {
   using C = FwdK128<D>;
-  const bool record = p.tile_mask != nullptr || p.slots != nullptr;
   auto kernel = dense    ? mala_fwd_kernel_sm90_k128<T, D, true, false, true>
                 : seeded ? (record ? mala_fwd_kernel_sm90_k128<T, D, false, true, true>
                                    : mala_fwd_kernel_sm90_k128<T, D, false, true, false>)
