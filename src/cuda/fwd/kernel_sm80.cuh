@@ -55,6 +55,7 @@ struct FwdKernelTraits {
   static constexpr int kKsUnroll = kQInRegs ? kKS : 1;
   using QTile = SmemTile<kBq, D>;
   using KVTile = SmemTile<kBk, D>;
+  static_assert(Cfg::kTiles.k_stages == 2 && Cfg::kTiles.v_stages == 2, "K and V double-buffered");
   static constexpr int kSmemBytes = QTile::kBytes + 4 * KVTile::kBytes + 2 * kBq * 4;  // Q, 2x(K, V), test state
   // Two CTAs per SM when shared memory allows and 255 registers per thread still fit (128 threads).
   static constexpr int kMinBlocks = (kSmemBytes <= 110 * 1024 && kThreads <= 128) ? 2 : 1;

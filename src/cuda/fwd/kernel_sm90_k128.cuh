@@ -45,7 +45,8 @@ template <int D_>
 struct FwdK128 {
   static constexpr int D = D_;
   static_assert(fwd_has_sm90_k128(D), "128-key forward: head dims 64, 128 and 256 (fwd/params.h)");
-  static constexpr int kThreads = 384, BQ = 128, BK = fwd_k128_bk(D);
+  static constexpr FwdTiles kTiles = fwd_tiles(FwdKernelKind::sm90_k128, D);  // fwd/tiles.h
+  static constexpr int kThreads = 384, BQ = kTiles.bq, BK = kTiles.bk;
   // d = 256: O takes 128 registers a thread, which leaves none for Q's 64; Q stays in shared memory
   // (an operand of an ss wgmma).
   static constexpr bool kQSmem = D == 256;
@@ -53,13 +54,14 @@ struct FwdK128 {
   // to run P V waits until the next S is issued (kWarpVote).  d = 64 and 256: a warp pair's 32 rows,
   // voted on before the exponentials; per-warp decisions there ran slower on random inputs, where
   // every tile is kept (docs/journal.md).
-  static constexpr int kDecRows = fwd_k128_dec_rows(D);
-  static constexpr bool kWarpVote = kDecRows == 16;
+  static constexpr int kDecRows = kTiles.dec_rows;
+  static constexpr bool kWarpVote = kTiles.dec_warps == 1;
   using QTile = std::conditional_t<kQSmem, GmmaTile<64, D>, SmemTile<64, D>>;
   using KVTile = GmmaTile<BK, D>;
   // K and V rings: 3 x (32 + 32) KB at d = 128 (224 KB with Q), 4 x (16 + 16) KB at d = 64.  One slot
   // fewer ran slower at both head dims (docs/journal.md).
-  static constexpr int kStages = D == 256 ? 2 : D == 128 ? 3 : 4;
+  static constexpr int kStages = kTiles.k_stages;
+  static_assert(kTiles.v_stages == kStages, "K and V share one ring index");
   static constexpr int kOffK = 0;
   static constexpr int kOffV = kOffK + kStages * KVTile::kBytes;
   static constexpr int kOffQ = kOffV + kStages * KVTile::kBytes;  // [2] one per consumer warpgroup
@@ -73,7 +75,7 @@ struct FwdK128 {
   // kVSkip: whether V waits on the decision at tau > 0.  Not at d = 64, where a tile's products are
   // short: there the decision ring cost more where every tile is kept than it saved where few are
   // (docs/kernels.md, "V after a skip").
-  static constexpr bool kVSkip = D != 64;
+  static constexpr bool kVSkip = kTiles.v_skip;
   static constexpr int kDecSlots = 8;  // a power of 2
   static constexpr int kPublishers = kWarpVote ? 8 : 2;
   static_assert(kDecSlots >= kStages + 2, "decision ring: a slot reused before the producer read it");

@@ -5,19 +5,11 @@
 #include <cuda.h>
 #include <cuda_runtime.h>
 
-#include "cuda/fwd/params.h"
+#include "cuda/fwd/params.h"  // and tiles.h: FwdKernelKind, the tile table
 
 namespace mala {
 namespace cuda {
 
-enum class FwdKernelKind {
-  sm80,     // mma.sync (fwd/kernel_sm80.cuh): every device, every head dim
-  sm90,     // two-warpgroup wgmma, cp.async loads (fwd/kernel_sm90.cuh): sm_90a, d = 128
-  sm90_ws,  // warp-specialized wgmma, two S accumulators, TMA loads (fwd/kernel_sm90_ws.cuh): sm_90a,
-            // d = 64, 128 and 256; only under the kernel override (FwdVariant::wgmma_ws)
-  sm90_k128,  // one S accumulator, TMA loads (fwd/kernel_sm90_k128.cuh): sm_90a, every head dim (128-key
-              // tiles, 64 at d = 256)
-};
 struct FwdLaunch {
   FwdKernelKind kernel = FwdKernelKind::sm80;
   bool dense = false;   // tau = 0: the kernel's dense instance (sm80: where FwdConfig has one)
