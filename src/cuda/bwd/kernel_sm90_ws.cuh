@@ -44,9 +44,10 @@ namespace cuda {
 // kDet: the fixed-point deterministic mode (int32 dQ in the fp32 buffer's layout, and the rows' units).
 template <int D_, bool kDet_ = false>
 struct BwdWs {
-  static constexpr int D = D_, BQ = 64, BK = 128, kThreads = 384;
+  static constexpr BwdTiles kTiles = bwd_tiles(BwdKernelKind::sm90_ws, D_);  // bwd/tiles.h
+  static constexpr int D = D_, BQ = kTiles.bq, BK = kTiles.bk, kThreads = 384;
   static constexpr bool kDet = kDet_;
-  static constexpr int kQStages = 4;
+  static constexpr int kQStages = kTiles.q_stages;
   static_assert(D == 64 || D == 128, "warp-specialized backward: head dim 64 or 128");
   using KTile = GmmaTile<BK, D>;
   using QTile = GmmaTile<BQ, D>;

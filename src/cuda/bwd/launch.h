@@ -5,17 +5,11 @@
 #include <cuda.h>
 #include <cuda_runtime.h>
 
-#include "cuda/bwd/params.cuh"
+#include "cuda/bwd/params.cuh"  // and tiles.h: BwdKernelKind, the tile table
 
 namespace mala {
 namespace cuda {
 
-enum class BwdKernelKind {
-  sm80,     // mma.sync (bwd/kernel_sm80.cuh): every device, every head dim
-  sm90,     // two-warpgroup wgmma with cp.async loads (bwd/kernel_sm90.cuh): sm_90a, d = 64 and 128
-  sm90_ws,  // warp-specialized wgmma + TMA: sm_90a, d = 64 and 128 (bwd/kernel_sm90_ws.cuh), d = 256
-            // (bwd/kernel_sm90_ws256.cuh)
-};
 struct BwdLaunch {
   BwdKernelKind kernel = BwdKernelKind::sm80;
   bool dense = false;               // tau = 0: the kernel's dense instance

@@ -1,4 +1,5 @@
-// Parameters of the fused MALA backward kernels (bwd/dispatch.cu builds them, the kernels read them).
+// Parameters of the fused MALA backward kernels (bwd/dispatch.cu builds them, the kernels read them),
+// and through tiles.h the tile table.
 #pragma once
 
 #include <cuda.h>
@@ -7,17 +8,10 @@
 #include <stdint.h>
 
 #include "common/rule.h"
+#include "cuda/bwd/tiles.h"
 
 namespace mala {
 namespace cuda {
-
-// Tile configuration of the fused backward per head dim (see kernel_sm80.cuh for the warp layout).
-//   BQ: query rows per visited tile, BK: keys per CTA, WARPS_D: warps that share one 16-key slab
-//   and split the head dim of its dK/dV accumulators (d = 256 only).
-template <int D> struct BwdConfig;
-template <> struct BwdConfig<64> { static constexpr int BQ = 64, BK = 128, WARPS_D = 1; };
-template <> struct BwdConfig<128> { static constexpr int BQ = 64, BK = 128, WARPS_D = 1; };
-template <> struct BwdConfig<256> { static constexpr int BQ = 32, BK = 64, WARPS_D = 2; };
 
 struct BwdParams {
   // Inputs (element strides; head_dim contiguous).  Varlen: row strides index the packed rows and
