@@ -1,8 +1,9 @@
 // mala — MassAlloc Attention (MALA): causal softmax attention that skips the post-score work of
 // tiles whose largest contribution ratio is below tau / L_q.  The rules are in docs/spec.md.
 //
-// This is the one public header.  Every entry point takes a plain argument struct and returns a
-// Status whose message names the offending argument; nothing is written when a check fails.
+// This is the one public header (with tile_state.h, which it includes).  Every entry point takes a
+// plain argument struct and returns a Status whose message names the offending argument; nothing is
+// written when a check fails.
 //
 // Layout conventions (as flash_attn):
 //   q, o, dout, dq : [batch, seqlen_q, heads_q,  head_dim]
@@ -22,6 +23,8 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+
+#include "mala/tile_state.h"  // TileState: the tile masks' values
 
 namespace mala {
 
@@ -45,14 +48,6 @@ struct Strides {
   int64_t batch = 0;
   int64_t row = 0;
   int64_t head = 0;
-};
-
-// Per-tile decisions, written to the optional tile_mask outputs (tests and analysis).
-enum TileState : uint8_t {
-  kTileIllegal = 0,   // no row of the query tile sees any key of the key tile (never visited)
-  kTileSkipped = 1,   // post-score work skipped (QK computed, except where a backward given the
-                      // forward's tile mask knew the skip from it: BackwardArgs::forward_tile_mask)
-  kTileRetained = 2,  // post-score work executed
 };
 
 // Tile sizes an implementation uses.  Part of the semantics: the CPU path accepts them so it can

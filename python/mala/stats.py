@@ -5,7 +5,7 @@ from typing import Optional
 
 import torch
 
-# TileState values written into the tile masks (include/mala/mala.h).
+# TileState values written into the tile masks (include/mala/tile_state.h).
 TILE_ILLEGAL = 0  # no row of the query tile sees any key of the key tile
 TILE_SKIPPED = 1  # scores computed, post-score work skipped
 TILE_RETAINED = 2  # post-score work executed

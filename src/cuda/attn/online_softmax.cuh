@@ -1,7 +1,7 @@
 // Online softmax on mma fragments (FlashAttention-2 style), base 2 with the softmax scale folded
 // into one FMA: p = exp2(s * scale_log2 - m), scale_log2 = softmax_scale * log2(e).
 //
-// State per fragment row ([mt][h], see tile_test.cuh): m = the exponent base in scaled log2 units
+// State per fragment row ([mt][h], see skip.cuh): m = the exponent base in scaled log2 units
 // (the running max, or up to kRescaleSlack below it under the lazy rescale; -inf before anything is
 // retained), l = running sum of exp2(s*scale_log2 - m) over retained keys, kept fully reduced over
 // the quad where a tile test needs the whole row sum, and the output accumulator acc[MT][DT][4] (C

@@ -8,11 +8,11 @@
 
 #include "common/rule.h"
 #include "cuda/attn/mask.cuh"
-#include "cuda/attn/tile_test.cuh"
+#include "cuda/attn/skip.cuh"
 #include "cuda/bwd/cta_order.h"
 #include "cuda/bwd/params.cuh"
 #include "cuda/core/ptx.cuh"
-#include "mala/mala.h"
+#include "mala/tile_state.h"
 
 namespace mala {
 namespace cuda {

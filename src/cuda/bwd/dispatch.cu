@@ -47,12 +47,9 @@ using cuda::RowParams;
 using cuda::RowStrides;
 
 Tiles tiles_for_dim(int64_t d) {
-  switch (d) {
-    case 64: return {cuda::BwdConfig<64>::BQ, cuda::BwdConfig<64>::BK};
-    case 128: return {cuda::BwdConfig<128>::BQ, cuda::BwdConfig<128>::BK};
-    case 256: return {cuda::BwdConfig<256>::BQ, cuda::BwdConfig<256>::BK};
-    default: return {64, 128};
-  }
+  // Every kernel of a head dim decides on the same tile (bwd/tiles.h); unsupported head dims: d = 128's.
+  const cuda::BwdTiles t = cuda::bwd_tiles(cuda::BwdKernelKind::sm80, d == 64 || d == 256 ? static_cast<int>(d) : 128);
+  return {t.dec_rows, t.bk};
 }
 
 // An attribute of the current device, or `fallback` (an H100's value) when the query fails.
@@ -97,7 +94,7 @@ bool make_input_maps(const BackwardArgs& a, cuda::BwdTmaMaps* m) {
   const int d = static_cast<int>(dd), batch = varlen ? 1 : static_cast<int>(a.batch);
   const int hq = static_cast<int>(a.heads_q), hkv = static_cast<int>(a.heads_kv);
   const int rq = static_cast<int>(varlen ? a.total_q : a.seqlen_q), rk = static_cast<int>(varlen ? a.total_k : a.seqlen_k);
-  const int kbox = d == 256 ? cuda::BwdConfig<256>::BK : 128;
+  const int kbox = cuda::bwd_tiles(cuda::BwdKernelKind::sm90_ws, d).bk;
   return cuda::make_kv_tensor_map(&m->q, a.q, bf16, d, rq, hq, batch, qs.r, qs.h, qs.b, 64) &&
          cuda::make_kv_tensor_map(&m->dout, a.dout, bf16, d, rq, hq, batch, dos.r, dos.h, dos.b, 64) &&
          cuda::make_kv_tensor_map(&m->k, a.k, bf16, d, rk, hkv, batch, ks.r, ks.h, ks.b, kbox) &&
@@ -247,6 +244,8 @@ cuda::BwdLaunch choose_kernel(const BackwardArgs& a, const Plan& pl, const BwdPa
                               cuda::BwdTmaMaps* maps) {
   cuda::BwdLaunch l;
   l.dense = dense;
+  l.fwd_mask = p.fwd_mask != nullptr;  // (reads_fwd_mask: set only where sm90_ws at d = 64 / 128 can run)
+  l.dq_fixed = p.dq_fixed != nullptr;  // (the plan's dq_fixed: deterministic, d = 64 / 128)
   l.kernel = cuda::BwdKernelKind::sm80;
   if (D == 256) {  // as the plan decided (d256_direct); a map that fails now leaves maps null
     if (pl.dq_direct) {

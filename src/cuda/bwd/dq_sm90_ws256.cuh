@@ -21,11 +21,10 @@
 #pragma once
 
 #include "cuda/bwd/common.cuh"
-#include "cuda/bwd/launch.h"
 #include "cuda/core/smem_tile.cuh"
 #include "cuda/core/tma.cuh"
 #include "cuda/core/wgmma.cuh"
-#include "mala/mala.h"
+#include "mala/tile_state.h"
 
 namespace mala {
 namespace cuda {

@@ -37,7 +37,8 @@ cudaError_t launch_bwd_main(const BwdParams& p, const BwdLaunch& l, cudaStream_t
     if (l.kernel == BwdKernelKind::sm90_ws) return launch_bwd_sm90_ws256<T>(p, *l.maps, l.dense, stream);
   }
   if constexpr (bwd_has_wgmma<D>()) {
-    if (l.kernel == BwdKernelKind::sm90_ws) return launch_bwd_sm90_ws<T, D>(p, *l.maps, l.dense, stream);
+    if (l.kernel == BwdKernelKind::sm90_ws)
+      return launch_bwd_sm90_ws<T, D>(p, *l.maps, l.dense, l.fwd_mask, l.dq_fixed, stream);
     if (l.kernel == BwdKernelKind::sm90) return launch_bwd_sm90<T, D>(p, l.dense, stream);
   }
   return launch_bwd_sm80<T, D>(p, l.dense, stream);

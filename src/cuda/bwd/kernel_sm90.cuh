@@ -38,7 +38,8 @@ namespace cuda {
 
 template <int D_>
 struct BwdSm90 {
-  static constexpr int D = D_, BQ = 64, BK = 128, kThreads = 256, kWarps = 8, kQStages = 3;
+  static constexpr BwdTiles kTiles = bwd_tiles(BwdKernelKind::sm90, D_);  // bwd/tiles.h
+  static constexpr int D = D_, BQ = kTiles.bq, BK = kTiles.bk, kThreads = 256, kWarps = 8, kQStages = kTiles.q_stages;
   static_assert(D == 64 || D == 128, "wgmma backward: head dim 64 or 128");
   using KTile = GmmaTile<BK, D>;   // K, V: 32 KB at d = 128
   using QTile = GmmaTile<BQ, D>;   // Q, dO stage: 16 KB at d = 128

@@ -34,7 +34,6 @@
 #include <type_traits>
 
 #include "cuda/bwd/common.cuh"
-#include "cuda/bwd/launch.h"
 #include "cuda/core/smem_tile.cuh"
 #include "cuda/core/tma.cuh"
 #include "cuda/core/wgmma.cuh"
@@ -45,9 +44,10 @@ namespace cuda {
 // kDet: the fixed-point deterministic mode (int32 dQ in the fp32 buffer's layout, and the rows' units).
 template <int D_, bool kDet_ = false>
 struct BwdWs {
-  static constexpr int D = D_, BQ = 64, BK = 128, kThreads = 384;
+  static constexpr BwdTiles kTiles = bwd_tiles(BwdKernelKind::sm90_ws, D_);  // bwd/tiles.h
+  static constexpr int D = D_, BQ = kTiles.bq, BK = kTiles.bk, kThreads = 384;
   static constexpr bool kDet = kDet_;
-  static constexpr int kQStages = 4;
+  static constexpr int kQStages = kTiles.q_stages;
   static_assert(D == 64 || D == 128, "warp-specialized backward: head dim 64 or 128");
   using KTile = GmmaTile<BK, D>;
   using QTile = GmmaTile<BQ, D>;
@@ -550,13 +550,14 @@ __global__ void __launch_bounds__(384, 1)
 #endif
 }
 
-// Launches mode kDet's instance that `dense` and p.fwd_mask name (grid as the other backward kernels').
+// Launches mode kDet's instance that `dense` and `fwd_mask` name (grid as the other backward kernels').
 template <typename T, int D, bool kDet>
-cudaError_t launch_bwd_sm90_ws_mode(const BwdParams& p, const BwdTmaMaps& maps, bool dense, cudaStream_t stream) {
+cudaError_t launch_bwd_sm90_ws_mode(const BwdParams& p, const BwdTmaMaps& maps, bool dense, bool fwd_mask,
+                                    cudaStream_t stream) {
   using C = BwdWs<D, kDet>;
-  auto kernel = dense         ? bwd_main_kernel_sm90_ws<T, D, true, false, kDet>
-                : p.fwd_mask ? bwd_main_kernel_sm90_ws<T, D, false, true, kDet>
-                             : bwd_main_kernel_sm90_ws<T, D, false, false, kDet>;
+  auto kernel = dense       ? bwd_main_kernel_sm90_ws<T, D, true, false, kDet>
+                : fwd_mask ? bwd_main_kernel_sm90_ws<T, D, false, true, kDet>
+                           : bwd_main_kernel_sm90_ws<T, D, false, false, kDet>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmem);
   if (err != cudaSuccess) return err;
   const int64_t grid = static_cast<int64_t>(p.n_k_tiles) * p.batch * p.heads_kv * p.head_splits;
@@ -565,11 +566,13 @@ cudaError_t launch_bwd_sm90_ws_mode(const BwdParams& p, const BwdTmaMaps& maps, 
   return cudaGetLastError();
 }
 
-// Launches the instance for `dense` in the call's mode (deterministic: BwdParams::dq_fixed).
+// Launches the instance that `dense`, `fwd_mask` (the call reads BwdParams::fwd_mask) and `dq_fixed`
+// (deterministic mode: BwdParams::dq_fixed) name.
 template <typename T, int D>
-cudaError_t launch_bwd_sm90_ws(const BwdParams& p, const BwdTmaMaps& maps, bool dense, cudaStream_t stream) {
-  return p.dq_fixed ? launch_bwd_sm90_ws_mode<T, D, true>(p, maps, dense, stream)
-                    : launch_bwd_sm90_ws_mode<T, D, false>(p, maps, dense, stream);
+cudaError_t launch_bwd_sm90_ws(const BwdParams& p, const BwdTmaMaps& maps, bool dense, bool fwd_mask, bool dq_fixed,
+                               cudaStream_t stream) {
+  return dq_fixed ? launch_bwd_sm90_ws_mode<T, D, true>(p, maps, dense, fwd_mask, stream)
+                  : launch_bwd_sm90_ws_mode<T, D, false>(p, maps, dense, fwd_mask, stream);
 }
 
 }  // namespace cuda

@@ -30,7 +30,6 @@
 
 #include "cuda/bwd/common.cuh"
 #include "cuda/bwd/dq_sm90_ws256.cuh"
-#include "cuda/bwd/launch.h"
 #include "cuda/core/smem_tile.cuh"
 #include "cuda/core/tma.cuh"
 #include "cuda/core/wgmma.cuh"
@@ -39,8 +38,10 @@ namespace mala {
 namespace cuda {
 
 struct BwdWs256 {
-  static constexpr int D = 256, BQ = 64, BK = 64, BH = 32, kThreads = 384, kStages = 2;
-  static_assert(BwdConfig<256>::BQ == BH && BwdConfig<256>::BK == BK, "decision tile: a warpgroup's 32 rows x 64 keys");
+  static constexpr BwdTiles kTiles = bwd_tiles(BwdKernelKind::sm90_ws, 256);  // bwd/tiles.h
+  static constexpr int D = 256, BQ = kTiles.bq, BK = kTiles.bk, BH = kTiles.dec_rows, kThreads = 384,
+                       kStages = kTiles.q_stages;
+  static_assert(BH == 32 && BQ == 2 * BH, "decision tile: a warpgroup's 32 rows x 64 keys");
   using KTile = GmmaTile<BK, D>;
   using QTile = GmmaTile<BQ, D>;
   using STile = GmmaTile<BK, BQ>;  // P^T, dS^T [key][query]

@@ -5,30 +5,19 @@
 #include <cuda.h>
 #include <cuda_runtime.h>
 
-#include "cuda/bwd/params.cuh"
+#include "cuda/bwd/params.cuh"  // and tiles.h: BwdKernelKind, the tile table
 
 namespace mala {
 namespace cuda {
 
-enum class BwdKernelKind {
-  sm80,     // mma.sync (bwd/kernel_sm80.cuh): every device, every head dim
-  sm90,     // two-warpgroup wgmma with cp.async loads (bwd/kernel_sm90.cuh): sm_90a, d = 64 and 128
-  sm90_ws,  // warp-specialized wgmma + TMA: sm_90a, d = 64 and 128 (bwd/kernel_sm90_ws.cuh), d = 256
-            // (bwd/kernel_sm90_ws256.cuh)
-};
-// What the TMA reads (Q, dO, K, V; the per-row lse, skip bound, D and in deterministic mode dQ's
-// fixed-point unit) and adds into (the fp32 or fixed-point dQ accumulator), for sm90_ws.
-struct BwdTmaMaps {
-  CUtensorMap q, dout, k, v, dq, lse, bound, dsum, unit;
-  CUtensorMap k32, v32;  // d = 256: K and V in boxes of 32 rows (the dQ kernel's key steps)
-};
-// The warp-specialized kernel at d = 64 / 128 reads forward_tile_mask when a CTA visits at most this
-// many tiles (heads_per_cta x query tiles): one bit each in shared memory.
-constexpr int kBwdWsScoredTiles = 8192;
 struct BwdLaunch {
   BwdKernelKind kernel = BwdKernelKind::sm80;
   bool dense = false;               // tau = 0: the kernel's dense instance
   const BwdTmaMaps* maps = nullptr;  // sm90_ws
+  // sm90_ws at d = 64 / 128: the instances that read forward_tile_mask (BwdParams::fwd_mask set) and
+  // that add dQ in fixed point (deterministic mode, BwdParams::dq_fixed set).
+  bool fwd_mask = false;
+  bool dq_fixed = false;
 };
 
 // Launches the main kernel l names; every choice is the caller's (dispatch.cu).

@@ -1,23 +1,17 @@
-// Parameters of the fused MALA backward kernels (bwd/dispatch.cu builds them, the kernels in
-// bwd/kernel_sm80.cuh and bwd/kernel_sm90.cuh read them).
+// Parameters of the fused MALA backward kernels (bwd/dispatch.cu builds them, the kernels read them),
+// and through tiles.h the tile table.
 #pragma once
 
+#include <cuda.h>
 #include <cuda_runtime.h>
 #include <math.h>
 #include <stdint.h>
 
 #include "common/rule.h"
+#include "cuda/bwd/tiles.h"
 
 namespace mala {
 namespace cuda {
-
-// Tile configuration of the fused backward per head dim (see kernel_sm80.cuh for the warp layout).
-//   BQ: query rows per visited tile, BK: keys per CTA, WARPS_D: warps that share one 16-key slab
-//   and split the head dim of its dK/dV accumulators (d = 256 only).
-template <int D> struct BwdConfig;
-template <> struct BwdConfig<64> { static constexpr int BQ = 64, BK = 128, WARPS_D = 1; };
-template <> struct BwdConfig<128> { static constexpr int BQ = 64, BK = 128, WARPS_D = 1; };
-template <> struct BwdConfig<256> { static constexpr int BQ = 32, BK = 64, WARPS_D = 2; };
 
 struct BwdParams {
   // Inputs (element strides; head_dim contiguous).  Varlen: row strides index the packed rows and
@@ -78,6 +72,17 @@ struct BwdParams {
   const uint8_t* fwd_mask;
   int fwd_bq, fwd_bk, fwd_n_q_tiles, fwd_n_k_tiles;
 };
+
+// What the TMA reads (Q, dO, K, V; the per-row lse, skip bound, D and in deterministic mode dQ's
+// fixed-point unit) and adds into (the fp32 or fixed-point dQ accumulator), for the warp-specialized
+// kernels (a kernel parameter beside BwdParams).
+struct BwdTmaMaps {
+  CUtensorMap q, dout, k, v, dq, lse, bound, dsum, unit;
+  CUtensorMap k32, v32;  // d = 256: K and V in boxes of 32 rows (the dQ kernel's key steps)
+};
+// The warp-specialized kernel at d = 64 / 128 reads forward_tile_mask when a CTA visits at most this
+// many tiles (heads_per_cta x query tiles): one bit each in shared memory.
+constexpr int kBwdWsScoredTiles = 8192;
 
 // Fixed-point dQ (deterministic mode): the bound on a row's |dQ| (before the softmax scale, with P's
 // row sum bounded by 1 + tau: the forward's lse leaves out the skipped tiles' mass, less than tau

@@ -9,7 +9,7 @@
 #include <stdint.h>
 
 #include "common/rule.h"
-#include "cuda/attn/tile_test.cuh"
+#include "cuda/attn/skip.cuh"
 #include "cuda/bwd/params.cuh"
 #include "cuda/core/ptx.cuh"
 

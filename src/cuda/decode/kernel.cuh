@@ -28,7 +28,7 @@
 // Why not the forward's shared pieces (attn/online_softmax.cuh, core/smem_tile.cuh): those assume each warp
 // owns its own 16-row block and full key tiles; decode has one 16-row block per CTA and splits the
 // key dimension (QK) and the head dimension (PV) across warps instead.  The test itself is
-// attn/tile_test.cuh's warp_tile_skip_online over rule::row_allows_skip.
+// attn/skip.cuh's warp_tile_skip_online over rule::row_allows_skip.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -40,8 +40,8 @@
 #include "common/rule.h"
 #include "cuda/decode/params.h"
 #include "cuda/core/ptx.cuh"
-#include "cuda/attn/tile_test.cuh"
-#include "mala/mala.h"
+#include "cuda/attn/skip.cuh"
+#include "mala/tile_state.h"
 
 namespace mala {
 namespace cuda {

@@ -10,11 +10,11 @@
 #include "common/rule.h"
 #include "cuda/attn/mask.cuh"
 #include "cuda/attn/online_softmax.cuh"
-#include "cuda/attn/tile_test.cuh"
+#include "cuda/attn/skip.cuh"
 #include "cuda/core/ptx.cuh"
 #include "cuda/core/wgmma.cuh"
 #include "cuda/fwd/params.h"
-#include "mala/mala.h"
+#include "mala/tile_state.h"
 
 namespace mala {
 namespace cuda {

@@ -5,11 +5,10 @@
 //     (varlen calls without total_k), at d = 128 the two-warpgroup wgmma kernel with cp.async loads
 //     (fwd/kernel_sm90.cuh);
 //   everything else, and seeded splits the TMA cannot serve: the mma.sync kernel (fwd/kernel_sm80.cuh).
-// The decision tile is the chosen kernel's (forward_tiles asks the same choice):
-// fwd_k128_dec_rows(d) x fwd_k128_bk(d) for the 128-key kernel, FwdConfig's for the others (the
-// 64-key warp-specialized kernel, fwd/kernel_sm90_ws.cuh, runs only under the override).  Each
-// kernel's tau = 0 instance runs at tau = 0 (the mma.sync kernel's where FwdConfig has one).  The
-// kernel override (backend.h) forces another kernel for tests and benchmarks.
+// The decision tile is the chosen kernel's row of the tile table, fwd/tiles.h (forward_tiles asks the
+// same choice; the 64-key warp-specialized kernel, fwd/kernel_sm90_ws.cuh, runs only under the
+// override).  Each kernel's tau = 0 instance runs at tau = 0 (the mma.sync kernel's where FwdConfig
+// has one).  The kernel override (backend.h) forces another kernel for tests and benchmarks.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -49,7 +48,7 @@ cuda::FwdLaunch choose_kernel(const cuda::FwdParams& p, bool dense) {
   const bool varlen = p.cu_k != nullptr;
   const int map_rows = varlen ? p.total_k : p.seqlen_k, map_batch = varlen ? 1 : p.batch;
   const bool k128 = cuda::fwd_has_sm90_k128(D) && forced != FwdVariant::wgmma_ws;
-  const int box_rows = k128 ? cuda::fwd_k128_bk(D) : cuda::FwdConfig<D>::kBk;
+  const int box_rows = cuda::fwd_tiles(k128 ? cuda::FwdKernelKind::sm90_k128 : cuda::FwdKernelKind::sm90_ws, D).bk;
   const bool tma = forced != FwdVariant::wgmma_cp_async && (!varlen || p.total_k > 0) &&
                    cuda::make_kv_tensor_map(&l.tmap_k, p.k, kBf16, D, map_rows, p.heads_kv, map_batch, p.k_sr,
                                             p.k_sh, p.k_sb, box_rows) &&
@@ -63,21 +62,19 @@ cuda::FwdLaunch choose_kernel(const cuda::FwdParams& p, bool dense) {
                : k128 ? cuda::FwdKernelKind::sm90_k128
                       : cuda::FwdKernelKind::sm90_ws;
     l.dense = dense;  // every wgmma kernel serves tau = 0 with code of its own
+    // The 128-key kernel records where the call asks for the tile mask or the slots (its instances
+    // without the recording code count no slots).
+    if (l.kernel == cuda::FwdKernelKind::sm90_k128) l.record = l.record || p.slots != nullptr;
   }
   return l;
 }
 
 bool supported_head_dim(int64_t d) { return d == 64 || d == 128 || d == 256; }
 
-// The decision tile of the kernel l names.
+// The decision tile of the kernel l names (head dims the forward does not support: d = 128's).
 Tiles launch_tiles(const cuda::FwdLaunch& l, int64_t d) {
-  if (l.kernel == cuda::FwdKernelKind::sm90_k128)
-    return {cuda::fwd_k128_dec_rows(static_cast<int>(d)), cuda::fwd_k128_bk(static_cast<int>(d))};
-  switch (d) {
-    case 64: return {16 * cuda::FwdConfig<64>::kMT, cuda::FwdConfig<64>::kBk};
-    case 256: return {16 * cuda::FwdConfig<256>::kMT, cuda::FwdConfig<256>::kBk};
-    default: return {16 * cuda::FwdConfig<128>::kMT, cuda::FwdConfig<128>::kBk};
-  }
+  const cuda::FwdTiles t = cuda::fwd_tiles(l.kernel, d == 64 || d == 256 ? static_cast<int>(d) : 128);
+  return {t.dec_rows, t.bk};
 }
 
 // f(T{}, std::integral_constant<int, D>{}) for the call's dtype and head dim (both supported).

@@ -13,7 +13,7 @@ namespace mala {
 namespace cuda {
 
 // Whether this build's wgmma kernels run on the current device (false for head dims without them:
-// fwd_has_sm90_ws, launch.h).
+// fwd_has_sm90_ws, params.h).
 template <typename T, int D>
 bool fwd_wgmma_usable() {
   if constexpr (fwd_has_sm90_ws(D)) {
@@ -29,7 +29,7 @@ template <typename T, int D>
 cudaError_t launch_fwd(const FwdParams& p, const FwdLaunch& l, cudaStream_t stream) {
   if constexpr (fwd_has_sm90_k128(D)) {
     if (l.kernel == FwdKernelKind::sm90_k128)
-      return launch_fwd_sm90_k128<T, D>(p, l.dense, l.seeded, l.tmap_k, l.tmap_v, stream);
+      return launch_fwd_sm90_k128<T, D>(p, l.dense, l.record, l.seeded, l.tmap_k, l.tmap_v, stream);
   }
   if constexpr (fwd_has_sm90_ws(D)) {
     if (l.kernel == FwdKernelKind::sm90_ws)

@@ -7,7 +7,7 @@
 // key down to tile 0; K and V are double-buffered in swizzled shared memory with cp.async (the next
 // tile's K is in flight while the current one is computed).  Per warp and tile:
 //   S = Q K^T (every legal tile) -> causal/bounds mask where needed -> row max (needed anyway) ->
-//   MALA tile test (tau > 0 only; attn/tile_test.cuh, the warp vote) ->
+//   MALA tile test (tau > 0 only; attn/skip.cuh, the warp vote) ->
 //   retained: online-softmax update and O += P V;  skipped: nothing (m, l, acc untouched).
 // V is lazy: prefetched with K when tau = 0 or when some warp retained the previous tile (learnt from
 // the next tile's __syncthreads_or, a barrier the tile has anyway), otherwise loaded on demand only
@@ -27,12 +27,12 @@
 #include "common/rule.h"
 #include "cuda/attn/mask.cuh"
 #include "cuda/attn/online_softmax.cuh"
-#include "cuda/attn/tile_test.cuh"
+#include "cuda/attn/skip.cuh"
 #include "cuda/core/ptx.cuh"
 #include "cuda/core/smem_tile.cuh"
 #include "cuda/fwd/common.cuh"
 #include "cuda/fwd/params.h"
-#include "mala/mala.h"
+#include "mala/tile_state.h"
 
 namespace mala {
 namespace cuda {
@@ -55,6 +55,7 @@ struct FwdKernelTraits {
   static constexpr int kKsUnroll = kQInRegs ? kKS : 1;
   using QTile = SmemTile<kBq, D>;
   using KVTile = SmemTile<kBk, D>;
+  static_assert(Cfg::kTiles.k_stages == 2 && Cfg::kTiles.v_stages == 2, "K and V double-buffered");
   static constexpr int kSmemBytes = QTile::kBytes + 4 * KVTile::kBytes + 2 * kBq * 4;  // Q, 2x(K, V), test state
   // Two CTAs per SM when shared memory allows and 255 registers per thread still fit (128 threads).
   static constexpr int kMinBlocks = (kSmemBytes <= 110 * 1024 && kThreads <= 128) ? 2 : 1;

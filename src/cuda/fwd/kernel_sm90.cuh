@@ -11,7 +11,7 @@
 // warp w rows 16w..16w+15 of those, and the warp pair w/2 one decision tile's 32 rows.  Per key tile:
 //   S = Q K^T       m64n64 per warpgroup, A = Q from registers (loaded once), B = K (K-major)
 //   mask, row max, test per warp; the pair's decision from the two warps' votes (the flag vote,
-//   attn/tile_test.cuh; no vote at tau = 0)
+//   attn/skip.cuh; no vote at tau = 0)
 //   retained pair: online-softmax update, P = exp2(S - m);  skipped pair: P = 0, m, l, O untouched
 //   O += P V        m64nD, A = P from registers, B = V (MN-major); only if a pair of the warpgroup
 //                   retains (P V is one warpgroup instruction: a skipped pair's zero rows add
@@ -39,13 +39,14 @@ template <int D_>
 struct FwdSm90 {
   static constexpr int D = D_;
   static_assert(D == 64 || D == 128, "wgmma forward: head dim 64 or 128 (64 compiles, not used)");
-  static constexpr int kThreads = 256, BQ = 128, BK = FwdConfig<D>::kBk, kPairRows = 16 * FwdConfig<D>::kMT;
+  static constexpr FwdTiles kTiles = fwd_tiles(FwdKernelKind::sm90, D);  // fwd/tiles.h
+  static constexpr int kThreads = 256, BQ = kTiles.bq, BK = kTiles.bk, kPairRows = kTiles.dec_rows;
   static_assert(BK == 64 && kPairRows == 32, "the decision tile is a warp pair's 32 rows x 64 keys");
   using QTile = SmemTile<BQ, D>;    // row-major, read once into registers with ldmatrix
   using KVTile = GmmaTile<BK, D>;   // K (K-major B of Q K^T), V (MN-major B of P V)
   // One CTA barrier per two key tiles: the loads for tiles j - 2 and j - 3 are issued at the
   // barrier of iteration j (every second iteration), so K and V each keep 4 tiles.
-  static constexpr int kKBufs = 4, kVBufs = 4;
+  static constexpr int kKBufs = kTiles.k_stages, kVBufs = kTiles.v_stages;
   static constexpr int kOffK = 0;
   static constexpr int kOffV = kOffK + kKBufs * KVTile::kBytes;
   static constexpr int kOffVOwn = kOffV + kVBufs * KVTile::kBytes;  // [2]: each warpgroup's on-demand V

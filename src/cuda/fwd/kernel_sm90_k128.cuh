@@ -37,7 +37,6 @@
 #include "cuda/core/tma.cuh"
 #include "cuda/core/wgmma.cuh"
 #include "cuda/fwd/common.cuh"
-#include "cuda/fwd/launch.h"
 
 namespace mala {
 namespace cuda {
@@ -45,8 +44,9 @@ namespace cuda {
 template <int D_>
 struct FwdK128 {
   static constexpr int D = D_;
-  static_assert(fwd_has_sm90_k128(D), "128-key forward: head dims 64, 128 and 256 (fwd/launch.h)");
-  static constexpr int kThreads = 384, BQ = 128, BK = fwd_k128_bk(D);
+  static_assert(fwd_has_sm90_k128(D), "128-key forward: head dims 64, 128 and 256 (fwd/params.h)");
+  static constexpr FwdTiles kTiles = fwd_tiles(FwdKernelKind::sm90_k128, D);  // fwd/tiles.h
+  static constexpr int kThreads = 384, BQ = kTiles.bq, BK = kTiles.bk;
   // d = 256: O takes 128 registers a thread, which leaves none for Q's 64; Q stays in shared memory
   // (an operand of an ss wgmma).
   static constexpr bool kQSmem = D == 256;
@@ -54,13 +54,14 @@ struct FwdK128 {
   // to run P V waits until the next S is issued (kWarpVote).  d = 64 and 256: a warp pair's 32 rows,
   // voted on before the exponentials; per-warp decisions there ran slower on random inputs, where
   // every tile is kept (docs/journal.md).
-  static constexpr int kDecRows = fwd_k128_dec_rows(D);
-  static constexpr bool kWarpVote = kDecRows == 16;
+  static constexpr int kDecRows = kTiles.dec_rows;
+  static constexpr bool kWarpVote = kTiles.dec_warps == 1;
   using QTile = std::conditional_t<kQSmem, GmmaTile<64, D>, SmemTile<64, D>>;
   using KVTile = GmmaTile<BK, D>;
   // K and V rings: 3 x (32 + 32) KB at d = 128 (224 KB with Q), 4 x (16 + 16) KB at d = 64.  One slot
   // fewer ran slower at both head dims (docs/journal.md).
-  static constexpr int kStages = D == 256 ? 2 : D == 128 ? 3 : 4;
+  static constexpr int kStages = kTiles.k_stages;
+  static_assert(kTiles.v_stages == kStages, "K and V share one ring index");
   static constexpr int kOffK = 0;
   static constexpr int kOffV = kOffK + kStages * KVTile::kBytes;
   static constexpr int kOffQ = kOffV + kStages * KVTile::kBytes;  // [2] one per consumer warpgroup
@@ -74,7 +75,7 @@ struct FwdK128 {
   // kVSkip: whether V waits on the decision at tau > 0.  Not at d = 64, where a tile's products are
   // short: there the decision ring cost more where every tile is kept than it saved where few are
   // (docs/kernels.md, "V after a skip").
-  static constexpr bool kVSkip = D != 64;
+  static constexpr bool kVSkip = kTiles.v_skip;
   static constexpr int kDecSlots = 8;  // a power of 2
   static constexpr int kPublishers = kWarpVote ? 8 : 2;
   static_assert(kDecSlots >= kStages + 2, "decision ring: a slot reused before the producer read it");
@@ -240,7 +241,7 @@ __global__ void __launch_bounds__(384, 1)
     for (int hh = 0; hh < 2; ++hh) bound[0][hh] = rule::skip_bound_raw(log_norm[0][hh], log_thr[0][hh], inv_scale);
     if constexpr (kSeeded) anchors = fwd_held_anchors<BK>(p, row_dec, dec_hi, Nq, Nk);
   }
-  // Pair vote (tile_test.cuh, pair_vote_popc): every lane of a retaining pair-0 warp counts, lane 0
+  // Pair vote (skip.cuh, pair_vote_popc): every lane of a retaining pair-0 warp counts, lane 0
   // of a retaining pair-1 warp.
   const uint32_t vote_counted = wl < 2 || lane == 0;
   // One warp per decision tile stores its decisions.
@@ -450,14 +451,12 @@ __global__ void __launch_bounds__(384, 1)
 #endif
 }
 
-// Launches the instance for (dense, seeded, record) (grid: query tiles of 128 rows, heads, batch),
-// record where the call asks for the tile mask or the slots.  The tensor maps' boxes are
-// FwdK128<D>::BK rows.
+// Launches the instance (dense, record, seeded) names (grid: query tiles of 128 rows, heads, batch).
+// The tensor maps' boxes are FwdK128<D>::BK rows.
 template <typename T, int D>
-cudaError_t launch_fwd_sm90_k128(const FwdParams& p, bool dense, bool seeded, const CUtensorMap& tk,
+cudaError_t launch_fwd_sm90_k128(const FwdParams& p, bool dense, bool record, bool seeded, const CUtensorMap& tk,
                                  const CUtensorMap& tv, cudaStream_t stream) {
   using C = FwdK128<D>;
-  const bool record = p.tile_mask != nullptr || p.slots != nullptr;
   auto kernel = dense    ? mala_fwd_kernel_sm90_k128<T, D, true, false, true>
                 : seeded ? (record ? mala_fwd_kernel_sm90_k128<T, D, false, true, true>
                                    : mala_fwd_kernel_sm90_k128<T, D, false, true, false>)

@@ -34,7 +34,6 @@
 #include "cuda/core/tma.cuh"
 #include "cuda/core/wgmma.cuh"
 #include "cuda/fwd/common.cuh"
-#include "cuda/fwd/launch.h"
 
 namespace mala {
 namespace cuda {
@@ -42,10 +41,11 @@ namespace cuda {
 template <int D_>
 struct FwdWs {
   static constexpr int D = D_;
-  static_assert(fwd_has_sm90_ws(D), "warp-specialized forward: head dims 64, 128 and 256 (fwd/launch.h)");
-  // The decision tile is FwdConfig's (what every forward kernel decides on): 32 rows (a warp pair)
-  // x 64 keys at d = 64 and 128, 16 rows (one warp) x 32 keys at d = 256.
-  static constexpr int kThreads = 384, BQ = 128, BK = FwdConfig<D>::kBk, kDecWarps = FwdConfig<D>::kMT;
+  static_assert(fwd_has_sm90_ws(D), "warp-specialized forward: head dims 64, 128 and 256 (fwd/params.h)");
+  // The decision tile is the mma.sync kernel's (fwd/tiles.h): 32 rows (a warp pair) x 64 keys at
+  // d = 64 and 128, 16 rows (one warp) x 32 keys at d = 256.
+  static constexpr FwdTiles kTiles = fwd_tiles(FwdKernelKind::sm90_ws, D);  // fwd/tiles.h
+  static constexpr int kThreads = 384, BQ = kTiles.bq, BK = kTiles.bk, kDecWarps = kTiles.dec_warps;
   static_assert(kDecWarps == 1 || kDecWarps == 2, "a decision tile is one warp's rows or a pair's");
   // d = 256: O takes 128 registers a thread, which leaves none for Q's 64; Q stays in shared memory
   // (GmmaTile, an operand of an ss wgmma) instead of going to registers through ldmatrix.
@@ -56,7 +56,7 @@ struct FwdWs {
   // whose V is not loaded leaves its slot unused), the consumers' per-tile decisions (kR tiles).
   // Power-of-two rings: a slot and a phase are a mask and a shift, where five V slots would cost a
   // division per tile.  d = 256: 64 KB of Q leave room for four V slots.
-  static constexpr int kKBufs = 4, kVBufs = kQSmem ? 4 : 8, kLag = 2, kR = 8;
+  static constexpr int kKBufs = kTiles.k_stages, kVBufs = kTiles.v_stages, kLag = 2, kR = 8;
   static_assert(kR > kLag + kKBufs, "a decision slot is reused only after the producer has read it");
   static_assert(kVBufs >= 3, "V slots are given back two tiles late");
   static constexpr int kOffK = 0;
@@ -250,7 +250,7 @@ __global__ void __launch_bounds__(384, 1)
       pair_retain = t <= pair_hi;
       wg_any = t <= wg_hi;
     } else {
-      // The pair vote in one barrier (pair_vote_popc, attn/tile_test.cuh: one barrier instead of
+      // The pair vote in one barrier (pair_vote_popc, attn/skip.cuh: one barrier instead of
       // flags in shared memory and a named barrier): a retaining warp of pair 0 counts 32 (every
       // lane), one of pair 1 counts 1 (lane 0), so the warpgroup's count says both pairs'
       // decisions (single-warp decision tiles: warp w counts 2^w).  The warpgroup's decision, the

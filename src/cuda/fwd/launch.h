@@ -5,32 +5,17 @@
 #include <cuda.h>
 #include <cuda_runtime.h>
 
-#include "cuda/fwd/params.h"
+#include "cuda/fwd/params.h"  // and tiles.h: FwdKernelKind, the tile table
 
 namespace mala {
 namespace cuda {
 
-enum class FwdKernelKind {
-  sm80,     // mma.sync (fwd/kernel_sm80.cuh): every device, every head dim
-  sm90,     // two-warpgroup wgmma, cp.async loads (fwd/kernel_sm90.cuh): sm_90a, d = 128
-  sm90_ws,  // warp-specialized wgmma, two S accumulators, TMA loads (fwd/kernel_sm90_ws.cuh): sm_90a,
-            // d = 64, 128 and 256; only under the kernel override (FwdVariant::wgmma_ws)
-  sm90_k128,  // one S accumulator, TMA loads (fwd/kernel_sm90_k128.cuh): sm_90a, every head dim (128-key
-              // tiles, 64 at d = 256)
-};
-// The head dims each wgmma kernel is built for.
-constexpr bool fwd_has_sm90(int d) { return d == 128; }
-constexpr bool fwd_has_sm90_ws(int d) { return d == 64 || d == 128 || d == 256; }
-constexpr bool fwd_has_sm90_k128(int d) { return d == 64 || d == 128 || d == 256; }
-// The kernel's key tile (its K and V tensor maps' box rows, and its decision tile's keys): 128 keys,
-// 64 at d = 256 (where O's 128 registers a thread leave room for a 64-key S only).
-constexpr int fwd_k128_bk(int d) { return d == 256 ? 64 : 128; }
-// Its decision tile's rows: a warp's at d = 128, a warp pair's at d = 64 and 256 (FwdK128::kWarpVote).
-constexpr int fwd_k128_dec_rows(int d) { return d == 128 ? 16 : 32; }
 struct FwdLaunch {
   FwdKernelKind kernel = FwdKernelKind::sm80;
   bool dense = false;   // tau = 0: the kernel's dense instance (sm80: where FwdConfig has one)
-  bool record = false;  // the call records the tile mask (sm90_ws has an instance without that code)
+  // The instance with the recording code: sm90_k128 where the call asks for the tile mask or the
+  // slots, sm90_ws where it asks for the tile mask (the others have no instance without it).
+  bool record = false;
   // A seeded split (FwdParams::seed_lse, tau > 0): the sm90_k128, sm90_ws and sm80 instances with the
   // seed's bookkeeping (its code in the loop slowed the unseeded instances when they shared it).
   bool seeded = false;

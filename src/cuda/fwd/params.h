@@ -1,24 +1,14 @@
-// Forward kernel parameters and the per-head-dim tile configuration (shared by dispatch.cu and the
-// kernels).  No CUDA types: plain C++ so tests and benchmarks can read the configuration too.
+// Forward kernel parameters (dispatch.cu fills them, the kernels read them), and through tiles.h the
+// tile table.  No CUDA types: plain C++ so tests and benchmarks can read the configuration too.
 #pragma once
 
 #include <math.h>
 #include <stdint.h>
 
+#include "cuda/fwd/tiles.h"
+
 namespace mala {
 namespace cuda {
-
-// Tile configuration of the forward kernel for a head dim.  A CTA of kWarps warps owns
-// kWarps * 16 * kMT consecutive query rows; each warp owns a contiguous aligned block of 16*kMT rows
-// and decides skips for its block alone, so the decision tile (the Bq reported by forward_tiles) is
-// 16*kMT rows by kBk keys.
-// kDenseInstance: the mma.sync kernel has a tau = 0 instance without the test, the vote and the
-// lazy V.  Not at d = 128, where that instance ran slower than the general one (its register
-// allocation; on sm_90 the wgmma kernels serve d = 128 anyway).
-template <int D> struct FwdConfig;
-template <> struct FwdConfig<64>  { static constexpr int kMT = 2, kWarps = 4, kBk = 64; static constexpr bool kDenseInstance = true; };
-template <> struct FwdConfig<128> { static constexpr int kMT = 2, kWarps = 4, kBk = 64; static constexpr bool kDenseInstance = false; };
-template <> struct FwdConfig<256> { static constexpr int kMT = 1, kWarps = 4, kBk = 32; static constexpr bool kDenseInstance = true; };
 
 struct FwdParams {
   const void* q;
