@@ -15,7 +15,9 @@
 # Environment: STORE (default /tmp/mala-train), SIZES (default "s4m m13m"), SEEDS (default 42), PT_BUDGET_S (330),
 # LCT_BUDGET_S (120), LCT_SIZES (default: SIZES); PT_STEPS / LCT_STEPS fix the step counts instead of the
 # budgets (both arms then train on the same tokens without agreeing); COMPILE_LOSS=1 runs the loss
-# through torch.compile in training and timing (train.py --compile-loss).
+# through torch.compile in training and timing (train.py --compile-loss); COMPILE_LOSS=auto first times
+# both losses on the first size's random init (analyze.py timing --random-init, into
+# $RES/loss_timing.json) and compiles where that is at least 5% faster.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 STORE=${STORE:-/tmp/mala-train}
@@ -56,6 +58,26 @@ phases() {
     sleep 2
   done
   ph "build done"
+  if [ "$COMPILE_LOSS" = auto ]; then
+    s0=${SIZES%% *}
+    for c in "" --compile-loss; do
+      python3 "$T/analyze.py" timing --size "$s0" --arm dense --stage pt --seqlen 4096 --random-init --data random \
+        --work "$W" --out "$RES/loss_timing" --steps 5 $c >> "$RES/loss_timing.log" 2>&1 || ph "loss timing '$c' failed"
+    done
+    COMPILE_LOSS=$(python3 - "$RES/loss_timing/timing.json" <<'PYEOF'
+import json, sys
+try:
+    t = json.load(open(sys.argv[1]))
+    eager = next(v["step_ms"] for k, v in t.items() if not v.get("compile_loss"))
+    comp = next(v["step_ms"] for k, v in t.items() if v.get("compile_loss"))
+    print(1 if comp <= 0.95 * eager else 0)
+except Exception:
+    print(0)
+PYEOF
+)
+    cp "$RES/loss_timing/timing.json" "$RES/loss_timing.json" 2>/dev/null || true
+    ph "COMPILE_LOSS=$COMPILE_LOSS (from loss_timing.json)"
+  fi
   common=(--data "$D" --tokenizer "$TOK" --out "$RES" --work "$W")
   cl=()
   [ "$COMPILE_LOSS" = 1 ] && cl=(--compile-loss)
