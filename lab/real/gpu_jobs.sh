@@ -21,6 +21,11 @@
 #   decode      python/benchmarks/decode_timing.py: synthetic and random caches at 1K to 128K and the
 #               real 32K cache of layers 0, 14, 27 (after `states`), at 0 (automatic) to 132 splits
 #   pytest      the package's Python tests (CUDA ones included)
+#   recipe      recipe.py at 32K: prefill time, retained tiles, perplexity (8 sequences) and multi-key
+#               needles (50 trials) for dense cuDNN, MALA at each tau, per-layer tau and FlashInfer's
+#               skip-softmax (issue #66 part 3); FlashInfer from $MALA_BENCH_SITE (default /tmp/site)
+#               when `lab/scripts/skip_softmax.sh stage` and `install` put it there, else those arms
+#               record Unsupported
 # Results and logs: $STORE/res (STORE = $MALA_REAL_STORE, default /tmp/mala-real).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -59,6 +64,13 @@ job() {
     python3 python/benchmarks/decode_timing.py --seqlens 1024 8192 32768 131072 --batches 1 8 --regimes synthetic random \
       --real "$S/layer00,$S/layer14,$S/layer27" --num-splits 0 16 33 66 132 --out "$RES/decode_timing.json" ;;
   pytest) python3 -m pytest -q -p no:cacheprovider python/tests lab/real/tests ;;
+  recipe)
+    FI_SITE=${MALA_BENCH_SITE:-/tmp/site}
+    if [ -d "$FI_SITE/flashinfer" ]; then  # after $STORE/site: its mala build stays first
+      export PYTHONPATH="$PYTHONPATH:$FI_SITE" FLASHINFER_CUDA_ARCH_LIST=${FLASHINFER_CUDA_ARCH_LIST:-9.0a} \
+        MAX_JOBS=${MAX_JOBS:-16}
+    fi
+    python3 lab/real/recipe.py --gguf "$GGUF" --out "$RES" --n 32768 --sequences 8 --trials 50 ;;
   *) echo "gpu_jobs: unknown job $1" >&2; return 2 ;;
   esac
 }
@@ -67,7 +79,7 @@ case "${1:-}" in
 start)
   shift
   [ $# -gt 0 ] || { echo "usage: gpu_jobs.sh start JOB [JOB ...]" >&2; exit 2; }
-  for j in "$@"; do case "$j" in e2e|niah|train|states|speed|matched|decode|pytest) ;; *) echo "gpu_jobs: unknown job $j" >&2; exit 2;; esac; done
+  for j in "$@"; do case "$j" in e2e|niah|train|states|speed|matched|decode|pytest|recipe) ;; *) echo "gpu_jobs: unknown job $j" >&2; exit 2;; esac; done
   mkdir -p "$RES"
   rm -rf "$STORE/repo" && mkdir -p "$STORE/repo" && cp -r . "$STORE/repo/"
   setsid nohup bash -c "
@@ -97,7 +109,7 @@ wait)
   fi
   ;;
 *)
-  echo "usage: gpu_jobs.sh start JOB [JOB ...] | wait [SECONDS]   (jobs: e2e niah train states matched decode pytest)" >&2
+  echo "usage: gpu_jobs.sh start JOB [JOB ...] | wait [SECONDS]   (jobs: e2e niah train states speed matched decode pytest recipe)" >&2
   exit 2
   ;;
 esac

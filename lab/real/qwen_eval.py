@@ -43,7 +43,8 @@ MODE = {"tau": None, "stats": []}  # the configuration, and MALA's AttentionStat
 
 def eval_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """transformers attention function (query/key/value [B, H, N, d]).  Dense when MODE['tau'] is
-    None: SDPA (qwen_measure's, bottom-right causal when Nq < Nk).  Else MALA at that tau: a prefill
+    None: SDPA (qwen_measure's, bottom-right causal when Nq < Nk).  Else MALA at that tau (a number,
+    or a per-layer spec resolved by mala.layer_tau at the module's layer_idx): a prefill
     (Nq = Nk) through mala.attention, keeping its AttentionStats in MODE['stats'] (the backward fills
     their backward slots when training; None: no counters, for timing); a decode step (Nq < Nk:
     generate() with transformers' cache) through mala.attention_with_kvcache on that cache (the
@@ -55,15 +56,36 @@ def eval_attention(module, query, key, value, attention_mask, scaling=None, drop
         query, key, value = (t.to(torch.bfloat16) for t in (query, key, value))
     if MODE["tau"] is None:
         return qm.capture_attention(module, query, key, value, attention_mask, scaling=scaling)
+    tau = mala.layer_tau(MODE["tau"], getattr(module, "layer_idx", None))  # a number or a per-layer spec
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
     if q.shape[1] == k.shape[1]:
         if MODE["stats"] is None:  # timed runs: no counters
-            return mala.attention(q, k, v, tau=MODE["tau"], softmax_scale=scaling), None
-        out, stats = mala.attention(q, k, v, tau=MODE["tau"], softmax_scale=scaling, return_stats=True)
+            return mala.attention(q, k, v, tau=tau, softmax_scale=scaling), None
+        out, stats = mala.attention(q, k, v, tau=tau, softmax_scale=scaling, return_stats=True)
         MODE["stats"].append(stats)
         return out, None
-    out = mala.attention_with_kvcache(q, k, v, k.shape[1], tau=MODE["tau"], softmax_scale=scaling)
+    out = mala.attention_with_kvcache(q, k, v, k.shape[1], tau=tau, softmax_scale=scaling)
     return out, None
+
+
+def sequence_losses(model, seqs, tau):
+    """Per sequence of token ids: the mean next-token loss (nats), and MALA's forward slots per query
+    and retained tile fraction, each the mean over the forward's layers (None where no MALA layer ran:
+    dense).  tau: MODE['tau'] for the forwards (None, a number or a per-layer spec)."""
+    losses, slots, retained = [], [], []
+    for ids in seqs:
+        MODE["tau"], MODE["stats"] = tau, []
+        losses.append(float(qm.token_losses(model, ids).mean()))
+        st = MODE["stats"]
+        slots.append(statistics.fmean(s.mean_fwd_slots for s in st) if st else None)
+        retained.append(statistics.fmean(s.fwd_retained_fraction for s in st) if st else None)
+    return losses, slots, retained
+
+
+def rel_diff(losses, dense):
+    """The paired relative perplexity difference against dense: per sequence exp(loss - dense) - 1,
+    its mean and the half-width of its 95% t-interval over the sequences."""
+    return mean_ci([math.exp(a - b) - 1.0 for a, b in zip(losses, dense)])
 
 
 def mean_ci(xs):
@@ -119,13 +141,10 @@ def main():
         qm.log(f"{n} tokens: {len(seqs)} sequences ({', '.join(s['package'] for s in manifest['sequences'])})")
         rows = raw.setdefault(str(n), {"packages": [s["package"] for s in manifest["sequences"]]})
         for name, tau in configs:
-            losses, slots = [], []
             t = time.time()
-            for ids in seqs:
-                MODE["tau"], MODE["stats"] = tau, []
-                losses.append(float(qm.token_losses(model, ids).mean()))
-                slots.append(statistics.fmean(s.mean_fwd_slots for s in MODE["stats"]) if MODE["stats"] else None)
-            rows[name] = {"loss": losses, "slots_per_query": slots, "seconds": time.time() - t}
+            losses, slots, retained = sequence_losses(model, seqs, tau)
+            rows[name] = {"loss": losses, "slots_per_query": slots, "retained": retained,
+                          "seconds": time.time() - t}
             qm.log(f"  {name:14s} mean loss {statistics.fmean(losses):.5f}  ppl {math.exp(statistics.fmean(losses)):.4f}"
                    + (f"  slots/query {statistics.fmean(slots):.0f} of {(n + 1) / 2:.0f}" if slots[0] else ""))
             res.save()
@@ -133,8 +152,7 @@ def main():
         entry = {"sequences": len(dense), "dense": math.exp(statistics.fmean(dense))}
         for name, tau in configs[1:]:
             loss = rows[name]["loss"]
-            rel = [math.exp(a - b) - 1.0 for a, b in zip(loss, dense)]  # per-sequence ppl ratio - 1
-            m, h = mean_ci(rel)
+            m, h = rel_diff(loss, dense)
             entry[name] = math.exp(statistics.fmean(loss))
             entry[name + "_rel_diff"] = m
             entry[name + "_rel_diff_ci95"] = h

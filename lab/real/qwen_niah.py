@@ -91,6 +91,45 @@ def answer(model, tok, ids, n_new):
     return tok.decode(y[0, len(ids):].tolist())
 
 
+def is_correct(text, want):
+    """The scorer: the continuation's first number equals the needle's value."""
+    got = re.findall(r"\d+", text)
+    return bool(got) and got[0] == want
+
+
+def haystacks(tok, n):
+    """[(package, token ids)] of every corpus package that reaches n tokens, in the corpus' order."""
+    hays = []
+    for pkg in corpus.PACKAGES:
+        try:
+            seqs, _ = corpus.build(lambda s: tok.encode(s).ids, n, 1, packages=(pkg,))
+            hays.append((pkg, seqs[0]))
+        except RuntimeError:
+            continue
+    if not hays:
+        raise RuntimeError("niah: no corpus package reaches the longest length")
+    return hays
+
+
+def make_trials(tok, hays, n, variant, count, seed):
+    """`count` trials [(ids, expected value, description, haystack package)] of about n tokens, drawn
+    from the seed (the same for every configuration), the haystacks used in turn."""
+    rng = random.Random(f"{seed}-{n}-{variant}")
+    return [make_trial(rng, tok, hays[t % len(hays)][1], n, variant) + (hays[t % len(hays)][0],)
+            for t in range(count)]
+
+
+def run_trials(model, tok, trials, tau, n_new):
+    """(correct [bool], continuations [str]) of the trials with qwen_eval.MODE['tau'] = tau."""
+    correct, outs = [], []
+    for ids, want, _, _ in trials:
+        qwen_eval.MODE["tau"], qwen_eval.MODE["stats"] = tau, []
+        text = answer(model, tok, ids, n_new)
+        correct.append(is_correct(text, want))
+        outs.append(text)
+    return correct, outs
+
+
 def main():
     ap = qwen_eval.parser(__doc__)
     ap.add_argument("--lengths", default="4096,8192,16384,32768")
@@ -105,33 +144,17 @@ def main():
     configs = [("dense", None)] + [(f"mala_tau{float(t):g}", float(t)) for t in args.taus.split(",")]
     res, tok, _, model = qwen_eval.setup(args, "qwen_niah.json", qwen_eval.eval_attention)
     # Haystacks: every package of the corpus that reaches the longest length, used in turn.
-    hays = []
-    for pkg in corpus.PACKAGES:
-        try:
-            seqs, _ = corpus.build(lambda s: tok.encode(s).ids, max(lengths), 1, packages=(pkg,))
-            hays.append((pkg, seqs[0]))
-        except RuntimeError:
-            continue
-    if not hays:
-        raise RuntimeError("niah: no corpus package reaches the longest length")
+    hays = haystacks(tok, max(lengths))
     raw = res.data.setdefault("raw", {})
     summary = res.data.setdefault("niah", {})
     for n in lengths:
         entry = summary.setdefault(str(n), {"trials": args.trials})
         for variant in variants:
-            rng = random.Random(f"{args.seed}-{n}-{variant}")
-            trials = [make_trial(rng, tok, hays[t % len(hays)][1], n, variant) + (hays[t % len(hays)][0],)
-                      for t in range(args.trials)]
+            trials = make_trials(tok, hays, n, variant, args.trials, args.seed)
             rows = raw.setdefault(f"{n}/{variant}", {"trials": [t[2] | {"haystack": t[3]} for t in trials]})
             t0 = time.time()
             for name, tau in configs:
-                correct, outs = [], []
-                for ids, want, _, _ in trials:
-                    qwen_eval.MODE["tau"], qwen_eval.MODE["stats"] = tau, []
-                    text = answer(model, tok, ids, args.new_tokens)
-                    got = re.findall(r"\d+", text)
-                    correct.append(bool(got) and got[0] == want)
-                    outs.append(text)
+                correct, outs = run_trials(model, tok, trials, tau, args.new_tokens)
                 rows[name] = {"correct": correct, "outputs": outs}
                 acc = 100.0 * sum(correct) / len(correct)
                 lo, hi = wilson(sum(correct), len(correct))

@@ -3,6 +3,8 @@
 # "NVIDIA skip-softmax (FlashInfer)").
 #
 #   lab/scripts/skip_softmax.sh stage            # on the GPU, once per carried part (see below)
+#   lab/scripts/skip_softmax.sh install          # on the GPU: step 1 alone (join, check, install), for
+#                                                # other users of FlashInfer (lab/real/recipe.py)
 #   MALA_GIT_COMMIT=... lab/scripts/skip_softmax.sh [--dry-run] [skip_softmax.py flags...]
 #
 # Wheels travel in .whl/fi/ (git-ignored; made here by `lab/scripts/skip_softmax.sh prepare`):
@@ -48,21 +50,25 @@ if [ $DRY = 1 ]; then
 fi
 
 # ---- 1. join, check, install ----------------------------------------------------------------------
-mkdir -p "$SITE" "$OUT_DIR"
-export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
-if [ -f "$STAGE/SHA256SUMS" ]; then
-  (cd "$STAGE" && for p in *.part00; do w=${p%.part00}; [ -f "$w" ] || cat "$w".part* > "$w"; done \
-     && sha256sum -c SHA256SUMS) || { log "sha256 check FAILED"; exit 2; }
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
-    "$STAGE"/*.whl || log "WARNING: pip install of the flashinfer wheels failed"
-else
-  log "no $STAGE/SHA256SUMS: flashinfer wheels not staged (FlashInfer reported unavailable)"
-fi
-shopt -s nullglob; other=(.whl/*.whl)   # FA4's and mala's wheels, as bench_suite.sh carries them
-[ ${#other[@]} -gt 0 ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
-  --upgrade --target "$SITE" "${other[@]}"
-python3 -c "import flashinfer; print('flashinfer', flashinfer.__version__)" 2>&1 | tail -3
-export FLASHINFER_CUDA_ARCH_LIST=${FLASHINFER_CUDA_ARCH_LIST:-9.0a} MAX_JOBS=${MAX_JOBS:-16}
+install_wheels() {
+  mkdir -p "$SITE" "$OUT_DIR"
+  export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+  if [ -f "$STAGE/SHA256SUMS" ]; then
+    (cd "$STAGE" && for p in *.part00; do w=${p%.part00}; [ -f "$w" ] || cat "$w".part* > "$w"; done \
+       && sha256sum -c SHA256SUMS) || { log "sha256 check FAILED"; exit 2; }
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
+      "$STAGE"/*.whl || log "WARNING: pip install of the flashinfer wheels failed"
+  else
+    log "no $STAGE/SHA256SUMS: flashinfer wheels not staged (FlashInfer reported unavailable)"
+  fi
+  shopt -s nullglob; other=(.whl/*.whl)   # FA4's and mala's wheels, as bench_suite.sh carries them
+  [ ${#other[@]} -gt 0 ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+    --upgrade --target "$SITE" "${other[@]}"
+  python3 -c "import flashinfer; print('flashinfer', flashinfer.__version__)" 2>&1 | tail -3
+  export FLASHINFER_CUDA_ARCH_LIST=${FLASHINFER_CUDA_ARCH_LIST:-9.0a} MAX_JOBS=${MAX_JOBS:-16}
+}
+if [ "${1:-}" = "install" ]; then install_wheels; exit 0; fi
+install_wheels
 
 # ---- 2. guard (builds mala when needed), then the comparison --------------------------------------
 MALA_BENCH_WALL_S=${GUARD_WALL_S:-300} lab/scripts/bench_suite.sh --out "$OUT_DIR/guard" --sections guard \

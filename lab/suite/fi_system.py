@@ -304,6 +304,15 @@ class FlashInferSkipSoftmax:
         p.make_graph = p.bwd = p.bwd_once = p.fwd_bwd = no_bwd
         return p
 
+    def forward(self, q, k, v):
+        """O [B, N, Hq, d] of [B, N, H, d] inputs (GQA native), no stats: the model's prefill
+        attention (lab/real/recipe.py).  The ragged copy of K and V is part of the call."""
+        B, N = q.shape[:2]
+        qr, kv = to_ragged(q, k, v)
+        with torch.no_grad():
+            o = self._call(qr, kv, B, N)
+        return from_ragged(o[0] if isinstance(o, (tuple, list)) else o, B, N)
+
     def outputs(self, q, k, v):
         B, N, _, d = q.shape
         qr, kv = to_ragged(q, k, v)
