@@ -21,6 +21,7 @@
 #pragma once
 
 #include "cuda/bwd/common.cuh"
+#include "cuda/core/pipeline.cuh"
 #include "cuda/core/smem_tile.cuh"
 #include "cuda/core/tma.cuh"
 #include "cuda/core/wgmma.cuh"
@@ -75,15 +76,15 @@ __global__ void __launch_bounds__(384, 1)
   const int map_b = varlen ? 0 : b;
 
   const uint32_t sQ = sbase + C::kOffQ, sDO = sbase + C::kOffDO, sK = sbase + C::kOffK, sV = sbase + C::kOffV;
-  const uint32_t mb_qdo = sbase + C::kOffMbar, mb_k_full = mb_qdo + 8, mb_k_empty = mb_k_full + 8 * NS,
-                 mb_v_full = mb_k_empty + 8 * NS, mb_v_empty = mb_v_full + 8 * NS;
+  const uint32_t mb_qdo = sbase + C::kOffMbar;
+  const MbarRing<NS> kring = MbarRing<NS>::at(mb_qdo + 8), vring = MbarRing<NS>::at(kring.empty0 + 8 * NS);
   if (tid == 0) {
     mbar_init(mb_qdo, 1);
     for (int i = 0; i < NS; ++i) {
-      mbar_init(mb_k_full + 8 * i, 1);
-      mbar_init(mb_k_empty + 8 * i, 8);  // one arrival per consumer warp
-      mbar_init(mb_v_full + 8 * i, 1);
-      mbar_init(mb_v_empty + 8 * i, 8);
+      mbar_init(kring.full(i), 1);
+      mbar_init(kring.empty(i), 8);  // one arrival per consumer warp
+      mbar_init(vring.full(i), 1);
+      mbar_init(vring.empty(i), 8);
     }
     fence_mbarrier_init();
   }
@@ -115,8 +116,8 @@ __global__ void __launch_bounds__(384, 1)
       auto next_slot = [&]() {
         const int s = u & 1;
         if (u >= NS) {
-          mbar_wait<true>(mb_k_empty + 8 * s, parity((u >> 1) - 1));
-          mbar_wait<true>(mb_v_empty + 8 * s, parity((u >> 1) - 1));
+          mbar_wait<true>(kring.empty(s), parity((u >> 1) - 1));
+          mbar_wait<true>(vring.empty(s), parity((u >> 1) - 1));
         }
         return s;
       };
@@ -133,14 +134,14 @@ __global__ void __launch_bounds__(384, 1)
             if (t >= n_steps || bits[jj] == 0u) continue;
             const int s = next_slot();
             step_word[s] = (t << 4) | static_cast<int>(bits[jj]);
-            tma_load_tile<BKS, D>(sK + s * KTile::kBytes, &maps.k32, mb_k_full + 8 * s, k_map_row + t * BKS, hk, map_b);
-            tma_load_tile<BKS, D>(sV + s * KTile::kBytes, &maps.v32, mb_v_full + 8 * s, k_map_row + t * BKS, hk, map_b);
+            tma_load_tile<BKS, D>(sK + s * KTile::kBytes, &maps.k32, kring.full(s), k_map_row + t * BKS, hk, map_b);
+            tma_load_tile<BKS, D>(sV + s * KTile::kBytes, &maps.v32, vring.full(s), k_map_row + t * BKS, hk, map_b);
             ++u;
           }
       }
       const int s = next_slot();
       step_word[s] = -1;  // the end: a phase of the K slot's full barrier without bytes
-      mbar_arrive(mb_k_full + 8 * s);
+      kring.fill_empty(s);
     }
     return;
   }
@@ -172,14 +173,14 @@ __global__ void __launch_bounds__(384, 1)
   int pending_k = -1;  // the slot whose K goes back once its dQ product has completed
   for (int u = 0;; ++u) {
     const int ks = u & 1;
-    mbar_wait<true>(mb_k_full + 8 * ks, parity(u >> 1));
+    mbar_wait<true>(kring.full(ks), parity(u >> 1));
     // Read by the lane that gives the slot back (so the read is ordered before that arrival).
     const int word = __shfl_sync(0xffffffffu, lane == 0 ? step_word[ks] : 0, 0);
     if (word < 0) break;
     const int t = word >> 4;
     const bool kept0 = (word >> (2 * wg)) & 1, kept1 = (word >> (2 * wg + 1)) & 1;
     const bool work = t < wg_steps && (kept0 || kept1);
-    mbar_wait<true>(mb_v_full + 8 * ks, parity(u >> 1));
+    mbar_wait<true>(vring.full(ks), parity(u >> 1));
     if (work) {
 #pragma unroll
       for (int e = 0; e < 16; ++e) s[e] = dp[e] = 0.f;
@@ -196,12 +197,12 @@ __global__ void __launch_bounds__(384, 1)
     }
     if (pending_k >= 0) {
       if (!work) wgmma_wait<0>();  // (on the work path the wait above covered it)
-      if (lane == 0) mbar_arrive(mb_k_empty + 8 * pending_k);  // the last dQ product has read its K
+      if (lane == 0) kring.release(pending_k);  // the last dQ product has read its K
       pending_k = -1;
     }
-    if (lane == 0) mbar_arrive(mb_v_empty + 8 * ks);  // dP has read V_t (or nothing will)
+    if (lane == 0) vring.release(ks);  // dP has read V_t (or nothing will)
     if (!work) {
-      if (lane == 0) mbar_arrive(mb_k_empty + 8 * ks);
+      if (lane == 0) kring.release(ks);
       continue;
     }
     // Entry 4n + 2hh + c: row r_lo + 8hh, key 32t + 8n + 2tig + c.
@@ -235,7 +236,7 @@ __global__ void __launch_bounds__(384, 1)
   }
   wgmma_wait<0>();
   wgmma_fence_operands(dq);
-  if (pending_k >= 0 && lane == 0) mbar_arrive(mb_k_empty + 8 * pending_k);
+  if (pending_k >= 0 && lane == 0) kring.release(pending_k);
 
   // dQ (scaled) into the output: element 4n + 2hh + c is row r_lo + 8hh, column 8n + 2tig + c.
   const int64_t dq_b = varlen ? 0 : static_cast<int64_t>(b) * p.dq_b;

@@ -34,6 +34,7 @@
 #include <type_traits>
 
 #include "cuda/bwd/common.cuh"
+#include "cuda/core/pipeline.cuh"
 #include "cuda/core/smem_tile.cuh"
 #include "cuda/core/tma.cuh"
 #include "cuda/core/wgmma.cuh"
@@ -115,9 +116,11 @@ __global__ void __launch_bounds__(384, 1)
 
   const uint32_t sK = sbase + C::kOffK, sV = sbase + C::kOffV, sQ = sbase + C::kOffQ, sDO = sbase + C::kOffDO,
                  sDS = sbase + C::kOffDS, sDQ = sbase + C::kOffDQ;
-  const uint32_t mb_kv = sbase + C::kOffMbar, mb_q_full = mb_kv + 8, mb_q_empty = mb_q_full + 8 * NQS,
-                 mb_do_full = mb_q_empty + 8 * NQS, mb_do_empty = mb_do_full + 16, mb_vote = mb_do_empty + 16,
-                 mb_dq_full = mb_vote + 32, mb_dq_empty = mb_dq_full + 8, mb_dec = mb_dq_empty + 8;
+  const uint32_t mb_kv = sbase + C::kOffMbar;
+  const MbarRing<NQS> qring = MbarRing<NQS>::at(mb_kv + 8);
+  const MbarRing<2> doring = MbarRing<2>::at(qring.empty0 + 8 * NQS);
+  const uint32_t mb_vote = doring.empty0 + 16, mb_dq_full = mb_vote + 32, mb_dq_empty = mb_dq_full + 8,
+                 mb_dec = mb_dq_empty + 8;
   uint32_t* vote_w = reinterpret_cast<uint32_t*>(smem + C::kOffVote);
   volatile int* s_dec = reinterpret_cast<volatile int*>(smem + C::kOffDec);
   volatile int* s_dq_row = reinterpret_cast<volatile int*>(smem + C::kOffDqRow);
@@ -125,14 +128,8 @@ __global__ void __launch_bounds__(384, 1)
   static_assert(!(kDense && kFwdMask), "the forward's mask serves tau > 0");
   if (tid == 0) {
     mbar_init(mb_kv, 2);  // K's and V's expect_tx arrivals
-    for (int i = 0; i < NQS; ++i) {
-      mbar_init(mb_q_full + 8 * i, 1);   // the producer's expect_tx arrival
-      mbar_init(mb_q_empty + 8 * i, 8);  // one arrival per consumer warp
-    }
-    for (int i = 0; i < 2; ++i) {
-      mbar_init(mb_do_full + 8 * i, 1);
-      mbar_init(mb_do_empty + 8 * i, 8);
-    }
+    qring.init(1, 8);   // the producer's expect_tx arrival; one arrival per consumer warp
+    doring.init(1, 8);
     mbar_init(mb_dq_full, 8);   // each consumer warp, once its part of the dQ tile is stored
     mbar_init(mb_dq_empty, 1);  // the writer, once the TMA has read the buffer
     for (int i = 0; i < 8; ++i) mbar_init(mb_dec + 8 * i, 1);  // tile t's decision (one consumer thread)
@@ -182,12 +179,12 @@ __global__ void __launch_bounds__(384, 1)
       for (int t = 0, s = 0, use = 0; t < n_iter; ++t, x = w.next(x)) {
         if constexpr (kFwdMask)
           if (!is_scored(t)) continue;
-        if (use > 0) mbar_wait<true>(mb_q_empty + 8 * s, parity(use - 1));
+        if (use > 0) mbar_wait<true>(qring.empty(s), parity(use - 1));
         // Q, and lse and the bound of its rows (rows past the sequence read the next rows' finite
         // values: their scores are masked, so P is 0 and no bound is reached).
         if (lane == 0) {
           const int h = x.h(), r0 = x.qi() * BQ, at = static_cast<int>(h * p.rows_q_cap + w.qrow0 + r0);
-          const uint32_t full = mb_q_full + 8 * s;
+          const uint32_t full = qring.full(s);
           mbar_arrive_expect_tx(full, QTile::kBytes + ((kDense ? 1 : 2) + (kDet ? 1 : 0)) * C::kVec * 4);
           tma_load_tile_boxes<BQ, D>(sQ + s * QTile::kBytes, &maps.q, full, q_row0 + r0, h, map_b);
           tma_load_1d(sbase + C::kOffLse + s * C::kVecStride * 4, &maps.lse, full, at & ~3);
@@ -214,13 +211,13 @@ __global__ void __launch_bounds__(384, 1)
           if (!is_scored(t)) continue;
         const int r = kFwdMask ? u++ : t;
         const int s = r & 1;
-        if (r >= 2) mbar_wait<true>(mb_do_empty + 8 * s, parity((r >> 1) - 1));
+        if (r >= 2) mbar_wait<true>(doring.empty(s), parity((r >> 1) - 1));
         bool load = true;
         // Speculative when tile r - 2 was retained: its decision is out by the time its dO slot (this
         // one) comes back, so the load is not held up by tile r - 1's.
         if (!kDense && r > 1 && (decision(r - 2) & 1) == 0) load = (decision(r) & 1) != 0;
         if (lane == 0) {
-          const uint32_t full = mb_do_full + 8 * s;
+          const uint32_t full = doring.full(s);
           if (load) {
             const int h = x.h(), r0 = x.qi() * BQ, at = static_cast<int>(h * p.rows_q_cap + w.qrow0 + r0);
             mbar_arrive_expect_tx(full, QTile::kBytes + C::kVec * 4);
@@ -310,15 +307,15 @@ __global__ void __launch_bounds__(384, 1)
   };
   // A skipped tile: its Q slot goes back (S^T is complete).
   auto skipped = [&](int qs) {
-    if (lane == 0) mbar_arrive(mb_q_empty + 8 * qs);
+    if (lane == 0) qring.release(qs);
   };
   // A skipped tile's dO slot goes back once its (byte-less) phase has completed, a tile late so that
   // the skip path does not wait for the producer.
   int pend_do = -1;
   auto release_pending_do = [&]() {
     if (pend_do >= 0) {
-      mbar_wait<true>(mb_do_full + 8 * (pend_do & 1), parity(pend_do >> 1));
-      if (lane == 0) mbar_arrive(mb_do_empty + 8 * (pend_do & 1));
+      mbar_wait<true>(doring.full(pend_do & 1), parity(pend_do >> 1));
+      if (lane == 0) doring.release(pend_do & 1);
       pend_do = -1;
     }
   };
@@ -355,7 +352,7 @@ __global__ void __launch_bounds__(384, 1)
     float s[32], dp[32];
     const int ring_t = kFwdMask ? u : t;
     const int qs = qs_n;
-    mbar_wait<true>(mb_q_full + 8 * qs, parity(quse_n));
+    mbar_wait<true>(qring.full(qs), parity(quse_n));
     // This tile's rows in the scalar slots (kVec above).
     const int vec0 = static_cast<int>((x.h() * p.rows_q_cap + w.qrow0 + x.qi() * BQ) & 3);
     const float* bound_t = bound_s + qs * C::kVecStride + vec0;
@@ -364,7 +361,7 @@ __global__ void __launch_bounds__(384, 1)
     if (!kDense && dp_early) early_bound = make_float2(bound_t[2 * tig], bound_t[2 * tig + 1]);
     keys_x_rows(s, sK, sQ + qs * QTile::kBytes);
     if constexpr (dp_early) {
-      mbar_wait<true>(mb_do_full + 8 * (ring_t & 1), parity(ring_t >> 1));
+      mbar_wait<true>(doring.full(ring_t & 1), parity(ring_t >> 1));
       keys_x_rows(dp, sV, sDO + (ring_t & 1) * QTile::kBytes);
       release_pending_do();
       wgmma_wait<1>();
@@ -387,7 +384,7 @@ __global__ void __launch_bounds__(384, 1)
       retain_1 = retain;
       if (!retain) {
         wgmma_wait<0>();  // dP^T's reads of dO_t end before its slot goes back
-        if (lane == 0) mbar_arrive(mb_do_empty + 8 * (ring_t & 1));
+        if (lane == 0) doring.release(ring_t & 1);
         skipped(qs);
         return;
       }
@@ -409,7 +406,7 @@ __global__ void __launch_bounds__(384, 1)
       retain_2 = retain_1;
       retain_1 = true;
       release_pending_do();
-      mbar_wait<true>(mb_do_full + 8 * (ring_t & 1), parity(ring_t >> 1));
+      mbar_wait<true>(doring.full(ring_t & 1), parity(ring_t >> 1));
       keys_x_rows(dp, sV, sDO + (ring_t & 1) * QTile::kBytes);
     }
     // Retained tile t.  Its dS^T goes into the one buffer once the other warpgroup's dQ products of
@@ -489,7 +486,7 @@ __global__ void __launch_bounds__(384, 1)
     wgmma_wait<1>();  // dV and dQ (groups complete in order): dO_t is free, dQ is ready
     wgmma_fence_operands(dv);
     wgmma_fence_operands(dq);
-    if (lane == 0) mbar_arrive(mb_do_empty + 8 * ds);
+    if (lane == 0) doring.release(ds);
     // dQ -> the writer's buffer: boxes of 128 bytes (32 fp32 or int32 columns) x 64 rows, 128-byte
     // swizzle (16-byte chunk c of row r at c ^ (r % 8)); warpgroup g writes the boxes of its D / 2
     // columns.  Accumulator element 4n + 2hh + c: row 16 wl + gid + 8 hh, column 8n + 2 tig + c of
@@ -518,7 +515,7 @@ __global__ void __launch_bounds__(384, 1)
     post_dq(static_cast<int>(h * p.rows_q_cap + w.qrow0 + q0));
     wgmma_wait<0>();  // dK: Q_t is free
     wgmma_fence_operands(dk);
-    if (lane == 0) mbar_arrive(mb_q_empty + 8 * qs);
+    if (lane == 0) qring.release(qs);
   };
   while (t < n_iter) {
     if constexpr (kFwdMask) {

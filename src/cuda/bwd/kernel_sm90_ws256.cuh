@@ -30,6 +30,7 @@
 
 #include "cuda/bwd/common.cuh"
 #include "cuda/bwd/dq_sm90_ws256.cuh"
+#include "cuda/core/pipeline.cuh"
 #include "cuda/core/smem_tile.cuh"
 #include "cuda/core/tma.cuh"
 #include "cuda/core/wgmma.cuh"
@@ -85,15 +86,16 @@ __global__ void __launch_bounds__(384, 1)
 
   const uint32_t sK = sbase + C::kOffK, sV = sbase + C::kOffV, sQ = sbase + C::kOffQ, sDO = sbase + C::kOffDO,
                  sP = sbase + C::kOffP, sDS = sbase + C::kOffDS;
-  const uint32_t mb_kv = sbase + C::kOffMbar, mb_q_full = mb_kv + 8, mb_q_empty = mb_q_full + 8 * NS,
-                 mb_do_full = mb_q_empty + 8 * NS, mb_do_empty = mb_do_full + 8 * NS, mb_st_free = mb_do_empty + 8 * NS;
+  const uint32_t mb_kv = sbase + C::kOffMbar;
+  const MbarRing<NS> qring = MbarRing<NS>::at(mb_kv + 8), doring = MbarRing<NS>::at(qring.empty0 + 8 * NS);
+  const uint32_t mb_st_free = doring.empty0 + 8 * NS;
   if (tid == 0) {
     mbar_init(mb_kv, 2);  // K's and V's expect_tx arrivals
     for (int i = 0; i < NS; ++i) {
-      mbar_init(mb_q_full + 8 * i, 1);
-      mbar_init(mb_q_empty + 8 * i, 8);  // one arrival per consumer warp
-      mbar_init(mb_do_full + 8 * i, 1);
-      mbar_init(mb_do_empty + 8 * i, 8);
+      mbar_init(qring.full(i), 1);
+      mbar_init(qring.empty(i), 8);  // one arrival per consumer warp
+      mbar_init(doring.full(i), 1);
+      mbar_init(doring.empty(i), 8);
     }
     mbar_init(mb_st_free, 8);  // each consumer warp, once its reads of a tile's P^T and dS^T are done
     fence_mbarrier_init();
@@ -115,9 +117,9 @@ __global__ void __launch_bounds__(384, 1)
       BwdWork::Tile x = w.tile(0);
       for (int t = 0; t < n_iter; ++t, x = w.next(x)) {
         const int s = t & 1;
-        if (t >= NS) mbar_wait<true>(mb_q_empty + 8 * s, parity((t >> 1) - 1));
+        if (t >= NS) mbar_wait<true>(qring.empty(s), parity((t >> 1) - 1));
         const int at = vec_at(x);
-        const uint32_t full = mb_q_full + 8 * s;
+        const uint32_t full = qring.full(s);
         mbar_arrive_expect_tx(full, QTile::kBytes + (kDense ? 1 : 2) * C::kVec * 4);
         tma_load_tile_boxes<BQ, D>(sQ + s * QTile::kBytes, &maps.q, full, q_row0 + x.qi() * BQ, x.h(), map_b);
         tma_load_1d(sbase + C::kOffLse + s * C::kVecStride * 4, &maps.lse, full, at & ~3);
@@ -127,8 +129,8 @@ __global__ void __launch_bounds__(384, 1)
       BwdWork::Tile x = w.tile(0);
       for (int t = 0; t < n_iter; ++t, x = w.next(x)) {
         const int s = t & 1;
-        if (t >= NS) mbar_wait<true>(mb_do_empty + 8 * s, parity((t >> 1) - 1));
-        const uint32_t full = mb_do_full + 8 * s;
+        if (t >= NS) mbar_wait<true>(doring.empty(s), parity((t >> 1) - 1));
+        const uint32_t full = doring.full(s);
         mbar_arrive_expect_tx(full, QTile::kBytes + C::kVec * 4);
         tma_load_tile_boxes<BQ, D>(sDO + s * QTile::kBytes, &maps.dout, full, q_row0 + x.qi() * BQ, x.h(), map_b);
         tma_load_1d(sbase + C::kOffDsum + s * C::kVecStride * 4, &maps.dsum, full, vec_at(x) & ~3);
@@ -160,8 +162,8 @@ __global__ void __launch_bounds__(384, 1)
   // S^T(t) and dP^T(t) of this warpgroup's 32 rows, one group: X Y_g^T over d (X = K or V, Y = Q_t or dO_t).
   auto issue_s_dp = [&](int t) {
     const int qs = t & 1;
-    mbar_wait<true>(mb_q_full + 8 * qs, parity(t >> 1));
-    mbar_wait<true>(mb_do_full + 8 * qs, parity(t >> 1));
+    mbar_wait<true>(qring.full(qs), parity(t >> 1));
+    mbar_wait<true>(doring.full(qs), parity(t >> 1));
 #pragma unroll
     for (int e = 0; e < 16; ++e) s[e] = dp[e] = 0.f;
     // The zeros pinned before the first product: left free, ptxas sinks dP^T's behind S^T's wgmmas and
@@ -188,8 +190,8 @@ __global__ void __launch_bounds__(384, 1)
   };
   auto release_slots = [&](int qs) {
     if (lane == 0) {
-      mbar_arrive(mb_q_empty + 8 * qs);
-      mbar_arrive(mb_do_empty + 8 * qs);
+      qring.release(qs);
+      doring.release(qs);
     }
   };
 

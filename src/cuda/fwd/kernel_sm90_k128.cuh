@@ -33,6 +33,7 @@
 
 #include <type_traits>
 
+#include "cuda/core/pipeline.cuh"
 #include "cuda/core/smem_tile.cuh"
 #include "cuda/core/tma.cuh"
 #include "cuda/core/wgmma.cuh"
@@ -84,23 +85,6 @@ struct FwdK128 {
   static constexpr int kBytes = kOffDec;  // no decision ring: dense, or no V skip
   static constexpr int kBytesRing = kOffDecFlag + 8 * kDecSlots;
   static constexpr int kSmem = kBytes + 1024, kSmemRing = kBytesRing + 1024;
-};
-
-// A ring slot and the phase parity of its current use, stepped once per tile.
-struct RingPos {
-  int slot;
-  uint32_t phase;
-  template <int N>
-  __device__ __forceinline__ static RingPos at(int i) {
-    return {i % N, static_cast<uint32_t>(i / N) & 1u};
-  }
-  template <int N>
-  __device__ __forceinline__ void next() {
-    if (++slot == N) {
-      slot = 0;
-      phase ^= 1u;
-    }
-  }
 };
 
 // kDense: tau = 0 (no test, no vote; every legal tile retained).  kSeeded: a seeded split
@@ -285,8 +269,8 @@ __global__ void __launch_bounds__(384, 1)
       mbar_arrive(mb_empty_k + 8 * kr.slot);
       mbar_arrive(mb_empty_v + 8 * vr.slot);
     }
-    kr.next<NS>();
-    vr.next<NS>();
+    kr.advance<NS>();
+    vr.advance<NS>();
   }
   // S(t) = Q K(t)^T issued (not committed).
   auto issue_s = [&](int t) {
@@ -301,7 +285,7 @@ __global__ void __launch_bounds__(384, 1)
   auto s_done = [&]() {
     wgmma_fence_operands(s_flat);
     if (lane == 0) mbar_arrive(mb_empty_k + 8 * kr.slot);
-    kr.next<NS>();
+    kr.advance<NS>();
   };
   // O += P V(t) issued (not committed) where the warpgroup retains tile t; its V slot is waited for
   // either way, so that pv_done gives back a slot whose load has completed.
@@ -330,7 +314,7 @@ __global__ void __launch_bounds__(384, 1)
   auto pv_done = [&]() {
     wgmma_fence_operands(acc_flat);
     if (lane == 0) mbar_arrive(mb_empty_v + 8 * vr.slot);
-    vr.next<NS>();
+    vr.advance<NS>();
   };
   // The complete S(t): mask, row max, (tau > 0) the test and the vote, and, where this warp runs
   // the tile (returned in `retain`, warp-uniform), P.  Returns true when O needs

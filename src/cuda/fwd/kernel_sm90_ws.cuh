@@ -30,6 +30,7 @@
 
 #include <type_traits>
 
+#include "cuda/core/pipeline.cuh"
 #include "cuda/core/smem_tile.cuh"
 #include "cuda/core/tma.cuh"
 #include "cuda/core/wgmma.cuh"
@@ -93,8 +94,9 @@ __global__ void __launch_bounds__(384, 1)
   const int n_tiles = sq.key_tiles(row_cta, BQ, BK, p.causal);
   const int top = n_tiles - 1;
   const uint32_t sK0 = sbase + C::kOffK, sV0 = sbase + C::kOffV;
-  const uint32_t mb_full_k = sbase + C::kOffMbar, mb_empty_k = mb_full_k + 8 * NKB;
-  const uint32_t mb_full_v = mb_empty_k + 8 * NKB, mb_empty_v = mb_full_v + 8 * NVB, mb_dec = mb_empty_v + 8 * NVB;
+  const MbarRing<NKB> kring = MbarRing<NKB>::at(sbase + C::kOffMbar);
+  const MbarRing<NVB> vring = MbarRing<NVB>::at(kring.empty0 + 8 * NKB);
+  const uint32_t mb_dec = vring.empty0 + 8 * NVB;
   // Warpgroup g's decision on tile t: (t << 1) | retained in s_dec[t % R][g], stored by the
   // warpgroup's thread 0, which then arrives on mbarrier dec[t % R] (smem_store_arrive_if:
   // predicated, no branch between the vote and the softmax; the consumers never wait on it).  The
@@ -112,14 +114,8 @@ __global__ void __launch_bounds__(384, 1)
     return ((d[0] | d[1]) & 1) != 0;
   };
   if (tid == 0) {
-    for (int i = 0; i < NKB; ++i) {
-      mbar_init(mb_full_k + 8 * i, 1);
-      mbar_init(mb_empty_k + 8 * i, 8);  // one arrival per consumer warp
-    }
-    for (int i = 0; i < NVB; ++i) {
-      mbar_init(mb_full_v + 8 * i, 1);
-      mbar_init(mb_empty_v + 8 * i, 8);
-    }
+    kring.init(1, 8);  // one arrival per consumer warp
+    vring.init(1, 8);
     for (int i = 0; i < R; ++i) mbar_init(mb_dec + 8 * i, 2);  // one arrival per consumer warpgroup
     fence_mbarrier_init();
   }
@@ -132,8 +128,8 @@ __global__ void __launch_bounds__(384, 1)
     if (tid == 0 && n_tiles > 0) {
       auto load_k = [&](int t) {
         const uint32_t slot = ring(t, NKB);
-        if (t + NKB <= top) mbar_wait<true>(mb_empty_k + 8 * slot, phase(t + NKB, NKB));
-        tma_load_tile<BK, D>(sK0 + slot * KVTile::kBytes, &tmap_k, mb_full_k + 8 * slot, k_row0 + t * BK, hk, k_batch);
+        if (t + NKB <= top) mbar_wait<true>(kring.empty(slot), phase(t + NKB, NKB));
+        tma_load_tile<BK, D>(sK0 + slot * KVTile::kBytes, &tmap_k, kring.full(slot), k_row0 + t * BK, hk, k_batch);
       };
       for (int t = top; t > top - NKB && t >= 0; --t) load_k(t);
       bool last_known = true;
@@ -144,7 +140,7 @@ __global__ void __launch_bounds__(384, 1)
         // once for the tile (with no bytes when V_t is not needed).  (Waiting for tile t + kLag's
         // decisions instead would stall the producer behind the slower warpgroup.)
         const uint32_t slot = ring(t, NVB);
-        if (t + NVB <= top) mbar_wait<true>(mb_empty_v + 8 * slot, phase(t + NVB, NVB));
+        if (t + NVB <= top) mbar_wait<true>(vring.empty(slot), phase(t + NVB, NVB));
         bool load = true;
         if (!kDense) {
           if (t + C::kLag <= top) {
@@ -158,9 +154,9 @@ __global__ void __launch_bounds__(384, 1)
           }
         }
         if (load) {
-          tma_load_tile<BK, D>(sV0 + slot * KVTile::kBytes, &tmap_v, mb_full_v + 8 * slot, k_row0 + t * BK, hk, k_batch);
+          tma_load_tile<BK, D>(sV0 + slot * KVTile::kBytes, &tmap_v, vring.full(slot), k_row0 + t * BK, hk, k_batch);
         } else {
-          mbar_arrive(mb_full_v + 8 * slot);
+          vring.fill_empty(slot);
         }
         if (t - NKB >= 0) load_k(t - NKB);
       }
@@ -216,13 +212,13 @@ __global__ void __launch_bounds__(384, 1)
 #pragma unroll
     for (int e = 0; e < BK / 2; ++e) s_flat[e] = 0.f;
     const uint32_t slot = ring(t, NKB);
-    mbar_wait<true>(mb_full_k + 8 * slot, phase(t, NKB));
+    mbar_wait<true>(kring.full(slot), phase(t, NKB));
     wgmma_fence();
     wgmma_fwd_issue_s<BK, KS, C::kQSmem, T, QTile, KVTile>(s_flat, qreg, sQ,
                                                            wgmma_desc(sK0 + slot * KVTile::kBytes, 16, 1024));
   };
   auto release_k = [&](int t) {
-    if (lane == 0) mbar_arrive(mb_empty_k + 8 * ring(t, NKB));
+    if (lane == 0) kring.release(ring(t, NKB));
   };
   // Each tile in two steps:
   //   decide(t, s, between): its scores complete in s: mask, row max, the test and the pair vote
@@ -297,7 +293,7 @@ __global__ void __launch_bounds__(384, 1)
         for (int kk = 0; kk < BK / 16; ++kk) p_to_a<T, 1, NT>(s, 0, kk, pa[kk]);
         retained += pair_retain ? 1 : 0;
       }
-      mbar_wait<true>(mb_full_v + 8 * vslot, phase(t, NVB));
+      mbar_wait<true>(vring.full(vslot), phase(t, NVB));
       wgmma_fence();
       const uint64_t dV = wgmma_desc(sV0 + vslot * KVTile::kBytes, KVTile::kBlockBytes, 1024);
 #pragma unroll
@@ -321,8 +317,8 @@ __global__ void __launch_bounds__(384, 1)
     wgmma_fence_operands(acc_flat);
     if (t + 2 <= top) {
       const uint32_t rs = ring(t + 2, NVB);
-      mbar_wait<true>(mb_full_v + 8 * rs, phase(t + 2, NVB));
-      if (lane == 0) mbar_arrive(mb_empty_v + 8 * rs);
+      mbar_wait<true>(vring.full(rs), phase(t + 2, NVB));
+      if (lane == 0) vring.release(rs);
     }
   };
   auto s_done = [&](STile& s) { wgmma_fence_operands(*reinterpret_cast<SFlat*>(&s[0][0][0])); };
