@@ -20,6 +20,8 @@
 //     under the next step's S and dP.
 #pragma once
 
+#include <stddef.h>
+
 #include "cuda/bwd/common.cuh"
 #include "cuda/core/pipeline.cuh"
 #include "cuda/core/smem_tile.cuh"
@@ -35,15 +37,20 @@ struct BwdDq256 {
   static_assert(BwdConfig<256>::BQ == BH && BwdConfig<256>::BK == BK, "decision tile: 32 rows x 64 keys");
   using QTile = GmmaTile<64, D>;   // a warpgroup's Q or dO rows
   using KTile = GmmaTile<BKS, D>;  // a step's K or V
-  static constexpr int kOffQ = 0;                                   // [2] per warpgroup
-  static constexpr int kOffDO = kOffQ + 2 * QTile::kBytes;          // [2]
-  static constexpr int kOffK = kOffDO + 2 * QTile::kBytes;          // [kStages]
-  static constexpr int kOffV = kOffK + kStages * KTile::kBytes;     // [kStages]
-  // mbarriers: qdo_full, k_full[2], k_empty[2], v_full[2], v_empty[2]
-  static constexpr int kOffMbar = kOffV + kStages * KTile::kBytes;
-  static constexpr int kOffStep = kOffMbar + 9 * 8;  // [kStages] (step << 4) | decisions of the slot's step, or -1
-  static constexpr int kBytes = kOffStep + kStages * 4;
-  static constexpr int kSmem = kBytes + 1024;
+  // The kernel's shared memory from a 1024-byte aligned base (swizzled tiles need it; every tile is
+  // a multiple of 1024 bytes, so each starts aligned, as the asserts below check).
+  struct Storage {
+    unsigned char q[2][QTile::kBytes];         // per warpgroup
+    unsigned char dout[2][QTile::kBytes];
+    unsigned char k[kStages][KTile::kBytes];
+    unsigned char v[kStages][KTile::kBytes];
+    uint64_t mbar[9];    // qdo_full, k_full[2], k_empty[2], v_full[2], v_empty[2]
+    int step[kStages];   // (step << 4) | decisions of the slot's step, or -1
+  };
+  static_assert(offsetof(Storage, dout) % 1024 == 0 && offsetof(Storage, k) % 1024 == 0 &&
+                    offsetof(Storage, v) % 1024 == 0,
+                "BwdDq256::Storage: swizzled tiles at 1024-byte boundaries");
+  static constexpr int kSmem = sizeof(Storage) + 1024;  // + the base's alignment
 };
 
 template <typename T, bool kDense>
@@ -75,8 +82,11 @@ __global__ void __launch_bounds__(384, 1)
   const int q_map_row = varlen ? static_cast<int>(qrow0) : 0, k_map_row = varlen ? static_cast<int>(krow0) : 0;
   const int map_b = varlen ? 0 : b;
 
-  const uint32_t sQ = sbase + C::kOffQ, sDO = sbase + C::kOffDO, sK = sbase + C::kOffK, sV = sbase + C::kOffV;
-  const uint32_t mb_qdo = sbase + C::kOffMbar;
+  using Sm = typename C::Storage;
+  Sm& st = *reinterpret_cast<Sm*>(smem);
+  const uint32_t sQ = sbase + offsetof(Sm, q), sDO = sbase + offsetof(Sm, dout), sK = sbase + offsetof(Sm, k),
+                 sV = sbase + offsetof(Sm, v);
+  const uint32_t mb_qdo = sbase + offsetof(Sm, mbar);
   const MbarRing<NS> kring = MbarRing<NS>::at(mb_qdo + 8), vring = MbarRing<NS>::at(kring.empty0 + 8 * NS);
   if (tid == 0) {
     mbar_init(mb_qdo, 1);
@@ -111,7 +121,7 @@ __global__ void __launch_bounds__(384, 1)
           if (i0 + k < p.n_q_tiles && m[static_cast<int64_t>(k) * p.n_k_tiles] == mala::kTileRetained) bits |= 1u << k;
         return bits;
       };
-      int* step_word = reinterpret_cast<int*>(smem + C::kOffStep);
+      int* step_word = st.step;
       int u = 0;  // loaded steps so far: the rings' use count
       auto next_slot = [&]() {
         const int s = u & 1;
@@ -162,7 +172,7 @@ __global__ void __launch_bounds__(384, 1)
     dsum[hh] = p.dsum[at];
   }
   const int half = wl >> 1;  // this warp's rows are half `half` of the warpgroup's
-  const int* step_word = reinterpret_cast<const int*>(smem + C::kOffStep);
+  const int* step_word = st.step;
   float dq[D / 2];
 #pragma unroll
   for (int i = 0; i < D / 2; ++i) dq[i] = 0.f;
