@@ -28,6 +28,8 @@
 //   A tile whose halves are both skipped issues no dV or dK work.
 #pragma once
 
+#include <stddef.h>
+
 #include "cuda/bwd/common.cuh"
 #include "cuda/bwd/dq_sm90_ws256.cuh"
 #include "cuda/core/pipeline.cuh"
@@ -46,23 +48,32 @@ struct BwdWs256 {
   using KTile = GmmaTile<BK, D>;
   using QTile = GmmaTile<BQ, D>;
   using STile = GmmaTile<BK, BQ>;  // P^T, dS^T [key][query]
-  static constexpr int kOffK = 0;
-  static constexpr int kOffV = kOffK + KTile::kBytes;
-  static constexpr int kOffQ = kOffV + KTile::kBytes;             // [kStages]
-  static constexpr int kOffDO = kOffQ + kStages * QTile::kBytes;  // [kStages]
-  static constexpr int kOffP = kOffDO + kStages * QTile::kBytes;
-  static constexpr int kOffDS = kOffP + STile::kBytes;
   // Per-row scalars of a query tile by TMA, as in kernel_sm90_ws.cuh: kVec floats from the 16-byte
   // boundary at or before the tile's first row, kVecStride floats per slot.
   static constexpr int kVec = BQ + 4, kVecStride = 96;
-  static constexpr int kOffLse = kOffDS + STile::kBytes;                   // [kStages][kVecStride]
-  static constexpr int kOffBound = kOffLse + kStages * kVecStride * 4;     // [kStages][kVecStride]
-  static constexpr int kOffDsum = kOffBound + kStages * kVecStride * 4;    // [kStages][kVecStride]
-  // mbarriers: kv, q_full[2], q_empty[2], do_full[2], do_empty[2], st_free
-  static constexpr int kOffMbar = kOffDsum + kStages * kVecStride * 4;
-  static constexpr int kOffVote = kOffMbar + 10 * 8;  // [2][8] each consumer warp's verdict, by tile parity
-  static constexpr int kBytes = kOffVote + 2 * 8 * 4;
-  static constexpr int kSmem = kBytes + 1024;
+  // The kernel's shared memory from a 1024-byte aligned base (swizzled tiles need it; every tile is
+  // a multiple of 1024 bytes, so each starts aligned, as the asserts below check).
+  struct Storage {
+    unsigned char k[KTile::kBytes];
+    unsigned char v[KTile::kBytes];
+    unsigned char q[kStages][QTile::kBytes];
+    unsigned char dout[kStages][QTile::kBytes];
+    unsigned char p[STile::kBytes];
+    unsigned char ds[STile::kBytes];
+    float lse[kStages][kVecStride];    // TMA boxes: 16-byte aligned
+    float bound[kStages][kVecStride];
+    float dsum[kStages][kVecStride];
+    uint64_t mbar[10];     // kv, q_full[2], q_empty[2], do_full[2], do_empty[2], st_free
+    uint32_t vote[2][8];   // each consumer warp's verdict, by tile parity
+  };
+  static_assert(offsetof(Storage, v) % 1024 == 0 && offsetof(Storage, q) % 1024 == 0 &&
+                    offsetof(Storage, dout) % 1024 == 0 && offsetof(Storage, p) % 1024 == 0 &&
+                    offsetof(Storage, ds) % 1024 == 0,
+                "BwdWs256::Storage: swizzled tiles at 1024-byte boundaries");
+  static_assert(offsetof(Storage, lse) % 16 == 0 && offsetof(Storage, bound) % 16 == 0 &&
+                    offsetof(Storage, dsum) % 16 == 0 && (kVecStride * 4) % 16 == 0,
+                "BwdWs256::Storage: TMA boxes at 16-byte boundaries");
+  static constexpr int kSmem = sizeof(Storage) + 1024;  // + the base's alignment
   static constexpr int kBarStored = 1, kConsumers = 256;
 };
 
@@ -84,9 +95,11 @@ __global__ void __launch_bounds__(384, 1)
   if (w.kb >= w.klen) return;
   const int qlen = w.qlen, klen = w.klen, kb = w.kb, kn = w.kn, n_iter = w.n_iter;
 
-  const uint32_t sK = sbase + C::kOffK, sV = sbase + C::kOffV, sQ = sbase + C::kOffQ, sDO = sbase + C::kOffDO,
-                 sP = sbase + C::kOffP, sDS = sbase + C::kOffDS;
-  const uint32_t mb_kv = sbase + C::kOffMbar;
+  using Sm = typename C::Storage;
+  Sm& st = *reinterpret_cast<Sm*>(smem);
+  const uint32_t sK = sbase + offsetof(Sm, k), sV = sbase + offsetof(Sm, v), sQ = sbase + offsetof(Sm, q),
+                 sDO = sbase + offsetof(Sm, dout), sP = sbase + offsetof(Sm, p), sDS = sbase + offsetof(Sm, ds);
+  const uint32_t mb_kv = sbase + offsetof(Sm, mbar);
   const MbarRing<NS> qring = MbarRing<NS>::at(mb_kv + 8), doring = MbarRing<NS>::at(qring.empty0 + 8 * NS);
   const uint32_t mb_st_free = doring.empty0 + 8 * NS;
   if (tid == 0) {
@@ -122,8 +135,8 @@ __global__ void __launch_bounds__(384, 1)
         const uint32_t full = qring.full(s);
         mbar_arrive_expect_tx(full, QTile::kBytes + (kDense ? 1 : 2) * C::kVec * 4);
         tma_load_tile_boxes<BQ, D>(sQ + s * QTile::kBytes, &maps.q, full, q_row0 + x.qi() * BQ, x.h(), map_b);
-        tma_load_1d(sbase + C::kOffLse + s * C::kVecStride * 4, &maps.lse, full, at & ~3);
-        if (!kDense) tma_load_1d(sbase + C::kOffBound + s * C::kVecStride * 4, &maps.bound, full, at & ~3);
+        tma_load_1d(sbase + offsetof(Sm, lse) + s * C::kVecStride * 4, &maps.lse, full, at & ~3);
+        if (!kDense) tma_load_1d(sbase + offsetof(Sm, bound) + s * C::kVecStride * 4, &maps.bound, full, at & ~3);
       }
     } else if (lane == 0 && warp == 1) {
       BwdWork::Tile x = w.tile(0);
@@ -133,7 +146,7 @@ __global__ void __launch_bounds__(384, 1)
         const uint32_t full = doring.full(s);
         mbar_arrive_expect_tx(full, QTile::kBytes + C::kVec * 4);
         tma_load_tile_boxes<BQ, D>(sDO + s * QTile::kBytes, &maps.dout, full, q_row0 + x.qi() * BQ, x.h(), map_b);
-        tma_load_1d(sbase + C::kOffDsum + s * C::kVecStride * 4, &maps.dsum, full, vec_at(x) & ~3);
+        tma_load_1d(sbase + offsetof(Sm, dsum) + s * C::kVecStride * 4, &maps.dsum, full, vec_at(x) & ~3);
       }
     }
     return;
@@ -144,10 +157,10 @@ __global__ void __launch_bounds__(384, 1)
             wl = warp & 3, gid = lane >> 2, tig = lane & 3;
   const int krow = 16 * wl + gid;  // this thread's first key row of S^T (+8: second)
   const int qcol = BH * wg;        // this warpgroup's first query row of the tile (its decision tile)
-  const float* lse_s = reinterpret_cast<const float*>(smem + C::kOffLse);
-  const float* bound_s = reinterpret_cast<const float*>(smem + C::kOffBound);
-  const float* dsum_s = reinterpret_cast<const float*>(smem + C::kOffDsum);
-  uint32_t* vote_s = reinterpret_cast<uint32_t*>(smem + C::kOffVote);
+  const float* lse_s = &st.lse[0][0];
+  const float* bound_s = &st.bound[0][0];
+  const float* dsum_s = &st.dsum[0][0];
+  uint32_t* vote_s = &st.vote[0][0];
   const bool recording = p.tile_mask != nullptr || p.bwd_slots != nullptr;
   // The first legal 32-row query tile of this key tile (a half before it has no legal entry: it is
   // neither recorded nor counted, as in the mma.sync kernel, which never visits it).
@@ -229,8 +242,8 @@ __global__ void __launch_bounds__(384, 1)
         dd[2 * n + hh] = pack2<T>(p0 * (dp[i] - d0), p1 * (dp[i + 1] - d1));
       }
     if (t > 0) mbar_wait<true>(mb_st_free, parity(t - 1));  // both warpgroups are done with tile t - 1's
-    unsigned char* sp_g = smem + C::kOffP;
-    unsigned char* sds_g = smem + C::kOffDS;
+    unsigned char* sp_g = st.p;
+    unsigned char* sds_g = st.ds;
 #pragma unroll
     for (int n = 0; n < 4; ++n)
 #pragma unroll
