@@ -28,6 +28,7 @@
 //     through the rings' depth and when one needs the V of a tile the other has not decided yet.
 #pragma once
 
+#include <stddef.h>
 #include <type_traits>
 
 #include "cuda/core/pipeline.cuh"
@@ -60,14 +61,19 @@ struct FwdWs {
   static constexpr int kKBufs = kTiles.k_stages, kVBufs = kTiles.v_stages, kLag = 2, kR = 8;
   static_assert(kR > kLag + kKBufs, "a decision slot is reused only after the producer has read it");
   static_assert(kVBufs >= 3, "V slots are given back two tiles late");
-  static constexpr int kOffK = 0;
-  static constexpr int kOffV = kOffK + kKBufs * KVTile::kBytes;
-  static constexpr int kOffQ = kOffV + kVBufs * KVTile::kBytes;  // [2] one per consumer warpgroup
-  static constexpr int kOffMbar = kOffQ + 2 * QTile::kBytes;
-  // mbarriers: full_k[NK], empty_k[NK], full_v[NV], empty_v[NV], dec[kR]
-  static constexpr int kOffDec = kOffMbar + (2 * kKBufs + 2 * kVBufs + kR) * 8;  // [kR][2] int: (tile << 1) | retained
-  static constexpr int kBytes = kOffDec + kR * 2 * 4;
-  static constexpr int kSmem = kBytes + 1024;
+  // The kernel's shared memory from a 1024-byte aligned base (swizzled tiles need it; every tile is
+  // a multiple of 1024 bytes, so each starts aligned, as the asserts below check).
+  struct Storage {
+    unsigned char k[kKBufs][KVTile::kBytes];
+    unsigned char v[kVBufs][KVTile::kBytes];
+    unsigned char q[2][QTile::kBytes];  // one per consumer warpgroup
+    uint64_t mbar[2 * kKBufs + 2 * kVBufs + kR];  // full_k[NK], empty_k[NK], full_v[NV], empty_v[NV], dec[kR]
+    int dec[kR][2];  // (tile << 1) | retained
+  };
+  static_assert(offsetof(Storage, v) % 1024 == 0 && offsetof(Storage, q) % 1024 == 0 &&
+                    QTile::kBytes % 1024 == 0,
+                "FwdWs::Storage: swizzled tiles at 1024-byte boundaries");
+  static constexpr int kSmem = sizeof(Storage) + 1024;  // + the base's alignment
 };
 
 // kRecord: the instance for calls that record the tile mask; the others carry no code for it (the
@@ -93,8 +99,10 @@ __global__ void __launch_bounds__(384, 1)
   const int row_cta = qtile * BQ;
   const int n_tiles = sq.key_tiles(row_cta, BQ, BK, p.causal);
   const int top = n_tiles - 1;
-  const uint32_t sK0 = sbase + C::kOffK, sV0 = sbase + C::kOffV;
-  const MbarRing<NKB> kring = MbarRing<NKB>::at(sbase + C::kOffMbar);
+  using Sm = typename C::Storage;
+  Sm& st = *reinterpret_cast<Sm*>(smem);
+  const uint32_t sK0 = sbase + offsetof(Sm, k), sV0 = sbase + offsetof(Sm, v);
+  const MbarRing<NKB> kring = MbarRing<NKB>::at(sbase + offsetof(Sm, mbar));
   const MbarRing<NVB> vring = MbarRing<NVB>::at(kring.empty0 + 8 * NKB);
   const uint32_t mb_dec = vring.empty0 + 8 * NVB;
   // Warpgroup g's decision on tile t: (t << 1) | retained in s_dec[t % R][g], stored by the
@@ -102,8 +110,8 @@ __global__ void __launch_bounds__(384, 1)
   // predicated, no branch between the vote and the softmax; the consumers never wait on it).  The
   // producer tests the phase without waiting where a decision only steers a prefetch, and waits for
   // it where it must know.
-  const int* s_dec = reinterpret_cast<const int*>(smem + C::kOffDec);
-  const uint32_t s_dec_addr = sbase + C::kOffDec;
+  const int* s_dec = &st.dec[0][0];
+  const uint32_t s_dec_addr = sbase + offsetof(Sm, dec);
   // Phase parity of tile t's use of a ring of n slots indexed by t % n (tiles run from top down);
   // unsigned, so that a power-of-two n costs a shift and a mask.
   auto phase = [&](int t, uint32_t n) { return ((uint32_t)(top - t) / n) & 1u; };
@@ -200,7 +208,7 @@ __global__ void __launch_bounds__(384, 1)
   // the loop's first P V, with an S in flight, and then serialises every wgmma (C7515).
   wgmma_fence_operands(acc_flat);
   int retained = 0;
-  const uint32_t sQ = sbase + C::kOffQ + wg * QTile::kBytes;
+  const uint32_t sQ = sbase + offsetof(Sm, q) + wg * QTile::kBytes;
   uint32_t qreg[C::kQSmem ? 1 : KS][4];
   wgmma_fwd_load_q<QTile, KS, !C::kQSmem>(sQ, sq, p, row_wg, wg, wl, lane, qreg);
   using STile = float[1][NT][4];
