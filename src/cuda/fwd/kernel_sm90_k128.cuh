@@ -31,6 +31,7 @@
 //   accumulators: what lets 128-key tiles fit beside O and Q.
 #pragma once
 
+#include <stddef.h>
 #include <type_traits>
 
 #include "cuda/core/pipeline.cuh"
@@ -63,10 +64,6 @@ struct FwdK128 {
   // fewer ran slower at both head dims (docs/journal.md).
   static constexpr int kStages = kTiles.k_stages;
   static_assert(kTiles.v_stages == kStages, "K and V share one ring index");
-  static constexpr int kOffK = 0;
-  static constexpr int kOffV = kOffK + kStages * KVTile::kBytes;
-  static constexpr int kOffQ = kOffV + kStages * KVTile::kBytes;  // [2] one per consumer warpgroup
-  static constexpr int kOffMbar = kOffQ + 2 * QTile::kBytes;       // full_k, empty_k, full_v, empty_v [kStages]
   // tau > 0 only: the decision ring for the producer's V loads, kDecSlots mbarriers (one arrival per
   // publisher: each consumer warp where kWarpVote, else each consumer warpgroup) and kDecSlots flag
   // words of 8 bytes, as the mbarriers are (byte i: whether publisher i retains the tile; one offset
@@ -80,11 +77,21 @@ struct FwdK128 {
   static constexpr int kDecSlots = 8;  // a power of 2
   static constexpr int kPublishers = kWarpVote ? 8 : 2;
   static_assert(kDecSlots >= kStages + 2, "decision ring: a slot reused before the producer read it");
-  static constexpr int kOffDec = kOffMbar + 4 * kStages * 8;
-  static constexpr int kOffDecFlag = kOffDec + 8 * kDecSlots;
-  static constexpr int kBytes = kOffDec;  // no decision ring: dense, or no V skip
-  static constexpr int kBytesRing = kOffDecFlag + 8 * kDecSlots;
-  static constexpr int kSmem = kBytes + 1024, kSmemRing = kBytesRing + 1024;
+  // The kernel's shared memory from a 1024-byte aligned base (swizzled tiles need it; every tile is
+  // a multiple of 1024 bytes, so each starts aligned, as the asserts below check).
+  struct Storage {
+    unsigned char k[kStages][KVTile::kBytes];
+    unsigned char v[kStages][KVTile::kBytes];
+    unsigned char q[2][QTile::kBytes];  // one per consumer warpgroup
+    uint64_t mbar[4 * kStages];         // full_k, empty_k, full_v, empty_v [kStages]
+    uint64_t dec[kDecSlots];            // the decision ring: only in kSmemRing
+    uint8_t dec_flag[kDecSlots][8];
+  };
+  static_assert(offsetof(Storage, v) % 1024 == 0 && offsetof(Storage, q) % 1024 == 0 &&
+                    QTile::kBytes % 1024 == 0,
+                "FwdK128::Storage: swizzled tiles at 1024-byte boundaries");
+  // + the base's alignment; kSmem: no decision ring (dense, or no V skip)
+  static constexpr int kSmem = offsetof(Storage, dec) + 1024, kSmemRing = sizeof(Storage) + 1024;
 };
 
 // kDense: tau = 0 (no test, no vote; every legal tile retained).  kSeeded: a seeded split
@@ -115,13 +122,15 @@ __global__ void __launch_bounds__(384, 1)
   // Tiles are visited from `top` down; tile t is the (top - t)-th use of the rings.
   const int n_tiles = sq.key_tiles(row_cta, BQ, BK, p.causal);
   const int top = n_tiles - 1;
-  const uint32_t sK0 = sbase + C::kOffK, sV0 = sbase + C::kOffV;
-  const uint32_t mb_full_k = sbase + C::kOffMbar, mb_empty_k = mb_full_k + 8 * NS, mb_full_v = mb_empty_k + 8 * NS,
+  using Sm = typename C::Storage;
+  Sm& st = *reinterpret_cast<Sm*>(smem);
+  const uint32_t sK0 = sbase + offsetof(Sm, k), sV0 = sbase + offsetof(Sm, v);
+  const uint32_t mb_full_k = sbase + offsetof(Sm, mbar), mb_empty_k = mb_full_k + 8 * NS, mb_full_v = mb_empty_k + 8 * NS,
                  mb_empty_v = mb_full_v + 8 * NS;
   // tau > 0: use u's decision in slot u % kDecSlots, phase parity (u / kDecSlots) & 1; flags [slot][wg].
   constexpr int ND = C::kDecSlots;
-  const uint32_t mb_dec = sbase + C::kOffDec;
-  volatile uint8_t* const s_dec = smem + C::kOffDecFlag;
+  const uint32_t mb_dec = sbase + offsetof(Sm, dec);
+  volatile uint8_t* const s_dec = &st.dec_flag[0][0];
   if (tid == 0) {
     for (int i = 0; i < NS; ++i) {
       mbar_init(mb_full_k + 8 * i, 1);
@@ -238,7 +247,7 @@ __global__ void __launch_bounds__(384, 1)
   float part[1][2] = {{0.f, 0.f}};
   float(&acc_flat)[D / 2] = *reinterpret_cast<float(*)[D / 2]>(&acc[0][0][0]);
   wgmma_fence_operands(acc_flat);  // O's zeros before the first wgmma (else ptxas sinks them: C7515)
-  const uint32_t sQ = sbase + C::kOffQ + wg * QTile::kBytes;
+  const uint32_t sQ = sbase + offsetof(Sm, q) + wg * QTile::kBytes;
   uint32_t qreg[C::kQSmem ? 1 : KS][4];
   wgmma_fwd_load_q<QTile, KS, !C::kQSmem>(sQ, sq, p, row_wg, wg, wl, lane, qreg);
   using SFlat = float[BK / 2];
@@ -257,7 +266,7 @@ __global__ void __launch_bounds__(384, 1)
       asm volatile(
           "{\n .reg .pred p;\n .reg .b64 st;\n setp.ne.u32 p, %0, 0;\n @p st.shared.u8 [%1], %2;\n"
           " @p mbarrier.arrive.shared.b64 st, [%3];\n}\n" ::"r"(publisher),
-          "r"(sbase + C::kOffDecFlag + pub_index + u8), "r"(retain ? 1u : 0u), "r"(mb_dec + u8)
+          "r"(sbase + static_cast<uint32_t>(offsetof(Sm, dec_flag)) + pub_index + u8), "r"(retain ? 1u : 0u), "r"(mb_dec + u8)
           : "memory");
     }
   };
