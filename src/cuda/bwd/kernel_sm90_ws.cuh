@@ -31,6 +31,7 @@
 //   skipped before S^T: no Q or dO load, no vote (the offline test would skip it: spec.md).
 #pragma once
 
+#include <stddef.h>
 #include <type_traits>
 
 #include "cuda/bwd/common.cuh"
@@ -56,39 +57,46 @@ struct BwdWs {
   // dQ (fp32 or int32) in boxes of 128 bytes x 64 rows: 32 columns each.
   static constexpr int kDqBoxCols = 32, kDqBoxes = D / kDqBoxCols;
   static constexpr int kDqBytes = BQ * 128 * 4;  // (room for 4 boxes at d = 64)
-  static constexpr int kOffK = 0;
-  static constexpr int kOffV = kOffK + KTile::kBytes;
-  static constexpr int kOffQ = kOffV + KTile::kBytes;
-  static constexpr int kOffDO = kOffQ + kQStages * QTile::kBytes;
-  static constexpr int kOffDS = kOffDO + 2 * QTile::kBytes;
-  // One dS^T buffer: before a warpgroup writes a tile's dS^T, the dQ writer's full barrier has
-  // completed the last post, which both warpgroups make only once their dQ products (which read
-  // dS^T) are complete.  (The space went to a fourth Q stage, which the skip path, loading nothing
-  // else, runs on.)
-  static constexpr int kOffDQ = kOffDS + STile::kBytes;
   // The per-row scalars of a query tile (lse in log2 units, the skip bound, D) arrive by TMA as kVec
   // floats from the 16-byte boundary at or before the tile's first row (a box must start there): the
   // tile's rows begin (row & 3) floats in.  kVecStride floats per slot (a box lands 128-byte aligned).
   static constexpr int kVec = BQ + 4, kVecStride = 96;
-  static constexpr int kOffLse = kOffDQ + kDqBytes;                   // [kQStages][kVecStride]
-  static constexpr int kOffBound = kOffLse + kQStages * kVecStride * 4;  // [kQStages][kVecStride]
-  static constexpr int kOffDsum = kOffBound + kQStages * kVecStride * 4;  // [2][kVecStride]
-  static constexpr int kOffUnit = kOffDsum + 2 * kVecStride * 4;  // kDet: [kQStages][kVecStride]
-  // mbarriers: kv_full, q_full[kQStages], q_empty[kQStages], do_full[2], do_empty[2], vote[4],
-  // dq_full, dq_empty, dec[8]
-  static constexpr int kOffMbar = kOffUnit + (kDet ? kQStages * kVecStride * 4 : 0);
-  static constexpr int kOffVote = kOffMbar + (19 + 2 * kQStages + 1) / 2 * 16;  // [4] tagged vote words
-  static constexpr int kOffDec = kOffVote + 4 * 4;    // [8] (u << 1) | retained, for the dO producer (the
-                                                      // u-th scored tile in slot u % 8, published through
-                                                      // mbarrier dec[u % 8])
-  // To the dQ writer: the tile's first accumulator row (-1: no more tiles).
-  static constexpr int kOffDqRow = kOffDec + 8 * 4;
-  // forward_tile_mask: bit t of the CTA's tiles in the visiting order, whether tile t is scored (some
-  // forward tile inside it retained); up to kBwdWsScoredTiles tiles (dispatch.cu passes the mask only
-  // then).
-  static constexpr int kOffScored = kOffDqRow + 16;
-  static constexpr int kBytes = kOffScored + kBwdWsScoredTiles / 8;
-  static constexpr int kSmem = kBytes + 1024;
+  // The kernel's shared memory from a 1024-byte aligned base (swizzled tiles need it; every tile is
+  // a multiple of 1024 bytes, so each starts aligned, as the asserts below check).
+  struct Storage {
+    unsigned char k[KTile::kBytes];
+    unsigned char v[KTile::kBytes];
+    unsigned char q[kQStages][QTile::kBytes];
+    unsigned char dout[2][QTile::kBytes];
+    // One dS^T buffer: before a warpgroup writes a tile's dS^T, the dQ writer's full barrier has
+    // completed the last post, which both warpgroups make only once their dQ products (which read
+    // dS^T) are complete.  (The space went to a fourth Q stage, which the skip path, loading nothing
+    // else, runs on.)
+    unsigned char ds[STile::kBytes];
+    unsigned char dq[kDqBytes];
+    float lse[kQStages][kVecStride];
+    float bound[kQStages][kVecStride];
+    float dsum[2][kVecStride];
+    float unit[kDet ? kQStages : 0][kVecStride];  // kDet only (no bytes otherwise)
+    // kv_full, q_full[kQStages], q_empty[kQStages], do_full[2], do_empty[2], vote[4], dq_full,
+    // dq_empty, dec[8] (rounded up to 16 bytes)
+    uint64_t mbar[(19 + 2 * kQStages + 1) / 2 * 2];
+    uint32_t vote[4];  // tagged vote words
+    int dec[8];        // (u << 1) | retained, for the dO producer (the u-th scored tile in slot u % 8,
+                       // published through mbarrier dec[u % 8])
+    int dq_row[4];     // to the dQ writer: the tile's first accumulator row (-1: no more tiles)
+    // forward_tile_mask: bit t of the CTA's tiles in the visiting order, whether tile t is scored
+    // (some forward tile inside it retained); up to kBwdWsScoredTiles tiles (dispatch.cu passes the
+    // mask only then).
+    uint32_t scored[kBwdWsScoredTiles / 32];
+  };
+  static_assert(offsetof(Storage, v) % 1024 == 0 && offsetof(Storage, q) % 1024 == 0 &&
+                    offsetof(Storage, dout) % 1024 == 0 && offsetof(Storage, ds) % 1024 == 0 &&
+                    offsetof(Storage, dq) % 1024 == 0,
+                "BwdWs::Storage: swizzled tiles and dQ boxes at 1024-byte boundaries");
+  static_assert(offsetof(Storage, lse) % 128 == 0 && (kVecStride * 4) % 128 == 0,
+                "BwdWs::Storage: TMA boxes of the scalars at 128-byte boundaries");
+  static constexpr int kSmem = sizeof(Storage) + 1024;  // + the base's alignment
   // Named barriers of the consumers (0 is __syncthreads): both warpgroups' dS^T stored; the vote after
   // a skipped tile (barrier_vote_or).
   static constexpr int kBarDs = 1, kBarVote = 2, kConsumers = 256;
@@ -114,16 +122,17 @@ __global__ void __launch_bounds__(384, 1)
   if (w.kb >= w.klen) return;
   const int qlen = w.qlen, klen = w.klen, kb = w.kb, kn = w.kn, n_iter = w.n_iter;
 
-  const uint32_t sK = sbase + C::kOffK, sV = sbase + C::kOffV, sQ = sbase + C::kOffQ, sDO = sbase + C::kOffDO,
-                 sDS = sbase + C::kOffDS, sDQ = sbase + C::kOffDQ;
-  const uint32_t mb_kv = sbase + C::kOffMbar;
+  using Sm = typename C::Storage;
+  const uint32_t sK = sbase + offsetof(Sm, k), sV = sbase + offsetof(Sm, v), sQ = sbase + offsetof(Sm, q),
+                 sDO = sbase + offsetof(Sm, dout), sDS = sbase + offsetof(Sm, ds), sDQ = sbase + offsetof(Sm, dq);
+  const uint32_t mb_kv = sbase + offsetof(Sm, mbar);
   const MbarRing<NQS> qring = MbarRing<NQS>::at(mb_kv + 8);
   const MbarRing<2> doring = MbarRing<2>::at(qring.empty0 + 8 * NQS);
   const uint32_t mb_vote = doring.empty0 + 16, mb_dq_full = mb_vote + 32, mb_dq_empty = mb_dq_full + 8,
                  mb_dec = mb_dq_empty + 8;
-  uint32_t* vote_w = reinterpret_cast<uint32_t*>(smem + C::kOffVote);
-  volatile int* s_dec = reinterpret_cast<volatile int*>(smem + C::kOffDec);
-  volatile int* s_dq_row = reinterpret_cast<volatile int*>(smem + C::kOffDqRow);
+  uint32_t* vote_w = reinterpret_cast<uint32_t*>(smem + offsetof(Sm, vote));
+  volatile int* s_dec = reinterpret_cast<volatile int*>(smem + offsetof(Sm, dec));
+  volatile int* s_dq_row = reinterpret_cast<volatile int*>(smem + offsetof(Sm, dq_row));
   // kFwdMask: tiles that no forward tile inside was retained in are skipped unscored.
   static_assert(!(kDense && kFwdMask), "the forward's mask serves tau > 0");
   if (tid == 0) {
@@ -139,12 +148,12 @@ __global__ void __launch_bounds__(384, 1)
     }
     fence_mbarrier_init();
   }
-  const uint32_t* scored_bits = reinterpret_cast<const uint32_t*>(smem + C::kOffScored);
+  const uint32_t* scored_bits = reinterpret_cast<const uint32_t*>(smem + offsetof(Sm, scored));
   if constexpr (kFwdMask) {  // the whole CTA: one 32-tile word per warp at a time
     const int warp = tid >> 5, lane = tid & 31;
     for (int k = warp; 32 * k < n_iter; k += C::kThreads / 32) {
       const uint32_t bits = bwd_forward_retained32<BQ, BK>(p, w, 32 * k, lane);
-      if (lane == 0) reinterpret_cast<uint32_t*>(smem + C::kOffScored)[k] = bits;
+      if (lane == 0) reinterpret_cast<uint32_t*>(smem + offsetof(Sm, scored))[k] = bits;
     }
   }
   __syncthreads();
@@ -187,9 +196,9 @@ __global__ void __launch_bounds__(384, 1)
           const uint32_t full = qring.full(s);
           mbar_arrive_expect_tx(full, QTile::kBytes + ((kDense ? 1 : 2) + (kDet ? 1 : 0)) * C::kVec * 4);
           tma_load_tile_boxes<BQ, D>(sQ + s * QTile::kBytes, &maps.q, full, q_row0 + r0, h, map_b);
-          tma_load_1d(sbase + C::kOffLse + s * C::kVecStride * 4, &maps.lse, full, at & ~3);
-          if (!kDense) tma_load_1d(sbase + C::kOffBound + s * C::kVecStride * 4, &maps.bound, full, at & ~3);
-          if (kDet) tma_load_1d(sbase + C::kOffUnit + s * C::kVecStride * 4, &maps.unit, full, at & ~3);
+          tma_load_1d(sbase + offsetof(Sm, lse) + s * C::kVecStride * 4, &maps.lse, full, at & ~3);
+          if (!kDense) tma_load_1d(sbase + offsetof(Sm, bound) + s * C::kVecStride * 4, &maps.bound, full, at & ~3);
+          if (kDet) tma_load_1d(sbase + offsetof(Sm, unit) + s * C::kVecStride * 4, &maps.unit, full, at & ~3);
         }
         if (++s == NQS) {
           s = 0;
@@ -222,7 +231,7 @@ __global__ void __launch_bounds__(384, 1)
             const int h = x.h(), r0 = x.qi() * BQ, at = static_cast<int>(h * p.rows_q_cap + w.qrow0 + r0);
             mbar_arrive_expect_tx(full, QTile::kBytes + C::kVec * 4);
             tma_load_tile_boxes<BQ, D>(sDO + s * QTile::kBytes, &maps.dout, full, q_row0 + r0, h, map_b);
-            tma_load_1d(sbase + C::kOffDsum + s * C::kVecStride * 4, &maps.dsum, full, at & ~3);
+            tma_load_1d(sbase + offsetof(Sm, dsum) + s * C::kVecStride * 4, &maps.dsum, full, at & ~3);
           } else {
             mbar_arrive(full);
           }
@@ -250,9 +259,9 @@ __global__ void __launch_bounds__(384, 1)
   const int ctid = tid - 128, warp = __shfl_sync(0xffffffffu, ctid >> 5, 0), lane = ctid & 31, wg = warp >> 2,
             wl = warp & 3, gid = lane >> 2, tig = lane & 3;
   const int krow = 64 * wg + 16 * wl + gid;  // this thread's first key row in the tile (+8: second)
-  const float* lse_s = reinterpret_cast<const float*>(smem + C::kOffLse);
-  const float* bound_s = reinterpret_cast<const float*>(smem + C::kOffBound);
-  const float* dsum_s = reinterpret_cast<const float*>(smem + C::kOffDsum);
+  const float* lse_s = reinterpret_cast<const float*>(smem + offsetof(Sm, lse));
+  const float* bound_s = reinterpret_cast<const float*>(smem + offsetof(Sm, bound));
+  const float* dsum_s = reinterpret_cast<const float*>(smem + offsetof(Sm, dsum));
 
   float dk[D / 2], dv[D / 2];  // m64nD accumulators: keys 64 wg.., all D dims
 #pragma unroll
@@ -416,7 +425,7 @@ __global__ void __launch_bounds__(384, 1)
     if (n_posts > 0) mbar_wait<true>(mb_dq_full, parity(n_posts - 1));
     const int ds = ring_t & 1, h = x.h(), q0 = x.qi() * BQ;
     const uint32_t sQs = sQ + qs * QTile::kBytes, sDOs = sDO + ds * QTile::kBytes;
-    const float* unit_t = reinterpret_cast<const float*>(smem + C::kOffUnit) + qs * C::kVecStride + vec0;
+    const float* unit_t = reinterpret_cast<const float*>(smem + offsetof(Sm, unit)) + qs * C::kVecStride + vec0;
     // P = exp2(S - lse) while dP^T is computed.
     const float* lse_t = lse_s + qs * C::kVecStride + vec0;
 #pragma unroll
@@ -447,7 +456,7 @@ __global__ void __launch_bounds__(384, 1)
         da[kq][i] = pack2<T>(dp[8 * kq + 2 * i], dp[8 * kq + 2 * i + 1]);
       }
     // dS^T -> shared memory for dQ (the buffer is free: the wait at the top of the tile).
-    unsigned char* dsb = smem + C::kOffDS;
+    unsigned char* dsb = smem + offsetof(Sm, ds);
 #pragma unroll
     for (int kq = 0; kq < 4; ++kq) {
       const int c = kq * 16 + 2 * tig;
