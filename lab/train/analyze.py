@@ -83,12 +83,7 @@ def cmd_timing(args, device):
         x = torch.from_numpy(next(data)[1].astype(np.int64)).to(device)
         e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         e0.record()
-        with train.autocast(device):
-            loss = train.sequence_loss(model, x, compiled=args.compile_loss)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        train.train_step(model, opt, x, device, args.compile_loss)
         e1.record()
         torch.cuda.synchronize()
         f, b = attn.take_timings()
@@ -99,9 +94,8 @@ def cmd_timing(args, device):
            "step_ms": float(r[0]), "attn_fwd_ms": float(r[1]), "attn_bwd_ms": float(r[2]),
            "rest_ms": float(r[0] - r[1] - r[2]), "attention": attn.TIMED["inner"], "compile_loss": args.compile_loss,
            "weights": "random" if args.random_init else "trained", "data": "random" if args.data == "random" else "train"}
-    key = f"{train.run_tag(args.size, args.arm, args.stage, args.seed)}_{args.seqlen}"
-    if args.random_init or args.compile_loss:
-        key += "_random" * args.random_init + "_compiled" * args.compile_loss
+    key = (f"{train.run_tag(args.size, args.arm, args.stage, args.seed)}_{args.seqlen}"
+           + "_random" * args.random_init + "_compiled" * args.compile_loss)
     merge(os.path.join(args.out, "timing.json"), key, res)
     train.log(f"timing {args.size} {args.arm} {args.stage} N={args.seqlen}: {res}")
     if args.profile:
@@ -111,12 +105,7 @@ def cmd_timing(args, device):
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for _ in range(2):
                 x = torch.from_numpy(next(data)[1].astype(np.int64)).to(device)
-                with train.autocast(device):
-                    loss = train.sequence_loss(model, x, compiled=args.compile_loss)
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-                opt.step()
-                opt.zero_grad(set_to_none=True)
+                train.train_step(model, opt, x, device, args.compile_loss)
             torch.cuda.synchronize()
         with open(args.profile, "w") as f:
             f.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=80))

@@ -90,6 +90,18 @@ def sequence_loss(model, x, chunk=8192, compiled=False):
     return total / y.numel()
 
 
+def train_step(model, opt, x, device, compiled=False):
+    """One optimizer step on the batch x: bf16 autocast, clipping at configs.CLIP, AdamW.
+    Returns (loss, gradient norm) as tensors (no synchronization)."""
+    with autocast(device):
+        loss = sequence_loss(model, x, compiled=compiled)
+    loss.backward()
+    gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), configs.CLIP)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss, gnorm
+
+
 def batches(seqs: np.ndarray, batch: int, seed: int):
     """(epoch, [batch, N] array) forever: each epoch a permutation of the sequences from the seed."""
     epoch = 0
@@ -298,12 +310,7 @@ def main():
         epoch, xb = next(data)
         x = torch.from_numpy(xb.astype(np.int64)).to(device, non_blocking=True)
         t = time.perf_counter()
-        with autocast(device):
-            loss = sequence_loss(model, x, compiled=a.compile_loss)
-        loss.backward()
-        gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), configs.CLIP)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        loss, gnorm = train_step(model, opt, x, device, a.compile_loss)
         lv = float(loss)  # synchronizes: the step's time is measured to here
         ms = (time.perf_counter() - t) * 1000
         window.append(ms)
