@@ -168,17 +168,8 @@ start)
   echo "gpu_run: started (log $RES/phases.log)"
   ;;
 wait)
-  limit=${2:-540}
-  t0=$(date +%s)
-  while ! grep -q "all done\|build failed" "$RES/phases.log" 2>/dev/null && [ $(( $(date +%s) - t0 )) -lt "$limit" ]; do
-    sleep 10
-  done
-  cat "$RES/phases.log" 2>/dev/null || true
-  tail -n 5 "$STORE/phases.out" 2>/dev/null || true
-  for f in "$RES"/*.log; do
-    case "$f" in */phases.log) ;; *) echo "== $(basename "$f")"; tail -n 3 "$f" | cut -c1-300 ;; esac
-  done
-  nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader 2>/dev/null || true
+  . lab/scripts/bg_wait.sh
+  bg_wait "${2:-540}" "$RES/phases.log" "$STORE/phases.out" 3 "$RES"
   if [ -n "${OUT:-}" ]; then
     (cd "$RES" && tar czf "$OUT/train_results.tgz" --exclude='states' . 2>/dev/null) || true
     [ -d "$RES/states" ] && cp "$RES"/states/*.npy "$OUT/" 2>/dev/null || true
