@@ -105,17 +105,22 @@ TEST(GpuBadInput, AppendingIntoAliasedCachesIsRefused) {
   EXPECT_EQ(b.kc.download(), before);
 }
 
+// Decodes b's query at tau with num_splits, expecting the call to succeed.
+void run_decode(DecodeBuffers& b, float tau, int splits) {
+  mala::DecodeArgs a = b.args();
+  a.tau = tau;
+  a.num_splits = splits;
+  const mala::Status s = mala::decode(a);
+  ASSERT_TRUE(s.ok) << s.message;
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+}
+
 TEST(GpuBadInput, NanQueryGivesNanInDecode) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
   for (float tau : {0.f, 1.f})
     for (int splits : {1, 3, 0}) {
       DecodeBuffers b(true);
-      mala::DecodeArgs a = b.args();
-      a.tau = tau;
-      a.num_splits = splits;
-      const mala::Status s = mala::decode(a);
-      ASSERT_TRUE(s.ok) << s.message;
-      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      ASSERT_NO_FATAL_FAILURE(run_decode(b, tau, splits));
       const std::vector<float> o = widen(b.o.download(), mala::DType::bf16);
       const std::vector<float> lse = b.lse.download();
       EXPECT_EQ(count_nan(o), o.size()) << "tau=" << tau << " splits=" << splits << ": o[0] = " << o[0];
@@ -167,12 +172,7 @@ TEST(GpuBadInput, NanKeyOrValueGivesNanInDecode) {
     for (float tau : {0.f, 1.f})
       for (int splits : {1, 3, 0}) {
         DecodeBuffers b(false, key ? 40 : -1, key ? -1 : 299);
-        mala::DecodeArgs a = b.args();
-        a.tau = tau;
-        a.num_splits = splits;
-        const mala::Status s = mala::decode(a);
-        ASSERT_TRUE(s.ok) << s.message;
-        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+        ASSERT_NO_FATAL_FAILURE(run_decode(b, tau, splits));
         const std::vector<float> o = widen(b.o.download(), mala::DType::bf16);
         const float lse = b.lse.download()[0];
         const std::string what = std::string(key ? "NaN key" : "NaN value") + " tau=" + std::to_string(tau) +
