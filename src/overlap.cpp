@@ -88,14 +88,29 @@ int64_t total_rows(Device d, const int32_t* cu, int64_t batch, int64_t seqlen) {
   return d == Device::cpu ? static_cast<int64_t>(cu[batch]) : seqlen;
 }
 
+// The row space of q and k (batches, rows per batch) that a forward or backward call addresses:
+// varlen calls are one batch of the packed rows, bounded by total_q / total_k where given.
+struct Rows {
+  bool varlen;
+  int64_t nb, rq, rk;
+};
+
+template <class Args>
+Rows rows_of(const Args& a) {
+  const bool varlen = a.cu_seqlens_q != nullptr;
+  Rows r{varlen, varlen ? 1 : a.batch, a.seqlen_q, a.seqlen_k};
+  if (varlen) {
+    r.rq = a.total_q > 0 ? a.total_q : total_rows(a.device, a.cu_seqlens_q, a.batch, a.seqlen_q);
+    r.rk = a.total_k > 0 ? a.total_k : total_rows(a.device, a.cu_seqlens_k, a.batch, a.seqlen_k);
+  }
+  return r;
+}
+
 Status overlap_forward(const ForwardArgs& a) {
   const size_t es = dtype_size(a.dtype);
-  const bool varlen = a.cu_seqlens_q != nullptr;
-  const int64_t nb = varlen ? 1 : a.batch;
-  int64_t rq = varlen ? total_rows(a.device, a.cu_seqlens_q, a.batch, a.seqlen_q) : a.seqlen_q;
-  int64_t rk = varlen ? total_rows(a.device, a.cu_seqlens_k, a.batch, a.seqlen_k) : a.seqlen_k;
-  if (varlen && a.total_q > 0) rq = a.total_q;
-  if (varlen && a.total_k > 0) rk = a.total_k;
+  const Rows r = rows_of(a);
+  const bool varlen = r.varlen;
+  const int64_t nb = r.nb, rq = r.rq, rk = r.rk;
   // The tiles only for a tile mask: on the GPU they are the dispatch's kernel choice (tensor maps).
   const Tiles t = a.tile_mask ? forward_tiles(a) : Tiles{};
   int64_t row_bytes = 0, mask_bytes = 0;  // of lse / fwd_slots / seed_lse, and of tile_mask
@@ -122,12 +137,9 @@ Status overlap_forward(const ForwardArgs& a) {
 
 Status overlap_backward(const BackwardArgs& a) {
   const size_t es = dtype_size(a.dtype);
-  const bool varlen = a.cu_seqlens_q != nullptr;
-  const int64_t nb = varlen ? 1 : a.batch;
-  int64_t rq = varlen ? total_rows(a.device, a.cu_seqlens_q, a.batch, a.seqlen_q) : a.seqlen_q;
-  int64_t rk = varlen ? total_rows(a.device, a.cu_seqlens_k, a.batch, a.seqlen_k) : a.seqlen_k;
-  if (varlen && a.total_q > 0) rq = a.total_q;
-  if (varlen && a.total_k > 0) rk = a.total_k;
+  const Rows r = rows_of(a);
+  const bool varlen = r.varlen;
+  const int64_t nb = r.nb, rq = r.rq, rk = r.rk;
   const Tiles t = backward_tiles(a);
   int64_t row_bytes = 0, mask_bytes = 0;  // of lse / bwd_slots, and of tile_mask
   MALA_TRY(flat_bytes("lse", {4, a.heads_q, varlen ? rq : a.batch, varlen ? 1 : a.seqlen_q}, &row_bytes));
