@@ -65,8 +65,7 @@ _COMPILED = {}
 
 def chunk_loss_fn(compiled=False):
     """_chunk_loss, or the same function through torch.compile: Inductor fuses the float32 cast and the
-    log-softmax into the reductions over the logits, which eager mode writes out in float32 (about
-    half of an s4m step's time outside attention)."""
+    log-softmax into the reductions over the logits, which eager mode writes out in float32."""
     if not compiled:
         return _chunk_loss
     if "fn" not in _COMPILED:

@@ -5,8 +5,8 @@
         --corpus lab/train/corpus --out bench/results/train/summary.json --plots docs/img
 
 Each --res is one run; a size is taken from the last --res that trained it (with all of that run's
-seeds).  summary.json: {"device", "corpus": {...}, "sizes": {NAME: {"dense": {...}, "mala": {...},
-"paired": {...}}}}.  Each arm: params (and non_embedding_params), tokens (pre-training +
+seeds).  summary.json: {"device", "corpus": {...}, "sizes": {NAME: {"dense": {...}, "mala": {...}}},
+"paired": {NAME: {...}}}.  Each arm: params (and non_embedding_params), tokens (pre-training +
 long-context), final_heldout_loss_4k / _16k (the final model), the same after pre-training (pt_*),
 fwd_slots_16k, bwd_slots_16k, fwd_retained_16k, bwd_retained_16k (MALA tau = 1 on the held-out batch,
 both arms, mean over layers), per-layer slots, step_ms / attn_fwd_ms / attn_bwd_ms at 16K (and _4k),
@@ -326,7 +326,7 @@ def main(argv=None):
     summary = {"device": None, "corpus": {"files": manifest["counts"], "tokens": {
         "train": streams["train_tokens"], "heldout": streams["heldout_tokens"]},
         "stream_sha256": {"train": streams["train_sha256"], "heldout": streams["heldout_sha256"]},
-        "heldout_packages": {k: len(v) for k, v in manifest["heldout_packages"].items()}}, "sizes": {}}
+        "heldout_packages": {k: len(v) for k, v in manifest["heldout_packages"].items()}}, "sizes": {}, "paired": {}}
     runs = {}
     for size in sizes:
         res = where[size]
@@ -352,7 +352,7 @@ def main(argv=None):
                 runs[size][arm].append((pt, lct))
             per_arm[arm] = per_seed
             summary["sizes"][size][arm] = over_seeds(per_seed)
-        summary["sizes"][size]["paired"] = paired(per_arm["dense"], per_arm["mala"])
+        summary["paired"][size] = paired(per_arm["dense"], per_arm["mala"])
         for n in ("8192", "16384"):  # the matched-work study runs on the MALA-trained model's states
             m = matched.get(f"{size}_{n}")
             if m:
@@ -371,7 +371,7 @@ def main(argv=None):
                   f"16K {s['final_heldout_loss_16k']:.3f}, fwd retained 16K {s['fwd_retained_16k']:.3f}, "
                   f"slots {s['fwd_slots_16k']:.0f} / {s['bwd_slots_16k']:.0f}, step {s.get('step_ms', 0):.1f} ms "
                   f"(attn {s.get('attn_fwd_ms', 0):.1f} + {s.get('attn_bwd_ms', 0):.1f})")
-        p = summary["sizes"][size]["paired"]
+        p = summary["paired"][size]
         for k in ("final_heldout_loss_4k", "final_heldout_loss_16k"):
             ci = p[k]["relative_ci95"]
             print(f"{size} paired {k}: mala - dense {p[k]['mean']:+.4f} nats, {100 * p[k]['relative_mean']:+.2f}%"
