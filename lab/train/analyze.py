@@ -194,6 +194,14 @@ def cmd_speed(args, device):
         why = s.available()
         if why:
             raise RuntimeError(f"speed: {s.name} unavailable: {why}")
+    # FlashAttention-4 where its wheels were installed (gpu_run.sh FA4_SITE); its absence is recorded.
+    fa4, unavailable = systems.FA4(), {}
+    why = fa4.available()
+    if why:
+        unavailable["fa4"] = why
+        train.log(f"speed: fa4 unavailable: {why}")
+    else:
+        syss["fa4"] = fa4
     gen = torch.Generator(device=device).manual_seed(7)
     res = {k: {"fwd_ms": [], "bwd_ms": []} for k in syss}
     for q, k, v in states:
@@ -207,9 +215,10 @@ def cmd_speed(args, device):
             res[name]["bwd_ms"].append(b["ms"])
             del p
     tot = {k: {"fwd_ms": sum(v["fwd_ms"]), "bwd_ms": sum(v["bwd_ms"]), "layers": v} for k, v in res.items()}
+    tot.update({k: {"unavailable": why} for k, why in unavailable.items()})
     merge(os.path.join(args.out, "speed.json"), f"{train.run_tag(args.size, args.arm, args.stage, args.seed)}_{args.n}", tot)
     train.log(f"speed {args.size} {args.arm} N={args.n}: "
-              + ", ".join(f"{k} fwd {v['fwd_ms']:.3f} bwd {v['bwd_ms']:.3f} ms" for k, v in tot.items()))
+              + ", ".join(f"{k} fwd {v['fwd_ms']:.3f} bwd {v['bwd_ms']:.3f} ms" for k, v in tot.items() if k in res))
 
 
 def main():

@@ -17,7 +17,10 @@
 # budgets (both arms then train on the same tokens without agreeing); COMPILE_LOSS=1 runs the loss
 # through torch.compile in training and timing (train.py --compile-loss); COMPILE_LOSS=auto first times
 # both losses on the first size's random init (analyze.py timing --random-init, into
-# $RES/loss_timing.json) and compiles where that is at least 5% faster.
+# $RES/loss_timing.json) and compiles where that is at least 5% faster.  FA4_SITE: a pip --target
+# folder that lab/scripts/wheels.sh install fa4 fills during the run (its wheels come in parts over
+# several calls); the speed phase waits up to FA4_WAIT_S (300) for its .ready, then times
+# FlashAttention-4 beside the others (speed.json records it unavailable otherwise).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 STORE=${STORE:-/tmp/mala-train}
@@ -29,11 +32,13 @@ LCT_BUDGET_S=${LCT_BUDGET_S:-120}
 PT_STEPS=${PT_STEPS:-0}
 LCT_STEPS=${LCT_STEPS:-0}
 COMPILE_LOSS=${COMPILE_LOSS:-0}
+FA4_SITE=${FA4_SITE:-}
+FA4_WAIT_S=${FA4_WAIT_S:-300}
 RES=$STORE/res
 
 phases() {
   local R=$STORE/repo T=$STORE/repo/lab/train D=$STORE/data W=$STORE/work
-  export PYTHONPATH=$STORE/site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+  export PYTHONPATH=$STORE/site${FA4_SITE:+:$FA4_SITE}${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
   mkdir -p "$D" "$W" "$RES" "$STORE/sync"
   cd "$R"
   ph() { echo "$(date +%T) $*" >> "$RES/phases.log"; }
@@ -130,6 +135,10 @@ PYEOF
       done
     done
   done
+  if [ -n "$FA4_SITE" ]; then
+    for _ in $(seq "$FA4_WAIT_S"); do [ -f "$FA4_SITE/.ready" ] && break; sleep 1; done
+    ph "fa4 $([ -f "$FA4_SITE/.ready" ] && echo ready || echo "not ready after ${FA4_WAIT_S} s")"
+  fi
   ph "speed"
   for s in ${SPEED_SIZES:-$LCT_SIZES}; do
     for arm in mala dense; do
@@ -163,7 +172,7 @@ start)
   rm -rf "$STORE/repo" "$RES" && mkdir -p "$STORE/repo" "$RES"
   cp -r . "$STORE/repo/"
   export -f phases
-  export STORE SIZES SEEDS LCT_SIZES PT_BUDGET_S LCT_BUDGET_S PT_STEPS LCT_STEPS COMPILE_LOSS RES SPEED_SIZES
+  export STORE SIZES SEEDS LCT_SIZES PT_BUDGET_S LCT_BUDGET_S PT_STEPS LCT_STEPS COMPILE_LOSS RES SPEED_SIZES FA4_SITE FA4_WAIT_S
   setsid nohup bash -c phases > "$STORE/phases.out" 2>&1 < /dev/null &
   echo "gpu_run: started (log $RES/phases.log)"
   ;;

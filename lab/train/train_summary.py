@@ -347,7 +347,8 @@ def main(argv=None):
                     s["fidelity_16k"] = fidelity_summary(regime[key])
                 sp = speed.get(f"{key}_16384")
                 if sp:
-                    s["attention_speed_16k"] = {k: {"fwd_ms": v["fwd_ms"], "bwd_ms": v["bwd_ms"]} for k, v in sp.items()}
+                    s["attention_speed_16k"] = {k: ({"fwd_ms": v["fwd_ms"], "bwd_ms": v["bwd_ms"]} if "fwd_ms" in v else v)
+                                                for k, v in sp.items()}
                 per_seed[seed] = s
                 runs[size][arm].append((pt, lct))
             per_arm[arm] = per_seed
