@@ -64,6 +64,7 @@ def train_batches(args, batch, vocab_hint=32768):
 
 
 def merge(path, key, value):
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     doc = json.load(open(path)) if os.path.exists(path) else {}
     doc[key] = value
     with open(path + ".tmp", "w") as f:
@@ -73,7 +74,7 @@ def merge(path, key, value):
 
 def cmd_timing(args, device):
     model = load(args, device)
-    attn.TIMED["inner"] = "mala" if args.arm == "mala" else "sdpa"
+    attn.TIMED["inner"] = train.own_attention(args.arm)
     attn.set_attention(model, "timed")
     opt = train.optimizer(model, 1e-5, device)
     batch = max(1, args.tokens_per_step // args.seqlen)
@@ -225,7 +226,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("cmd", choices=("timing", "regime", "speed"))
     ap.add_argument("--size", required=True)
-    ap.add_argument("--arm", required=True, choices=("dense", "mala"))
+    ap.add_argument("--arm", required=True, choices=("dense", "mala", "mala0"))
     ap.add_argument("--stage", default="lct", choices=("pt", "lct"))
     ap.add_argument("--data", required=True)
     ap.add_argument("--work", required=True)
@@ -249,7 +250,8 @@ def main():
     a = ap.parse_args()
     a.lengths = [int(x) for x in a.lengths.split(",") if x]
     device = torch.device(a.device)
-    attn.register(a.tau)
+    # The integration at the arm's training tau (timing); regime and speed pass their tau per call.
+    attn.register(train.train_tau(a.arm, a.tau))
     t = time.time()
     {"timing": cmd_timing, "regime": cmd_regime, "speed": cmd_speed}[a.cmd](a, device)
     train.log(f"{a.cmd} took {time.time() - t:.1f} s")

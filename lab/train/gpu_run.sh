@@ -7,12 +7,16 @@
 #                                             there (setsid); returns at once
 #   there: bash lab/train/gpu_run.sh wait [S] waits up to S seconds (default 540) or until the run
 #                                             ends; prints the phase log and each log's tail; packs the
-#                                             results into $OUT/train_results.tgz
+#                                             results into $OUT/train_results.tgz and, once the run
+#                                             is done, the six state files: 7 of the 8 files a call
+#                                             brings back, so a call that waits writes one other at most
 # Phases: build (the mala extension, in the background from the start), corpus (scan, tokenizer if
 # lab/train/tokenizer.json is absent, token streams), pt (4K pre-training: both arms of every size in
 # SIZES at once, PT_BUDGET_S each), lct (16K, LCT_BUDGET_S), timing, regime, speed, matched.
 # Timing, speed and the saved states use the first seed of SEEDS.
-# Environment: STORE (default /tmp/mala-train), SIZES (default "s4m m13m"), SEEDS (default 42), PT_BUDGET_S (330),
+# Environment: STORE (default /tmp/mala-train), SIZES (default "s4m m13m"), SEEDS (default 42), ARMS
+# (default "dense mala"; "mala0" is MALA's kernels at tau = 0, the control arm: it trains, and its
+# analysis is its held-out evals; timing, regime and speed run for dense and mala only), PT_BUDGET_S (330),
 # LCT_BUDGET_S (120), LCT_SIZES (default: SIZES); PT_STEPS / LCT_STEPS fix the step counts instead of the
 # budgets (both arms then train on the same tokens without agreeing); COMPILE_LOSS=1 runs the loss
 # through torch.compile in training and timing (train.py --compile-loss); COMPILE_LOSS=auto first times
@@ -26,6 +30,7 @@ cd "$(dirname "$0")/../.."
 STORE=${STORE:-/tmp/mala-train}
 SIZES=${SIZES:-"s4m m13m"}
 SEEDS=${SEEDS:-42}
+ARMS=${ARMS:-"dense mala"}
 LCT_SIZES=${LCT_SIZES:-$SIZES}
 PT_BUDGET_S=${PT_BUDGET_S:-330}
 LCT_BUDGET_S=${LCT_BUDGET_S:-120}
@@ -36,13 +41,15 @@ FA4_SITE=${FA4_SITE:-}
 FA4_WAIT_S=${FA4_WAIT_S:-300}
 RES=$STORE/res
 
+arms_analyzed() { for a in $ARMS; do [ "$a" = mala0 ] || echo "$a"; done; }
+
 phases() {
   local R=$STORE/repo T=$STORE/repo/lab/train D=$STORE/data W=$STORE/work
   export PYTHONPATH=$STORE/site${FA4_SITE:+:$FA4_SITE}${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
   mkdir -p "$D" "$W" "$RES" "$STORE/sync"
   cd "$R"
   ph() { echo "$(date +%T) $*" >> "$RES/phases.log"; }
-  ph "start SIZES=$SIZES SEEDS=$SEEDS PT_BUDGET_S=$PT_BUDGET_S LCT_BUDGET_S=$LCT_BUDGET_S PT_STEPS=$PT_STEPS LCT_STEPS=$LCT_STEPS COMPILE_LOSS=$COMPILE_LOSS"
+  ph "start SIZES=$SIZES SEEDS=$SEEDS ARMS=$ARMS PT_BUDGET_S=$PT_BUDGET_S LCT_BUDGET_S=$LCT_BUDGET_S PT_STEPS=$PT_STEPS LCT_STEPS=$LCT_STEPS COMPILE_LOSS=$COMPILE_LOSS"
   rm -rf "$STORE/site" "$STORE/build.done" "$STORE/build.failed"
   ( CMAKE_ARGS=-DCMAKE_CUDA_ARCHITECTURES=90a CMAKE_BUILD_PARALLEL_LEVEL=16 python3 -m pip install \
       --no-build-isolation --no-deps --no-cache-dir --upgrade --target "$STORE/site" . > "$RES/build.log" 2>&1 \
@@ -90,7 +97,7 @@ PYEOF
   pids=()
   for s in $SIZES; do
     for seed in $SEEDS; do
-      for arm in dense mala; do
+      for arm in $ARMS; do
         python3 "$T/train.py" --size "$s" --arm "$arm" --seed "$seed" --stage pt --seqlen 4096 --budget-s "$PT_BUDGET_S" --steps "$PT_STEPS" \
           --sync "$STORE/sync" --eval-every 100 "${cl[@]}" "${common[@]}" > "$RES/pt_${s}_${arm}_s${seed}.log" 2>&1 &
         pids+=($!)
@@ -102,7 +109,7 @@ PYEOF
   pids=()
   for s in $LCT_SIZES; do
     for seed in $SEEDS; do
-      for arm in dense mala; do
+      for arm in $ARMS; do
         python3 "$T/train.py" --size "$s" --arm "$arm" --seed "$seed" --stage lct --seqlen 16384 \
           --budget-s "$LCT_BUDGET_S" --steps "$LCT_STEPS" --probe-steps 20 --sync "$STORE/sync" --eval-every 25 "${cl[@]}" "${common[@]}" \
           > "$RES/lct_${s}_${arm}_s${seed}.log" 2>&1 &
@@ -115,7 +122,7 @@ PYEOF
   A=(--data "$D" --tokenizer "$TOK" --out "$RES" --work "$W")
   T_A=("${A[@]}" "${cl[@]}")
   for s in $SIZES; do
-    for arm in dense mala; do
+    for arm in $(arms_analyzed); do
       python3 "$T/analyze.py" timing --size "$s" --arm "$arm" --seed "${SEEDS%% *}" --stage pt --seqlen 4096 \
         --profile "$RES/profile_${s}_${arm}_pt.txt" "${T_A[@]}" >> "$RES/timing.log" 2>&1 || ph "timing $s $arm pt failed"
       if [[ " $LCT_SIZES " == *" $s "* ]]; then
@@ -127,7 +134,7 @@ PYEOF
   seed0=${SEEDS%% *}
   for s in $LCT_SIZES; do
     for seed in $SEEDS; do
-      for arm in mala dense; do
+      for arm in $(arms_analyzed); do
         save=()
         [ "$arm" = mala ] && [ "$seed" = "$seed0" ] && save=(--save-states "$W/states_${s}_mala" --save-n 16384)
         python3 "$T/analyze.py" regime --size "$s" --arm "$arm" --seed "$seed" --stage lct "${save[@]}" "${A[@]}" \
@@ -141,10 +148,11 @@ PYEOF
   fi
   ph "speed"
   for s in ${SPEED_SIZES:-$LCT_SIZES}; do
-    for arm in mala dense; do
+    for arm in $(arms_analyzed); do
       python3 "$T/analyze.py" speed --size "$s" --arm "$arm" --seed "${SEEDS%% *}" --stage lct --n 16384 "${A[@]}" >> "$RES/speed.log" 2>&1 || ph "speed $s $arm failed"
     done
   done
+  if [[ " $ARMS " != *" mala "* ]]; then ph "all done"; return; fi  # matched work and states: MALA-trained
   ph "matched"
   MW=$R/lab/real/matched_work.py
   for s in ${SPEED_SIZES:-$LCT_SIZES}; do
@@ -171,8 +179,8 @@ case "${1:-}" in
 start)
   rm -rf "$STORE/repo" "$RES" && mkdir -p "$STORE/repo" "$RES"
   cp -r . "$STORE/repo/"
-  export -f phases
-  export STORE SIZES SEEDS LCT_SIZES PT_BUDGET_S LCT_BUDGET_S PT_STEPS LCT_STEPS COMPILE_LOSS RES SPEED_SIZES FA4_SITE FA4_WAIT_S
+  export -f phases arms_analyzed
+  export STORE SIZES SEEDS LCT_SIZES PT_BUDGET_S LCT_BUDGET_S PT_STEPS LCT_STEPS COMPILE_LOSS RES SPEED_SIZES FA4_SITE FA4_WAIT_S ARMS
   setsid nohup bash -c phases > "$STORE/phases.out" 2>&1 < /dev/null &
   echo "gpu_run: started (log $RES/phases.log)"
   ;;

@@ -6,7 +6,9 @@ weights), dense or MALA attention, one stage.
   --stage lct  long-context stage at --seqlen (16K) from the same seed's WORK/<size>_<arm>_pt.final.pt, constant
                LCT_LR_FACTOR x peak
   --arm dense  transformers' "sdpa" attention;  --arm mala: attn_implementation="mala" (the
-               library's transformers integration) at --tau, forward and backward
+               library's transformers integration) at --tau, forward and backward;  --arm mala0:
+               the same integration at tau = 0 (exact attention through MALA's kernels), the control
+               that separates the rule's cost from the kernels' numerics
 
 Both arms of a size start from the same weights (the seed's init, or their own pre-training) and see
 the same sequences in the same order (corpus.sequences of the token stream, a permutation per epoch
@@ -124,8 +126,19 @@ def build_model(size, vocab, arm, device, init_from=None, seed=configs.SEED):
     if init_from:
         model.load_state_dict(torch.load(init_from, map_location="cpu", weights_only=True))
     model.to(device)
-    attn.set_attention(model, "mala" if arm == "mala" else "sdpa")
+    attn.set_attention(model, own_attention(arm))
     return model
+
+
+def own_attention(arm):
+    """The registered attention an arm trains with: MALA's integration (at the arm's tau, which
+    register() fixed) for the MALA arms, torch's SDPA for dense."""
+    return "sdpa" if arm == "dense" else "mala"
+
+
+def train_tau(arm, tau):
+    """The tau an arm trains with: --tau for mala, 0 for mala0 and dense."""
+    return tau if arm == "mala" else 0.0
 
 
 def optimizer(model, lr, device):
@@ -142,7 +155,7 @@ def autocast(device):
 
 def evaluate(model, arm, held, device, tau):
     """{len: {"loss", "layers": per-layer MALA work}} on the fixed held-out batches."""
-    own = "mala" if arm == "mala" else "sdpa"
+    own = own_attention(arm)
     out = {}
     for n, x in held.items():
         xt = torch.from_numpy(x.astype(np.int64)).to(device)
@@ -157,7 +170,7 @@ def evaluate(model, arm, held, device, tau):
         model.zero_grad(set_to_none=True)
         attn.set_attention(model, own)
         if arm == "mala":
-            loss = float(loss_m.detach())  # the arm's own attention is the same call
+            loss = float(loss_m.detach())  # the arm's own attention (at the same tau) is the same call
         else:
             with torch.no_grad(), autocast(device):
                 loss = float(sequence_loss(model, xt))
@@ -181,7 +194,7 @@ def agree_steps(sync, tag_pair, arm, ms, budget_left, step_now, max_steps, wait_
     with open(mine + ".tmp", "w") as f:
         json.dump({"ms": ms, "left": budget_left, "step": step_now}, f)
     os.replace(mine + ".tmp", mine)
-    other = os.path.join(sync, f"{tag_pair}_{'dense' if arm == 'mala' else 'mala'}.json")
+    other = os.path.join(sync, f"{tag_pair}_{'mala' if arm == 'dense' else 'dense'}.json")
     t = time.time()
     while not os.path.exists(other) and time.time() - t < wait_s:
         time.sleep(1)
@@ -199,7 +212,7 @@ def steps_for(ms, budget_left, step_now, max_steps):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size", required=True, choices=sorted(configs.SIZES))
-    ap.add_argument("--arm", required=True, choices=("dense", "mala"))
+    ap.add_argument("--arm", required=True, choices=("dense", "mala", "mala0"))
     ap.add_argument("--stage", default="pt", choices=("pt", "lct"))
     ap.add_argument("--tau", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=configs.SEED,
@@ -225,7 +238,7 @@ def main():
     ap.add_argument("--compile-loss", action="store_true", help="the training steps' loss through torch.compile")
     a = ap.parse_args()
     device = torch.device(a.device)
-    attn.register(a.tau)
+    attn.register(train_tau(a.arm, a.tau))
     from tokenizers import Tokenizer
 
     vocab = Tokenizer.from_file(a.tokenizer).get_vocab_size()
@@ -245,7 +258,7 @@ def main():
     cfg = model.config
     opt = optimizer(model, peak, device)
     rec = {"size": a.size, "arm": a.arm, "stage": a.stage, "seed": a.seed,
-           "tau": a.tau if a.arm == "mala" else 0.0, "seqlen": a.seqlen, "batch": batch, "tokens_per_step": batch * a.seqlen, "peak_lr": peak,
+           "tau": train_tau(a.arm, a.tau), "seqlen": a.seqlen, "batch": batch, "tokens_per_step": batch * a.seqlen, "peak_lr": peak,
            "params": sum(p.numel() for p in model.parameters()),
            "non_embedding_params": configs.non_embedding_params(model),
            "config": {k: getattr(cfg, k) for k in ("hidden_size", "num_hidden_layers", "num_attention_heads",
@@ -317,7 +330,7 @@ def main():
         n_tok = batch * a.seqlen
         if last_eval is not None and last_eval["attn_flops_per_token_dense"] is not None:
             attn_flops["dense"] += n_tok * last_eval["attn_flops_per_token_dense"]
-            attn_flops["arm"] += n_tok * (last_eval["attn_flops_per_token_mala"] if a.arm == "mala"
+            attn_flops["arm"] += n_tok * (last_eval["attn_flops_per_token_mala"] if train_tau(a.arm, a.tau) > 0
                                           else last_eval["attn_flops_per_token_dense"])
         step += 1
         if not math.isfinite(lv):

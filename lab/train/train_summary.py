@@ -23,6 +23,7 @@ the matched-work study use the first seed.  Plots need matplotlib.
 from __future__ import annotations
 
 import argparse
+import math
 import json
 import os
 import sys
@@ -33,6 +34,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import configs  # noqa: E402
+
+
+ARMS = ("dense", "mala", "mala0")  # mala0: MALA's kernels at tau = 0, the control arm
 
 
 def load(path):
@@ -111,7 +115,7 @@ def arm_summary(res, size, arm, seed=configs.SEED):
     h, d, L = cfg["num_attention_heads"], cfg["head_dim"], cfg["num_hidden_layers"]
     layers16 = last["len_16384"]["layers"]
     out["attn_flops_per_token"] = (
-        configs.attention_flops_per_token(16384, h, d, L) if arm == "dense" else
+        configs.attention_flops_per_token(16384, h, d, L) if arm != "mala" else
         configs.attention_flops_per_token(16384, h, d, L, [x["fwd_slots"] for x in layers16],
                                           [x["bwd_slots"] for x in layers16]))
     out["attn_flops_per_token_dense_accounting"] = configs.attention_flops_per_token(16384, h, d, L)
@@ -176,6 +180,20 @@ def over_seeds(per_seed):
     return out
 
 
+def pooled(paired_by_size):
+    """Per loss, MALA's relative difference from dense over every (size, seed) pair: the 95%
+    t-interval of its mean and how many pairs are positive (under no difference, each sign is a coin
+    flip: the one-sided sign-test p-value is P(at least that many of n))."""
+    out = {}
+    for k in LOSSES:
+        r = [x for p in paired_by_size.values() for x in p[k]["relative"]]
+        n, pos = len(r), sum(x > 0 for x in r)
+        p_sign = sum(math.comb(n, j) for j in range(pos, n + 1)) / 2 ** n if n else None
+        out[k] = {"pairs": n, "positive": pos, "relative_mean_ci95": t_interval(r), "sign_test_p": p_sign,
+                  "sizes": list(paired_by_size)}
+    return out
+
+
 def paired(dense_seeds, mala_seeds):
     """Per loss: MALA minus dense of the two arms trained from the same seed, over the seeds both
     arms have: mean and 95% t-interval, absolute and relative to dense."""
@@ -185,7 +203,7 @@ def paired(dense_seeds, mala_seeds):
         d = np.array([mala_seeds[s][k] - dense_seeds[s][k] for s in common])
         r = np.array([(mala_seeds[s][k] - dense_seeds[s][k]) / dense_seeds[s][k] for s in common])
         out[k] = {"diff": [float(x) for x in d], "mean": float(d.mean()), "ci95": t_interval(d),
-                  "relative_mean": float(r.mean()), "relative_ci95": t_interval(r)}
+                  "relative": [float(x) for x in r], "relative_mean": float(r.mean()), "relative_ci95": t_interval(r)}
     return out
 
 
@@ -196,13 +214,13 @@ def plots(summary, runs, out_dir):
     import matplotlib.pyplot as plt
 
     os.makedirs(out_dir, exist_ok=True)
-    colors = {"dense": "tab:blue", "mala": "tab:red"}
+    colors = {"dense": "tab:blue", "mala": "tab:red", "mala0": "tab:green"}
     styles = {0: "-", 1: "--", 2: ":"}
     sizes = list(summary["sizes"])
     # Held-out loss against tokens and against attention FLOPs.
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for si, size in enumerate(sizes):
-        for arm, (pt, lct), seed_i in ((arm, r, i) for arm in ("dense", "mala")
+        for arm, (pt, lct), seed_i in ((arm, r, i) for arm in runs[size]
                                       for i, r in enumerate(runs[size][arm])):
             evs = pt["evals"] + ([dict(e, step=e["step"] + pt["final"]["step"]) for e in lct["evals"]] if lct else [])
             tok = [e["tokens"] for e in pt["evals"]] + ([pt["final"]["tokens"] + e["tokens"] for e in lct["evals"]]
@@ -230,6 +248,8 @@ def plots(summary, runs, out_dir):
     for si, size in enumerate(sizes):
         ax = axes[0][si]
         for arm in ("dense", "mala"):
+            if arm not in runs[size]:
+                continue
             runs_arm = [pt for pt, _ in runs[size][arm]]
             n_ev = min(len(pt["evals"]) for pt in runs_arm)
             steps = [e["step"] for e in runs_arm[0]["evals"][:n_ev]]
@@ -241,7 +261,7 @@ def plots(summary, runs, out_dir):
                 if per.shape[0] > 1:
                     ax.fill_between(steps, per[:, :, li].min(axis=0), per[:, :, li].max(axis=0), color=colors[arm],
                                     alpha=0.08)
-        n_seeds = len(runs[size]["mala"])
+        n_seeds = len(runs[size].get("mala", []))
         ax.set_title(f"{size}: forward tiles kept, 4K pre-training ({n_seeds} seed{'s' * (n_seeds > 1)})")
         ax.set_xlabel("step")
         ax.set_ylim(0, 1.1)
@@ -253,7 +273,7 @@ def plots(summary, runs, out_dir):
     # Slots against length, MALA-trained and dense-trained.
     fig, ax = plt.subplots(figsize=(6, 4))
     for si, size in enumerate(sizes):
-        for arm in ("dense", "mala"):
+        for arm in summary["sizes"][size]:
             svl = summary["sizes"][size][arm].get("slots_vs_length")
             if not svl:
                 continue
@@ -274,7 +294,7 @@ def plots(summary, runs, out_dir):
     fig, ax = plt.subplots(figsize=(7, 4))
     labels, fw, bw, rest = [], [], [], []
     for size in sizes:
-        for arm in ("dense", "mala"):
+        for arm in summary["sizes"][size]:
             s = summary["sizes"][size][arm]
             for tag, n in (("_4k", "4K"), ("", "16K")):
                 if "step_ms" + tag in s:
@@ -317,25 +337,25 @@ def main(argv=None):
     folders = [unpack(r) for r in a.res]
     manifest = load(os.path.join(a.corpus, "manifest.json"))
     streams = load(os.path.join(a.corpus, "streams.json"))
-    where = {}  # size -> the last run that trained it
+    where = {}  # (size, arm) -> the last run that trained that arm of that size
     for res in folders:
         for f in os.listdir(res):
             if f.startswith("train_") and f.endswith(".json") and "_pt" in f:
-                where[f.split("_")[1]] = res
-    sizes = sorted(where, key=lambda s: configs.SIZES[s]["hidden"] * configs.SIZES[s]["layers"])
+                where[tuple(f.split("_")[1:3])] = res
+    sizes = sorted({s for s, _ in where}, key=lambda s: configs.SIZES[s]["hidden"] * configs.SIZES[s]["layers"])
     summary = {"device": None, "corpus": {"files": manifest["counts"], "tokens": {
         "train": streams["train_tokens"], "heldout": streams["heldout_tokens"]},
         "stream_sha256": {"train": streams["train_sha256"], "heldout": streams["heldout_sha256"]},
         "heldout_packages": {k: len(v) for k, v in manifest["heldout_packages"].items()}}, "sizes": {}, "paired": {}}
     runs = {}
     for size in sizes:
-        res = where[size]
-        regime, speed, matched = (load(os.path.join(res, f)) if os.path.exists(os.path.join(res, f)) else {}
-                                  for f in ("regime.json", "speed.json", "matched_work.json"))
         summary["sizes"][size] = {}
         runs[size] = {}
         per_arm = {}
-        for arm in ("dense", "mala"):
+        for arm in [a for a in ARMS if (size, a) in where]:
+            res = where[(size, arm)]
+            regime, speed, matched = (load(os.path.join(res, f)) if os.path.exists(os.path.join(res, f)) else {}
+                                      for f in ("regime.json", "speed.json", "matched_work.json"))
             per_seed = {}
             runs[size][arm] = []
             for seed in seeds_of(res, size, arm):
@@ -353,30 +373,41 @@ def main(argv=None):
                 runs[size][arm].append((pt, lct))
             per_arm[arm] = per_seed
             summary["sizes"][size][arm] = over_seeds(per_seed)
-        summary["paired"][size] = paired(per_arm["dense"], per_arm["mala"])
-        for n in ("8192", "16384"):  # the matched-work study runs on the MALA-trained model's states
-            m = matched.get(f"{size}_{n}")
-            if m:
-                summary["sizes"][size]["mala"].setdefault("matched_work", {})[n] = {
-                    p: {k: m[p][k] for k in ("slots", "omitted_mean", "omitted_p95", "err_mean", "err_p95")}
-                    for p in m if isinstance(m[p], dict) and "slots" in m[p]}
+            if arm != "mala":
+                continue
+            for n in ("8192", "16384"):  # the matched-work study runs on the MALA-trained model's states
+                m = matched.get(f"{size}_{n}")
+                if m:
+                    summary["sizes"][size]["mala"].setdefault("matched_work", {})[n] = {
+                        p: {k: m[p][k] for k in ("slots", "omitted_mean", "omitted_p95", "err_mean", "err_p95")}
+                        for p in m if isinstance(m[p], dict) and "slots" in m[p]}
+        if "dense" in per_arm and "mala" in per_arm:
+            summary["paired"][size] = paired(per_arm["dense"], per_arm["mala"])
+        if "mala0" in per_arm:  # the control: MALA's kernels at tau = 0
+            summary.setdefault("paired_control", {})[size] = {
+                f"{b}_minus_{a}": paired(per_arm[a], per_arm[b])
+                for a, b in (("dense", "mala0"), ("mala0", "mala")) if a in per_arm and b in per_arm}
+    summary["paired_pooled"] = pooled(summary["paired"])
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     with open(a.out, "w") as f:
         json.dump(summary, f, indent=1)
     if a.plots:
         plots(summary, runs, a.plots)
     for size in sizes:
-        for arm in ("dense", "mala"):
+        for arm in summary["sizes"][size]:
             s = summary["sizes"][size][arm]
             print(f"{size} {arm} (seeds {s['seeds']}): tokens {s['tokens'] / 1e6:.1f}M, loss 4K {s['final_heldout_loss_4k']:.3f} "
                   f"16K {s['final_heldout_loss_16k']:.3f}, fwd retained 16K {s['fwd_retained_16k']:.3f}, "
                   f"slots {s['fwd_slots_16k']:.0f} / {s['bwd_slots_16k']:.0f}, step {s.get('step_ms', 0):.1f} ms "
                   f"(attn {s.get('attn_fwd_ms', 0):.1f} + {s.get('attn_bwd_ms', 0):.1f})")
-        p = summary["paired"][size]
-        for k in ("final_heldout_loss_4k", "final_heldout_loss_16k"):
-            ci = p[k]["relative_ci95"]
-            print(f"{size} paired {k}: mala - dense {p[k]['mean']:+.4f} nats, {100 * p[k]['relative_mean']:+.2f}%"
-                  + (f" (95% CI {100 * ci[1]:+.2f}% .. {100 * ci[2]:+.2f}%)" if ci else ""))
+        pairs = {"mala_minus_dense": summary["paired"].get(size), **summary.get("paired_control", {}).get(size, {})}
+        for name, p in pairs.items():
+            for k in ("final_heldout_loss_4k", "final_heldout_loss_16k"):
+                if not p:
+                    continue
+                ci = p[k]["relative_ci95"]
+                print(f"{size} paired {k}: {name} {p[k]['mean']:+.4f} nats, {100 * p[k]['relative_mean']:+.2f}%"
+                      + (f" (95% CI {100 * ci[1]:+.2f}% .. {100 * ci[2]:+.2f}%)" if ci else ""))
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ dispatch key (mala.sdpa._activate(tau, "CPU")) and call the aten operators direc
 aten's own autograd formulas, and torch.nn.attention.varlen.varlen_attn, through MALA without a
 GPU.  The CUDA tests run plain F.scaled_dot_product_attention and a transformers model."""
 
+import copy
 import os
 import subprocess
 import sys
@@ -46,7 +47,7 @@ def _bhnd(b=2, n=160, hq=4, hkv=2, d=64, seed=0):
 
 
 def _grads(out, inputs, seed=1):
-    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed))
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed)).to(out.device, out.dtype)
     return torch.autograd.grad(out, inputs, dout)
 
 
@@ -247,8 +248,10 @@ def test_cuda_transformers_sdpa_model_equals_mala_integration(on_cuda, monkeypat
                                    max_position_embeddings=2048, tie_word_embeddings=False)
     mala_hf.register(tau=1.0)
     torch.manual_seed(0)
-    sdpa = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=torch.bfloat16)
-    ref = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="mala", dtype=torch.bfloat16)
+    # One config object each: from_config sets config._attn_implementation on the object it is given,
+    # and a model reads it at every forward, so a shared config would turn the sdpa model into MALA's.
+    sdpa = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation="sdpa", dtype=torch.bfloat16)
+    ref = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation="mala", dtype=torch.bfloat16)
     ref.load_state_dict(sdpa.state_dict())
     sdpa, ref = sdpa.cuda(), ref.cuda()
     ids = torch.randint(0, 512, (2, 1024), generator=torch.Generator().manual_seed(0)).cuda()

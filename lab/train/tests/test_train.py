@@ -183,7 +183,7 @@ def test_a_few_steps_of_each_arm_lower_the_loss(roots, tmp_path):
     corpus.build(data, tok)
     tok_path = str(tmp_path / "tok.json")
     tok.save(tok_path)
-    recs = {arm: run_arm(tmp_path, data, tok_path, arm) for arm in ("dense", "mala")}
+    recs = {arm: run_arm(tmp_path, data, tok_path, arm) for arm in ("dense", "mala", "mala0")}
     for arm, rec in recs.items():
         first, last = rec["evals"][0], rec["evals"][-1]
         assert last["step"] == 30 and rec["final"]["tokens"] == 30 * 512
@@ -194,6 +194,11 @@ def test_a_few_steps_of_each_arm_lower_the_loss(roots, tmp_path):
     # Same init and data: at step 0 both arms evaluate the same model.
     assert recs["dense"]["evals"][0]["len_64"]["loss"] == pytest.approx(recs["mala"]["evals"][0]["len_64"]["loss"],
                                                                       rel=1e-6)
+    # The control arm trains through MALA's kernels at tau = 0: exact attention, so (fp32 on the CPU)
+    # it follows the dense arm up to rounding.
+    assert recs["mala0"]["tau"] == 0.0 and recs["mala"]["tau"] == 1.0
+    for a, b in zip(recs["mala0"]["steps"], recs["dense"]["steps"]):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-3)
     # The long-context stage starts from the pre-training weights, at LCT_LR_FACTOR x peak.
     lct = run_arm(tmp_path, data, tok_path, "mala", steps=5, stage="lct", seqlen=128)
     assert lct["evals"][0]["len_64"]["loss"] == pytest.approx(recs["mala"]["evals"][-1]["len_64"]["loss"], rel=1e-5)

@@ -59,3 +59,14 @@ def test_paired_differences_are_per_seed():
     assert d["mean"] == pytest.approx(0.1)
     assert d["relative_mean"] == pytest.approx((0.1 + 0.0) / 2)
     json.dumps(p)  # serialisable
+
+
+def test_pooled_counts_signs_over_every_pair():
+    seeds = {s: {k: 1.0 for k in ts.LOSSES} for s in (1, 2, 3)}
+    worse = {s: {k: 1.0 + 0.01 * s for k in ts.LOSSES} for s in (1, 2, 3)}
+    mixed = {1: {k: 0.99 for k in ts.LOSSES}, 2: {k: 1.02 for k in ts.LOSSES}}
+    p = ts.pooled({"a": ts.paired(seeds, worse), "b": ts.paired({1: seeds[1], 2: seeds[2]}, mixed)})
+    k = p["final_heldout_loss_4k"]
+    assert k["pairs"] == 5 and k["positive"] == 4
+    assert k["sign_test_p"] == (5 + 1) / 32  # P(>= 4 heads of 5)
+    assert k["relative_mean_ci95"][0] == pytest.approx((0.01 + 0.02 + 0.03 - 0.01 + 0.02) / 5)
