@@ -32,6 +32,7 @@
 #pragma once
 
 #include <math.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -76,19 +77,23 @@ struct BwdKernel {
   using STile = SmemTile<BK, BQ>;  // dS^T [key][query]
 
   // Shared memory: K, V, dO (2 stages), dS^T (2 buffers), D (2 stages), lse and log2(tau/L_q)
-  // (3 stages each), then Q (q_stages = 2 or 3 stages, the last region so its size can vary).
-  static constexpr int kOffK = 0;
-  static constexpr int kOffV = kOffK + KTile::kBytes;
-  static constexpr int kOffDO = kOffV + KTile::kBytes;
-  static constexpr int kOffDS = kOffDO + 2 * QTile::kBytes;
-  static constexpr int kOffDsum = kOffDS + 2 * STile::kBytes;
-  static constexpr int kOffLse = kOffDsum + 2 * BQ * 4;
-  static constexpr int kOffThr = kOffLse + 3 * BQ * 4;
-  static constexpr int kOffMbar = kOffThr + 3 * BQ * 4;  // 2 x u64 mbarrier
-  static constexpr int kOffVote = kOffMbar + 16;           // 2 x u32 flags
-  static constexpr int kOffQ = kOffVote + 112;
-  static_assert(kOffQ % 128 == 0, "Q tiles aligned");
-  static constexpr int smem_bytes(int q_stages) { return kOffQ + q_stages * QTile::kBytes; }
+  // (3 stages each), the vote's two mbarriers and flags, then Q (q_stages = 2 or 3 stages), after
+  // the struct so that its size can vary.
+  struct Storage {
+    unsigned char k[KTile::kBytes];
+    unsigned char v[KTile::kBytes];
+    unsigned char dout[2][QTile::kBytes];
+    unsigned char ds[2][STile::kBytes];
+    float dsum[2][BQ];
+    float lse[3][BQ];
+    float thr[3][BQ];
+    uint64_t mbar[2];
+    uint32_t vote[2];
+    uint32_t pad[26];  // to 112 bytes from mbar: the Q tiles start 128-aligned
+  };
+  static constexpr int kQ = sizeof(Storage);  // the Q stages
+  static_assert(kQ % 128 == 0, "Q tiles aligned");
+  static constexpr int smem_bytes(int q_stages) { return kQ + q_stages * QTile::kBytes; }
   static_assert(smem_bytes(3) == bwd_smem_bytes<D>(3), "bwd_smem_bytes (params.cuh) out of date");
 };
 
@@ -101,6 +106,7 @@ __global__ void __launch_bounds__(256, 1) bwd_main_kernel(const BwdParams p) {
   using KTile = typename KC::KTile;
   using QTile = typename KC::QTile;
   using STile = typename KC::STile;
+  using Sm = typename KC::Storage;
 
   extern __shared__ __align__(128) unsigned char smem[];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -115,10 +121,10 @@ __global__ void __launch_bounds__(256, 1) bwd_main_kernel(const BwdParams p) {
   const T *q_base = rows.q, *do_base = rows.dout, *k_ptr = rows.k, *v_ptr = rows.v;
 
   const uint32_t sbase = smem_addr(smem);
-  const uint32_t sK = sbase + KC::kOffK, sV = sbase + KC::kOffV, sQ = sbase + KC::kOffQ,
-                 sDO = sbase + KC::kOffDO, sDS = sbase + KC::kOffDS;
-  const float* lse_s = reinterpret_cast<const float*>(smem + KC::kOffLse);
-  const float* dsum_s = reinterpret_cast<const float*>(smem + KC::kOffDsum);
+  const uint32_t sK = sbase + offsetof(Sm, k), sV = sbase + offsetof(Sm, v), sQ = sbase + KC::kQ,
+                 sDO = sbase + offsetof(Sm, dout), sDS = sbase + offsetof(Sm, ds);
+  const float* lse_s = reinterpret_cast<const float*>(smem + offsetof(Sm, lse));
+  const float* dsum_s = reinterpret_cast<const float*>(smem + offsetof(Sm, dsum));
 
   KTile::template load_async<256>(sK, k_ptr, p.k_r, kn, tid);
   KTile::template load_async<256>(sV, v_ptr, p.v_r, kn, tid);
@@ -128,14 +134,14 @@ __global__ void __launch_bounds__(256, 1) bwd_main_kernel(const BwdParams p) {
     const int h = h0 + t / n_iq, r0 = (i_start + t % n_iq) * BQ, valid = min(BQ, qlen - r0);
     QTile::template load_async<256>(sQ + stage * QTile::kBytes, q_base + static_cast<int64_t>(r0) * p.q_r + h * p.q_h,
                                     p.q_r, valid, tid);
-    bwd_load_lse_thr<BQ, true>(p, w, h, r0, valid, sbase + KC::kOffLse + stage * BQ * 4,
-                               reinterpret_cast<float*>(smem + KC::kOffThr) + stage * BQ);
+    bwd_load_lse_thr<BQ, true>(p, w, h, r0, valid, sbase + offsetof(Sm, lse) + stage * BQ * 4,
+                               reinterpret_cast<float*>(smem + offsetof(Sm, thr)) + stage * BQ);
   };
   auto load_do = [&](int t, int stage) {
     const int h = h0 + t / n_iq, r0 = (i_start + t % n_iq) * BQ, valid = min(BQ, qlen - r0);
     QTile::template load_async<256>(sDO + stage * QTile::kBytes,
                                     do_base + static_cast<int64_t>(r0) * p.do_r + h * p.do_h, p.do_r, valid, tid);
-    bwd_load_dsum<BQ>(p, w, h, r0, valid, sbase + KC::kOffDsum + stage * BQ * 4);
+    bwd_load_dsum<BQ>(p, w, h, r0, valid, sbase + offsetof(Sm, dsum) + stage * BQ * 4);
   };
 
   const int kw = warp % KC::kKeyWarps;  // key slab of this warp
@@ -202,8 +208,8 @@ __global__ void __launch_bounds__(256, 1) bwd_main_kernel(const BwdParams p) {
   bool pend = false;
   int pend_h = 0, pend_q0 = 0, pend_buf = 0;
   // Vote state of the mbarrier vote (tau > 0): two mbarriers + two flags.
-  uint32_t* vote_s = reinterpret_cast<uint32_t*>(smem + KC::kOffVote);
-  const uint32_t mbar_s = sbase + KC::kOffMbar;
+  uint32_t* vote_s = reinterpret_cast<uint32_t*>(smem + offsetof(Sm, vote));
+  const uint32_t mbar_s = sbase + offsetof(Sm, mbar);
   if (!kDense && tid == 0) {
     mbar_init(mbar_s, KC::kWarps);
     mbar_init(mbar_s + 8, KC::kWarps);
@@ -273,7 +279,7 @@ __global__ void __launch_bounds__(256, 1) bwd_main_kernel(const BwdParams p) {
     // ---- 2. mask + offline test -----------------------------------------------------------------
     const bool need_mask = keys_x_rows_needs_mask(q0, BQ, kb, BK, qlen, klen, p.causal);
     const float* lse_t = lse_s + qs * BQ;
-    const float* thr_t = reinterpret_cast<const float*>(smem + KC::kOffThr) + qs * BQ;
+    const float* thr_t = reinterpret_cast<const float*>(smem + offsetof(Sm, thr)) + qs * BQ;
     // Scale to log2 units and mask (both instances), then the test (tau > 0).
 #pragma unroll
     for (int n = 0; n < NT; ++n)
@@ -380,10 +386,10 @@ __global__ void __launch_bounds__(256, 1) bwd_main_kernel(const BwdParams p) {
 #pragma unroll
       for (int kq = 0; kq < KQ; ++kq) {
         const int r = key0 + g, c = kq * 16 + 2 * tq;
-        *reinterpret_cast<uint32_t*>(smem + KC::kOffDS + st * STile::kBytes + STile::offset_elem(r, c)) = da[kq][0];
-        *reinterpret_cast<uint32_t*>(smem + KC::kOffDS + st * STile::kBytes + STile::offset_elem(r + 8, c)) = da[kq][1];
-        *reinterpret_cast<uint32_t*>(smem + KC::kOffDS + st * STile::kBytes + STile::offset_elem(r, c + 8)) = da[kq][2];
-        *reinterpret_cast<uint32_t*>(smem + KC::kOffDS + st * STile::kBytes + STile::offset_elem(r + 8, c + 8)) = da[kq][3];
+        *reinterpret_cast<uint32_t*>(smem + offsetof(Sm, ds) + st * STile::kBytes + STile::offset_elem(r, c)) = da[kq][0];
+        *reinterpret_cast<uint32_t*>(smem + offsetof(Sm, ds) + st * STile::kBytes + STile::offset_elem(r + 8, c)) = da[kq][1];
+        *reinterpret_cast<uint32_t*>(smem + offsetof(Sm, ds) + st * STile::kBytes + STile::offset_elem(r, c + 8)) = da[kq][2];
+        *reinterpret_cast<uint32_t*>(smem + offsetof(Sm, ds) + st * STile::kBytes + STile::offset_elem(r + 8, c + 8)) = da[kq][3];
       }
     }
     // dV += P^T dO, dK += dS^T Q  (this warp's keys x its head-dim part)
