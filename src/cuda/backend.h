@@ -41,8 +41,6 @@ enum class FwdVariant {
   wgmma_cp_async,  // sm_90, d = 128: the two-warpgroup wgmma kernel with cp.async loads
                    // (fwd/kernel_sm90.cuh), which the dispatch picks only where the TMA cannot be used;
                    // d = 64 has none and then runs the mma.sync kernel, as the dispatch does
-  wgmma_ws,        // sm_90: the warp-specialized kernel (fwd/kernel_sm90_ws.cuh; 32 x 64 decision tiles at
-                   // d = 64 and 128, 16 x 32 at 256) instead of the 128-key kernel (fwd/kernel_sm90_k128.cuh)
 };
 enum class BwdVariant {
   automatic,

@@ -15,7 +15,6 @@ const char* variant_name(FwdVariant v) {
   switch (v) {
     case FwdVariant::mma_sync: return "mma_sync";
     case FwdVariant::wgmma_cp_async: return "wgmma_cp_async";
-    case FwdVariant::wgmma_ws: return "wgmma_ws";
     default: return "auto";
   }
 }
@@ -29,7 +28,7 @@ const char* variant_name(BwdVariant v) {
 const char* variant_name(DecodeVariant v) { return v == DecodeVariant::small_smem ? "small_smem" : "auto"; }
 
 bool parse_variant(const std::string& s, FwdVariant* v) {
-  for (FwdVariant x : {FwdVariant::automatic, FwdVariant::mma_sync, FwdVariant::wgmma_cp_async, FwdVariant::wgmma_ws})
+  for (FwdVariant x : {FwdVariant::automatic, FwdVariant::mma_sync, FwdVariant::wgmma_cp_async})
     if (s == variant_name(x)) return *v = x, true;
   return false;
 }

@@ -4,10 +4,9 @@
 // < 1e-2 against the CPU's fp32 O, lse close, fwd_slots consistent with the kernel's tile_mask, every
 // output written (poisoned buffers), no NaN.
 // Every test that runs kernels runs once per forward kernel (the kernel override of
-// src/cuda/backend.h, a test parameter), four in all: the dispatch's own choice (on sm_90 the
-// 128-key kernel), the mma.sync kernel, the two-warpgroup wgmma kernel with cp.async loads, and the
-// 64-key warp-specialized kernel (wgmma_ws, which runs only under the override).  On devices without
-// wgmma the last three run what the dispatch chooses there.
+// src/cuda/backend.h, a test parameter), three in all: the dispatch's own choice (on sm_90 the
+// 128-key kernel), the mma.sync kernel and the two-warpgroup wgmma kernel with cp.async loads.  On
+// devices without wgmma the last two run what the dispatch chooses there.
 // ForwardFuzz.RandomShapes runs the same checks on 400 random shapes under the dispatch's own kernels
 // (seeded; MALA_FUZZ_SEED, MALA_FUZZ_CASES, MALA_FUZZ_CASE: see gpu_util.h).
 #include <algorithm>
@@ -330,8 +329,7 @@ class CudaForwardKernels : public ::testing::TestWithParam<FwdVariant> {
 }  // namespace
 
 INSTANTIATE_TEST_SUITE_P(Kernels, CudaForwardKernels,
-                         ::testing::Values(FwdVariant::automatic, FwdVariant::mma_sync, FwdVariant::wgmma_cp_async,
-                                           FwdVariant::wgmma_ws),
+                         ::testing::Values(FwdVariant::automatic, FwdVariant::mma_sync, FwdVariant::wgmma_cp_async),
                          [](const ::testing::TestParamInfo<FwdVariant>& i) {
                            return std::string(mala::cuda_backend::variant_name(i.param));
                          });
@@ -410,7 +408,7 @@ TEST_P(CudaForwardKernels, BatchStridedVarlen) {
   c = mk("fp16 d256 noncausal varlen3 strided", DType::f16, 256, false, 0, 0, 4, 2, 1.f, Input::local);
   c.varlen_q = {129, 1, 640}, c.varlen_k = {200, 33, 640}, c.strided = true;
   run_case(c);
-  // d = 64 runs the warp-specialized kernel where the TMA serves, else mma.sync (no cp.async wgmma).
+  // d = 64 runs the 128-key kernel where the TMA serves, else mma.sync (no cp.async wgmma).
   for (float tau : {0.f, 1.f}) {
     c = mk(std::string("bf16 d64 causal varlen3 local tau") + (tau > 0.f ? "1" : "0"), DType::bf16, 64, true, 0, 0, 8,
            2, tau, Input::local);
@@ -423,8 +421,8 @@ TEST_P(CudaForwardKernels, BatchStridedVarlen) {
 }
 
 // tau = 0 over the layouts the other tests run at tau = 1: on sm_90 these run the 128-key kernel's
-// dense instance (automatic) and the warp-specialized kernel's 64-key one (wgmma_ws), whose tiles
-// cross the ends, the diagonal and short rows differently.
+// dense instance (automatic) and the mma.sync kernel's (mma_sync; one instance at d = 128), whose
+// tiles cross the ends, the diagonal and short rows differently.
 TEST_P(CudaForwardKernels, DenseLayouts) {
   if (!mala::cuda_available()) GTEST_SKIP() << "no CUDA device";
   for (int d : {64, 128}) {

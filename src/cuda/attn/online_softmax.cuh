@@ -204,8 +204,8 @@ __device__ __forceinline__ void softmax_add_deferred_sum(float (&l)[MT][2], cons
 // get alpha = 1 exactly).  On long rows a maximum seldom grows that much after the first tile
 // (random scores: never after it; real models: at the attention-sink tile), so almost every tile
 // skips the 2 D / 4 multiplies per m16 block of acc and the exponentials of alpha.
-// keep = false (the warp-specialized forward's skipped pair, whose warpgroup runs P V anyway): P = 0
-// and m, l and acc stay bit for bit as they were, so one path serves both decisions.
+// keep = false (a skipped pair whose warpgroup runs P V anyway): P = 0 and m, l and acc stay bit for
+// bit as they were, so one path serves both decisions.
 // kQuadSum = false (dense instances, which have no test to feed): l holds this lane's part of the
 // row sum, to be reduced over the quad (warp_sum_quad) once, before the epilogue.
 template <int MT, int NT, int DT, bool kQuadSum = true>

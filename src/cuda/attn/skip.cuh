@@ -8,9 +8,8 @@
 //                         decode after the exchange below)
 //   pair_vote_flags       a warp pair owns it (two-warpgroup forward): per-warp flags in shared
 //                         memory and the warpgroup's named barrier
-//   pair_vote_popc        a warp pair owns it (warp-specialized forwards; the 128-key one at d = 64
-//                         and 256): one bar.red.popc over the warpgroup, whose count carries both
-//                         pairs' decisions
+//   pair_vote_popc        a warp pair owns it (the 128-key forward at d = 64 and 256): one
+//                         bar.red.popc over the warpgroup, whose count carries both pairs' decisions
 //   cta_vote_mbarrier     the CTA owns it (backward): flags and an mbarrier that only warps that
 //                         would skip wait on (cta_vote_arrive / cta_vote_result: the same with
 //                         tagged words, for the warp-specialized backward)
@@ -180,7 +179,7 @@ __device__ __forceinline__ void pair_vote_flags(uint32_t* vote, int warp, int la
 // pair_vote_popc: barrier `id` over `nthreads` threads that returns how many passed a predicate, in
 // one asm block: the predicate is the warp's any over its lanes' lane_pred, on the lanes where
 // `counted` is nonzero (the warp vote and the barrier's predicate stay predicates, with no conversion
-// through a register).  The warp-specialized forward counts every lane of a retaining pair-0 warp
+// through a register).  The 128-key forward counts every lane of a retaining pair-0 warp
 // (32) and lane 0 of a retaining pair-1 warp (1): pair 0's count is a multiple of 32, pair 1's below
 // 32.  bar.red defers blocking to the read of its result, so the caller can work in between.
 __device__ __forceinline__ uint32_t pair_vote_popc(int id, int nthreads, bool lane_pred, uint32_t counted) {

@@ -1,7 +1,7 @@
 // The two-warpgroup forward kernel on Hopper tensor cores (wgmma), head dim 128, sm_90a, with K and V
 // loaded by cp.async.  The dispatch runs it where the TMA cannot describe K and V (varlen inputs
 // without total_k, strides the TMA cannot take); everything else on sm_90 at d = 128 runs the
-// warp-specialized kernel (fwd/kernel_sm90_ws.cuh).  (At d = 64 it is slower than the mma.sync
+// 128-key kernel (fwd/kernel_sm90_k128.cuh).  (At d = 64 it is slower than the mma.sync
 // kernel, so it is not instantiated there.)
 // Same decisions as the mma.sync kernel: the decision tile is 32 query rows x 64 keys (FwdConfig),
 // key tiles are visited from the diagonal down, the online test reads the running normaliser, and V
