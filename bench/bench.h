@@ -152,7 +152,7 @@ inline int64_t parse_len(const std::string& s) {  // "4096", "4K", "128k"
 //   --interleave   --real PREFIX,...   --varlen (forward, batch 1)   --deterministic (backward)
 //   --fwd-mask (backward: with the forward's tile mask; forward: tau > 0 calls record it, as
 //               autograd's forward does where the backward reads it)
-//   --fwd-kernel auto|mma_sync|wgmma_cp_async|wgmma_ws   --bwd-kernel auto|mma_sync|wgmma_cp_async
+//   --fwd-kernel auto|mma_sync   --bwd-kernel auto|mma_sync
 //   --decode-kernel auto|small_smem   --bwd-q-stages 2|3   --bwd-head-splits S
 //   (the kernel override, for comparing kernels on one device)
 inline Options parse_options(int argc, char** argv) {

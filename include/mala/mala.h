@@ -77,7 +77,8 @@ struct ForwardArgs {
   const int32_t* cu_seqlens_k = nullptr;
   // Varlen, optional: the rows of the packed k and v (at least cu_seqlens_k[batch], which lives on
   // the device; flash_attn's total_k = k.shape[0]).  Given, the Hopper forward loads K and V by TMA
-  // (its fastest kernel) and the stride check covers every row; 0 = not given.  With it, a
+  // (its fastest kernel) and the stride check covers every row; 0 = not given (on Hopper the
+  // mma.sync kernel then runs, which is slower: docs/kernels.md, "Known limits").  With it, a
   // sequence's last key tile also reads rows after the sequence (the next sequence's, or rows up to
   // total_k): they get zero weight, but must hold finite values, as they do in a packed tensor.
   int64_t total_k = 0;
@@ -136,7 +137,8 @@ struct BackwardArgs {
   const int32_t* cu_seqlens_q = nullptr;
   const int32_t* cu_seqlens_k = nullptr;
   // Varlen, optional: the rows of the packed q (and o, dout, dq) and of k (and v, dk, dv), as
-  // ForwardArgs::total_k.  Given both, the Hopper backward loads by TMA (its fastest kernel).
+  // ForwardArgs::total_k.  Given both, the Hopper backward loads by TMA (its fastest kernel); else
+  // the mma.sync kernel runs, which is slower, and deterministic = true is refused.
   int64_t total_q = 0, total_k = 0;
 
   bool causal = true;

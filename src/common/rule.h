@@ -88,7 +88,7 @@ MALA_HD bool row_allows_skip(float tile_max, float log_norm, float log_thr) {
 }
 
 // The test solved for the raw score, for kernels that compare each lane's raw q.k row max against a
-// bound kept per row and recomputed only when the normaliser changes (the warp-specialized forward):
+// bound kept per row and recomputed only when the normaliser changes (the 128-key forward):
 // with tile_max = raw / inv_scale (inv_scale > 0), row_allows_skip(tile_max, log_norm, log_thr) holds
 // iff row_allows_skip_raw(raw, skip_bound_raw(log_norm, log_thr, inv_scale)), up to the rounding of
 // the rearrangement (margins near 1e-6, far inside the 1e-3 flips docs/spec.md allows).  The special

@@ -36,19 +36,12 @@ size_t decode_workspace_size(const DecodeArgs& args);
 // up to rounding (the same tiles and decisions).  Not part of the public API (include/mala/mala.h);
 // process-wide, not synchronised: set it between calls, not during them.
 enum class FwdVariant {
-  automatic,       // the dispatch's choice
-  mma_sync,        // the mma.sync kernel (fwd/kernel_sm80.cuh) on sm_90 too
-  wgmma_cp_async,  // sm_90, d = 128: the two-warpgroup wgmma kernel with cp.async loads
-                   // (fwd/kernel_sm90.cuh), which the dispatch picks only where the TMA cannot be used;
-                   // d = 64 has none and then runs the mma.sync kernel, as the dispatch does
-  wgmma_ws,        // sm_90: the warp-specialized kernel (fwd/kernel_sm90_ws.cuh; 32 x 64 decision tiles at
-                   // d = 64 and 128, 16 x 32 at 256) instead of the 128-key kernel (fwd/kernel_sm90_k128.cuh)
+  automatic,  // the dispatch's choice
+  mma_sync,   // the mma.sync kernel (fwd/kernel_sm80.cuh) on sm_90 too
 };
 enum class BwdVariant {
   automatic,
-  mma_sync,        // the mma.sync backward (bwd/kernel_sm80.cuh) on sm_90 too
-  wgmma_cp_async,  // sm_90, d = 64 and 128: the two-warpgroup wgmma kernel with cp.async loads
-                   // (bwd/kernel_sm90.cuh), which the dispatch picks only where the TMA cannot be used
+  mma_sync,  // the mma.sync backward (bwd/kernel_sm80.cuh) on sm_90 too
 };
 enum class DecodeVariant {
   automatic,

@@ -14,27 +14,24 @@ const KernelOverride& kernel_override() { return g_override; }
 const char* variant_name(FwdVariant v) {
   switch (v) {
     case FwdVariant::mma_sync: return "mma_sync";
-    case FwdVariant::wgmma_cp_async: return "wgmma_cp_async";
-    case FwdVariant::wgmma_ws: return "wgmma_ws";
     default: return "auto";
   }
 }
 const char* variant_name(BwdVariant v) {
   switch (v) {
     case BwdVariant::mma_sync: return "mma_sync";
-    case BwdVariant::wgmma_cp_async: return "wgmma_cp_async";
     default: return "auto";
   }
 }
 const char* variant_name(DecodeVariant v) { return v == DecodeVariant::small_smem ? "small_smem" : "auto"; }
 
 bool parse_variant(const std::string& s, FwdVariant* v) {
-  for (FwdVariant x : {FwdVariant::automatic, FwdVariant::mma_sync, FwdVariant::wgmma_cp_async, FwdVariant::wgmma_ws})
+  for (FwdVariant x : {FwdVariant::automatic, FwdVariant::mma_sync})
     if (s == variant_name(x)) return *v = x, true;
   return false;
 }
 bool parse_variant(const std::string& s, BwdVariant* v) {
-  for (BwdVariant x : {BwdVariant::automatic, BwdVariant::mma_sync, BwdVariant::wgmma_cp_async})
+  for (BwdVariant x : {BwdVariant::automatic, BwdVariant::mma_sync})
     if (s == variant_name(x)) return *v = x, true;
   return false;
 }

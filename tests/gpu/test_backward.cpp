@@ -5,9 +5,10 @@
 //   - dQ/dK/dV rel L2 < 1e-2 vs the CPU fp32 result, no poison left, no NaN,
 //   - bwd_slots equal to the CPU's (exact when there is no flip).
 // Every test runs once per backward kernel (the kernel override of src/cuda/backend.h, a test
-// parameter): the dispatch's own choice (on sm_90 the warp-specialized TMA kernel), the two-warpgroup
-// cp.async wgmma kernel and the mma.sync kernel (the same on devices without wgmma).  Deterministic
-// calls also run three times and must give bit-identical dQ, dK, dV.
+// parameter): the dispatch's own choice (on sm_90 the warp-specialized TMA kernels, and the mma.sync
+// kernel where the TMA cannot describe the tensors: varlen without totals) and the mma.sync kernel
+// (the same on devices without wgmma).  Deterministic calls also run three times and must give
+// bit-identical dQ, dK, dV.
 // BackwardFuzz.RandomShapes runs the same checks on 400 random shapes under the dispatch's own
 // kernels (seeded; MALA_FUZZ_SEED, MALA_FUZZ_CASES, MALA_FUZZ_CASE: see gpu_util.h).
 #include <string>
@@ -422,10 +423,10 @@ auto bwd_variant_name = [](const ::testing::TestParamInfo<BwdVariant>& i) {
   return std::string(mala::cuda_backend::variant_name(i.param));
 };
 INSTANTIATE_TEST_SUITE_P(Kernels, BackwardGpuSmall,
-                         ::testing::Values(BwdVariant::automatic, BwdVariant::wgmma_cp_async, BwdVariant::mma_sync),
+                         ::testing::Values(BwdVariant::automatic, BwdVariant::mma_sync),
                          bwd_variant_name);
 INSTANTIATE_TEST_SUITE_P(Kernels, BackwardGpu,
-                         ::testing::Values(BwdVariant::automatic, BwdVariant::wgmma_cp_async, BwdVariant::mma_sync),
+                         ::testing::Values(BwdVariant::automatic, BwdVariant::mma_sync),
                          bwd_variant_name);
 
 namespace {
@@ -515,8 +516,8 @@ Case small_varlen() {
   return v;
 }
 
-// The dispatch's own kernel only: deterministic mode and varlen without totals (the cp.async
-// fallback).  Deterministic runs on Hopper's warp-specialized kernel; elsewhere it must be refused.
+// The dispatch's own kernel only: deterministic mode and varlen without totals (the mma.sync
+// fallback on sm_90).  Deterministic runs on Hopper's warp-specialized kernel; elsewhere it must be refused.
 // Every head dim at tau 0 and 1 and with the forward's tile mask; at d = 64 and 128 (fixed-point dQ)
 // also gradients of 1e-30 and 1e15 (the rows' units at the clamp and far from 1).  The fixed point's
 // int32 has the least room where its bound is loosest: keys with a

@@ -4,10 +4,9 @@
 // < 1e-2 against the CPU's fp32 O, lse close, fwd_slots consistent with the kernel's tile_mask, every
 // output written (poisoned buffers), no NaN.
 // Every test that runs kernels runs once per forward kernel (the kernel override of
-// src/cuda/backend.h, a test parameter), four in all: the dispatch's own choice (on sm_90 the
-// 128-key kernel), the mma.sync kernel, the two-warpgroup wgmma kernel with cp.async loads, and the
-// 64-key warp-specialized kernel (wgmma_ws, which runs only under the override).  On devices without
-// wgmma the last three run what the dispatch chooses there.
+// src/cuda/backend.h, a test parameter), two in all: the dispatch's own choice (on sm_90 the
+// 128-key kernel, and the mma.sync kernel where the TMA cannot describe K and V: the cases without
+// total_k) and the mma.sync kernel.  On devices without wgmma both run the mma.sync kernel.
 // ForwardFuzz.RandomShapes runs the same checks on 400 random shapes under the dispatch's own kernels
 // (seeded; MALA_FUZZ_SEED, MALA_FUZZ_CASES, MALA_FUZZ_CASE: see gpu_util.h).
 #include <algorithm>
@@ -330,8 +329,7 @@ class CudaForwardKernels : public ::testing::TestWithParam<FwdVariant> {
 }  // namespace
 
 INSTANTIATE_TEST_SUITE_P(Kernels, CudaForwardKernels,
-                         ::testing::Values(FwdVariant::automatic, FwdVariant::mma_sync, FwdVariant::wgmma_cp_async,
-                                           FwdVariant::wgmma_ws),
+                         ::testing::Values(FwdVariant::automatic, FwdVariant::mma_sync),
                          [](const ::testing::TestParamInfo<FwdVariant>& i) {
                            return std::string(mala::cuda_backend::variant_name(i.param));
                          });
@@ -398,7 +396,7 @@ TEST_P(CudaForwardKernels, BatchStridedVarlen) {
   c = mk("bf16 d128 causal varlen3 local", DType::bf16, 128, true, 0, 0, 8, 1, 1.f, Input::local);
   c.varlen_q = {77, 1000, 300}, c.varlen_k = {77, 1000, 513};
   run_case(c);
-  c.name = "bf16 d128 causal varlen3 local, no total_k (cp.async loads)";
+  c.name = "bf16 d128 causal varlen3 local, no total_k (mma.sync)";
   c.total_k = false;
   run_case(c);
   c = mk("fp16 d128 noncausal varlen4 strided random", DType::f16, 128, false, 0, 0, 4, 2, 1.f, Input::random);
@@ -410,7 +408,7 @@ TEST_P(CudaForwardKernels, BatchStridedVarlen) {
   c = mk("fp16 d256 noncausal varlen3 strided", DType::f16, 256, false, 0, 0, 4, 2, 1.f, Input::local);
   c.varlen_q = {129, 1, 640}, c.varlen_k = {200, 33, 640}, c.strided = true;
   run_case(c);
-  // d = 64 runs the warp-specialized kernel where the TMA serves, else mma.sync (no cp.async wgmma).
+  // d = 64 likewise: the 128-key kernel where the TMA serves, else mma.sync.
   for (float tau : {0.f, 1.f}) {
     c = mk(std::string("bf16 d64 causal varlen3 local tau") + (tau > 0.f ? "1" : "0"), DType::bf16, 64, true, 0, 0, 8,
            2, tau, Input::local);
@@ -423,8 +421,8 @@ TEST_P(CudaForwardKernels, BatchStridedVarlen) {
 }
 
 // tau = 0 over the layouts the other tests run at tau = 1: on sm_90 these run the 128-key kernel's
-// dense instance (automatic) and the warp-specialized kernel's 64-key one (wgmma_ws), whose tiles
-// cross the ends, the diagonal and short rows differently.
+// dense instance (automatic) and the mma.sync kernel's (mma_sync; one instance at d = 128), whose
+// tiles cross the ends, the diagonal and short rows differently.
 TEST_P(CudaForwardKernels, DenseLayouts) {
   if (!mala::cuda_available()) GTEST_SKIP() << "no CUDA device";
   for (int d : {64, 128}) {
@@ -458,8 +456,8 @@ TEST_P(CudaForwardKernels, SyntheticWorkload) {
 
 // The call as one split of a longer sequence (context parallelism): the whole-length threshold
 // (rows_before), the seed in the test's denominator, the held anchors retained untested, rows that
-// retain nothing (o = 0, lse = -inf).  Seeded calls that the TMA cannot serve run mma.sync (the
-// cp.async variant's parameter then runs that).
+// retain nothing (o = 0, lse = -inf).  Seeded calls that the TMA cannot serve run mma.sync, as
+// every call the TMA cannot serve does.
 TEST_P(CudaForwardKernels, SplitOfALongerSequence) {
   if (!mala::cuda_available()) GTEST_SKIP() << "no CUDA device";
   for (DType t : {DType::bf16, DType::f16})

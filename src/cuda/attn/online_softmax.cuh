@@ -66,31 +66,9 @@ __device__ __forceinline__ void softmax_exponentiate(float (&s)[NT][4], const fl
     }
 }
 
-// One retained tile: tile_max_raw[mt][h] is the quad-reduced raw row max of s (lane_row_max, then
-// quad_row_max).
-// softmax_scores updates m and l and turns s into P = exp2(s*scale_log2 - m_new), returning the
-// factors alpha = exp2(m_old - m_new) that softmax_rescale applies to acc; kernels that overlap the
-// exponentials with an in-flight P V of the previous tile (fwd/kernel_sm90.cuh) rescale once that
-// P V has completed.
-template <int MT, int NT>
-__device__ __forceinline__ void softmax_scores(float (&s)[MT][NT][4], const float (&tile_max_raw)[MT][2],
-                                               float scale_log2, float (&m)[MT][2], float (&l)[MT][2],
-                                               float (&alpha)[MT][2]) {
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt) {
-    float base[2], sum[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      float m_new;
-      softmax_row_max(m[mt][h], tile_max_raw[mt][h], scale_log2, true, m_new, base[h]);
-      alpha[mt][h] = exp2f(m[mt][h] - base[h]);
-      m[mt][h] = m_new;
-    }
-    softmax_exponentiate<NT>(s[mt], base, scale_log2, sum);
-#pragma unroll
-    for (int h = 0; h < 2; ++h) l[mt][h] = fmaf(l[mt][h], alpha[mt][h], warp_sum_quad(sum[h]));
-  }
-}
+// O's rows times alpha = exp2(m_old - m_new), the factor of a row whose base moved (kernels that
+// overlap the exponentials with an in-flight P V of the previous tile apply it once that P V has
+// completed).
 template <int MT, int DT>
 __device__ __forceinline__ void softmax_rescale(const float (&alpha)[MT][2], float (&acc)[MT][DT][4]) {
 #pragma unroll
@@ -204,8 +182,8 @@ __device__ __forceinline__ void softmax_add_deferred_sum(float (&l)[MT][2], cons
 // get alpha = 1 exactly).  On long rows a maximum seldom grows that much after the first tile
 // (random scores: never after it; real models: at the attention-sink tile), so almost every tile
 // skips the 2 D / 4 multiplies per m16 block of acc and the exponentials of alpha.
-// keep = false (the warp-specialized forward's skipped pair, whose warpgroup runs P V anyway): P = 0
-// and m, l and acc stay bit for bit as they were, so one path serves both decisions.
+// keep = false (a skipped pair whose warpgroup runs P V anyway): P = 0 and m, l and acc stay bit for
+// bit as they were, so one path serves both decisions.
 // kQuadSum = false (dense instances, which have no test to feed): l holds this lane's part of the
 // row sum, to be reduced over the quad (warp_sum_quad) once, before the epilogue.
 template <int MT, int NT, int DT, bool kQuadSum = true>

@@ -4,13 +4,9 @@
 //
 // The vote kinds (a tile is skipped iff every row of its decision tile allows it):
 //   warp_vote_skip        one warp owns the decision tile: __all_sync (mma.sync forward, the
-//                         two-warpgroup forward's per-warp part, the 128-key forward at d = 128,
-//                         decode after the exchange below)
-//   pair_vote_flags       a warp pair owns it (two-warpgroup forward): per-warp flags in shared
-//                         memory and the warpgroup's named barrier
-//   pair_vote_popc        a warp pair owns it (warp-specialized forwards; the 128-key one at d = 64
-//                         and 256): one bar.red.popc over the warpgroup, whose count carries both
-//                         pairs' decisions
+//                         128-key forward at d = 128, decode after the exchange below)
+//   pair_vote_popc        a warp pair owns it (the 128-key forward at d = 64 and 256): one
+//                         bar.red.popc over the warpgroup, whose count carries both pairs' decisions
 //   cta_vote_mbarrier     the CTA owns it (backward): flags and an mbarrier that only warps that
 //                         would skip wait on (cta_vote_arrive / cta_vote_result: the same with
 //                         tagged words, for the warp-specialized backward)
@@ -54,8 +50,8 @@ __device__ __forceinline__ float row_log2_threshold_or_inf(float log2_tau, int L
 
 // The max of lane_row_max: rule::nan_max, or with kNanMax = false fmaxf (which drops NaN) for an
 // instance without a tile test (tau = 0), where a NaN score needs no NaN max to reach the output:
-// P = exp2(NaN - base) is NaN itself, and so are l, o and lse.  (The two-warpgroup forward's dense
-// d = 128 instance spills 48 bytes with max.NaN there, none with fmaxf.)
+// P = exp2(NaN - base) is NaN itself, and so are l, o and lse.  (A forward's dense instance spilled
+// 48 bytes with max.NaN there, none with fmaxf: docs/journal.md, 2026-12-02.)
 template <bool kNanMax>
 __device__ __forceinline__ float lane_max(float a, float b) {
   if constexpr (kNanMax) return rule::nan_max(a, b);
@@ -164,23 +160,10 @@ __device__ __forceinline__ float seeded_log2_norm(float log2_anchor, float m, fl
 
 // ---- votes over more than one warp ------------------------------------------------------------------
 
-// pair_vote_flags: the warp pair's decision from its two warps' retentions (two-warpgroup forward).
-// vote: 8 flags (one per warp of the CTA) of this decision's parity (a warp may be one decision ahead:
-// the flags are next written two decisions later, after this warpgroup's next vote).  Every thread
-// of the warpgroup calls it.  pair_retain: whether the pair retains; wg_any: whether either pair does.
-__device__ __forceinline__ void pair_vote_flags(uint32_t* vote, int warp, int lane, int wg, int pair,
-                                                bool warp_retain, bool& pair_retain, bool& wg_any) {
-  if (lane == 0) vote[warp] = warp_retain ? 1u : 0u;
-  warpgroup_barrier_sync(wg);
-  const uint4 f = *reinterpret_cast<const uint4*>(vote + 4 * wg);
-  pair_retain = (pair ? (f.z | f.w) : (f.x | f.y)) != 0u;
-  wg_any = (f.x | f.y | f.z | f.w) != 0u;
-}
-
 // pair_vote_popc: barrier `id` over `nthreads` threads that returns how many passed a predicate, in
 // one asm block: the predicate is the warp's any over its lanes' lane_pred, on the lanes where
 // `counted` is nonzero (the warp vote and the barrier's predicate stay predicates, with no conversion
-// through a register).  The warp-specialized forward counts every lane of a retaining pair-0 warp
+// through a register).  The 128-key forward counts every lane of a retaining pair-0 warp
 // (32) and lane 0 of a retaining pair-1 warp (1): pair 0's count is a multiple of 32, pair 1's below
 // 32.  bar.red defers blocking to the read of its result, so the caller can work in between.
 __device__ __forceinline__ uint32_t pair_vote_popc(int id, int nthreads, bool lane_pred, uint32_t counted) {

@@ -1,6 +1,6 @@
-// Pieces both backward main kernels share (kernel_sm80.cuh, kernel_sm90.cuh): the CTA's work and
-// rows, the per-row loaders, the recorded outputs, the CTA vote, the retained tile's loads and the
-// dK/dV stores.
+// Pieces the backward main kernels share (kernel_sm80.cuh, and in part the warp-specialized ones):
+// the CTA's work and rows, the per-row loaders, the recorded outputs, the CTA vote, the retained
+// tile's loads and the dK/dV stores.
 #pragma once
 
 #include <math.h>
@@ -158,19 +158,6 @@ __device__ __forceinline__ void bwd_load_lse_thr(const BwdParams& p, const BwdWo
       const int L = ok ? rule::visible_keys(r0 + tid, w.qlen, w.klen, p.causal) : 0;
       thr_dst[tid] = row_log2_threshold_or_inf(p.log2_tau, rule::threshold_length(L, r0 + tid, p.rows_before));
     }
-  }
-}
-// The wgmma kernel's variant: lse and, when BOUND, the raw-score skip bound (both by cp.async; rows
-// past `valid` read 0, and every entry of those rows is masked to -inf, which no bound blocks).
-template <int BQ, bool BOUND>
-__device__ __forceinline__ void bwd_load_lse_bound(const BwdParams& p, const BwdWork& w, int h, int r0, int valid,
-                                                   uint32_t lse_dst, uint32_t bound_dst) {
-  const int tid = threadIdx.x;
-  if (tid < BQ) {
-    const bool ok = tid < valid;
-    const int64_t at = h * p.rows_q_cap + w.qrow0 + r0 + tid;
-    bwd_cp_async_4(lse_dst + tid * 4, ok ? p.lse2 + at : p.lse2, ok);
-    if (BOUND) bwd_cp_async_4(bound_dst + tid * 4, ok ? p.bound2 + at : p.bound2, ok);
   }
 }
 template <int BQ>

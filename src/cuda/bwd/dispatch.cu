@@ -4,13 +4,13 @@
 //     warp-specialized TMA kernels where the TMA can describe Q, dO, K, V and the dQ accumulator
 //     (varlen: when the call gives total_q and total_k): bwd/kernel_sm90_ws.cuh at d = 64 and 128;
 //     at d = 256 kernel_sm90_ws256.cuh (dK, dV, the decisions into the tile mask) then
-//     dq_sm90_ws256.cuh (dQ straight into the output: no accumulator, no convert); else at d = 64
-//     and 128 the two-warpgroup cp.async kernel (bwd/kernel_sm90.cuh);
-//   everything else: the mma.sync kernel (bwd/kernel_sm80.cuh).
+//     dq_sm90_ws256.cuh (dQ straight into the output: no accumulator, no convert);
+//   everything else, and on sm_90 what the TMA cannot describe: the mma.sync kernel
+//     (bwd/kernel_sm80.cuh).
 // deterministic = true runs only on the warp-specialized kernels (an error elsewhere): at d = 64 and
 // 128 their dQ adds are in fixed point (int32), whose sums do not depend on the order of the adds; at
 // d = 256 the dQ kernel adds nothing.  Each kernel's tau = 0 instance runs at tau = 0.  The kernel
-// override (backend.h) forces another kernel, the Q stages or the head splits for tests and
+// override (backend.h) forces the mma.sync kernel, the Q stages or the head splits for tests and
 // benchmarks.
 //   0. fixed-point dQ: the K/V maxima kernel (bwd/rowwise.cuh), for the rows' fixed-point units.
 //   1. preprocess kernel (bwd/rowwise.cuh): D = rowsum(dO * O) (fp32) into the workspace, lse in
@@ -254,10 +254,10 @@ cuda::BwdLaunch choose_kernel(const BackwardArgs& a, const Plan& pl, const BwdPa
     }
     return l;
   }
-  const BwdVariant v = kernel_override().bwd;
-  if (v == BwdVariant::mma_sync || !wgmma_fits<T, D>(a, pl)) return l;
-  l.kernel = cuda::BwdKernelKind::sm90;
-  if (v != BwdVariant::wgmma_cp_async && make_tma_maps(a, p, maps)) {
+  if (kernel_override().bwd == BwdVariant::mma_sync || !wgmma_fits<T, D>(a, pl)) return l;
+  // Where the TMA cannot describe the tensors: the mma.sync kernel, as set above (docs/kernels.md,
+  // "Known limits", states what that costs).
+  if (make_tma_maps(a, p, maps)) {
     l.kernel = cuda::BwdKernelKind::sm90_ws;
     l.maps = maps;
   }

@@ -4,7 +4,6 @@
 #pragma once
 
 #include "cuda/bwd/kernel_sm80.cuh"
-#include "cuda/bwd/kernel_sm90.cuh"
 #include "cuda/bwd/kernel_sm90_ws.cuh"
 #include "cuda/bwd/kernel_sm90_ws256.cuh"
 #include "cuda/bwd/launch.h"
@@ -13,15 +12,18 @@
 namespace mala {
 namespace cuda {
 
-// The two-warpgroup (cp.async) wgmma kernel exists at d = 64 and 128; the warp-specialized one at 64,
-// 128 (kernel_sm90_ws.cuh) and 256 (kernel_sm90_ws256.cuh).
+// The warp-specialized kernels exist at d = 64 and 128 (kernel_sm90_ws.cuh) and 256
+// (kernel_sm90_ws256.cuh).
 template <int D>
 constexpr bool bwd_has_wgmma() { return D == 64 || D == 128; }
 
+// Whether this build's wgmma kernels run on the current device (false for head dims without them).
+// Probes the warp-specialized kernel itself, the one a true answer lets run.
 template <typename T, int D>
 bool bwd_wgmma_usable() {
   if constexpr (bwd_has_wgmma<D>()) {
-    static const bool ok = wgmma_kernel_usable(reinterpret_cast<const void*>(bwd_main_kernel_sm90<T, D, true>));
+    static const bool ok =
+        wgmma_kernel_usable(reinterpret_cast<const void*>(bwd_main_kernel_sm90_ws<T, D, true, false, false>));
     return ok;
   } else if constexpr (D == 256) {
     static const bool ok = wgmma_kernel_usable(reinterpret_cast<const void*>(bwd_main_kernel_sm90_ws256<T, true>));
@@ -39,7 +41,6 @@ cudaError_t launch_bwd_main(const BwdParams& p, const BwdLaunch& l, cudaStream_t
   if constexpr (bwd_has_wgmma<D>()) {
     if (l.kernel == BwdKernelKind::sm90_ws)
       return launch_bwd_sm90_ws<T, D>(p, *l.maps, l.dense, l.fwd_mask, l.dq_fixed, stream);
-    if (l.kernel == BwdKernelKind::sm90) return launch_bwd_sm90<T, D>(p, l.dense, stream);
   }
   return launch_bwd_sm80<T, D>(p, l.dense, stream);
 }

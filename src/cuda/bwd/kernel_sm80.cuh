@@ -1,7 +1,7 @@
 // The fused MALA backward kernel (offline rule), hand-written mma.sync m16n8k16, one source for
 // sm_80 and sm_90a.  Launched through bwd/instance.cuh; bwd/dispatch.cu chooses it.
-// On sm_90 devices at d = 64 and 128 the wgmma kernel of kernel_sm90.cuh runs instead (same work split
-// and rule; the pieces both use are in common.cuh).
+// On sm_90 the warp-specialized kernels run instead wherever the TMA can describe the tensors (same
+// work split and rule; the pieces they share are in common.cuh).
 //
 // One CTA (8 warps) owns one key tile J_j (BK keys) of one KV head of one sequence, and a set of
 // `heads_per_cta` query heads of that KV head's group.  K_j and V_j stay in shared memory, dK and dV

@@ -1,7 +1,7 @@
 // The warp-specialized backward on Hopper (wgmma + TMA), head dims 64 and 128, sm_90a: the kernel for
 // every tau whenever the TMA can describe Q, dO, K, V and the dQ accumulator (dispatch.cu; varlen
 // calls when they give total_q and total_k).  Same work split, tile order, offline test, vote and
-// outputs as the two-warpgroup kernel (kernel_sm90.cuh) -- one CTA per (key tile of 128 keys,
+// outputs as the mma.sync kernel (kernel_sm80.cuh) -- one CTA per (key tile of 128 keys,
 // sequence, KV head, head split), query tiles of 64 rows ascending from the first legal one, dK/dV in
 // registers -- so the tile mask, the slots and the gradients are its (up to the order of dQ's adds).
 //

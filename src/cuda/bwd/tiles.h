@@ -8,8 +8,8 @@ namespace mala {
 namespace cuda {
 
 enum class BwdKernelKind {
-  sm80,     // mma.sync (bwd/kernel_sm80.cuh): every device, every head dim
-  sm90,     // two-warpgroup wgmma with cp.async loads (bwd/kernel_sm90.cuh): sm_90a, d = 64 and 128
+  sm80,     // mma.sync (bwd/kernel_sm80.cuh): every device, every head dim; on sm_90 where the TMA
+            // cannot describe the tensors
   sm90_ws,  // warp-specialized wgmma + TMA: sm_90a, d = 64 and 128 (bwd/kernel_sm90_ws.cuh), d = 256
             // (bwd/kernel_sm90_ws256.cuh, then the dQ kernel of bwd/dq_sm90_ws256.cuh)
 };
@@ -22,24 +22,20 @@ struct BwdTiles {
   int q_stages;  // Q stages in shared memory; 0: per call (sm80: BwdParams::q_stages, 2 or 3)
 };
 
-// The table (each value's reason: the kernel's layout struct, BwdKernel, BwdSm90, BwdWs, BwdWs256).
+// The table (each value's reason: the kernel's layout struct, BwdKernel, BwdWs, BwdWs256).
 // d = 256, warp-specialized: each consumer warpgroup's 32 rows of a 64-row step are a decision tile.
 // Head dims outside 64, 128 and 256 read d = 128's row.
 constexpr BwdTiles bwd_tiles(BwdKernelKind k, int d) {
   switch (k) {
     case BwdKernelKind::sm90_ws:
       return d == 256 ? BwdTiles{64, 64, 32, 2} : BwdTiles{128, 64, 64, 4};
-    case BwdKernelKind::sm90:
-      return BwdTiles{128, 64, 64, 3};
     default:
       return d == 256 ? BwdTiles{64, 32, 32, 0} : BwdTiles{128, 64, 64, 0};
   }
 }
 constexpr bool bwd_same_decisions(int d) {
   return bwd_tiles(BwdKernelKind::sm90_ws, d).dec_rows == bwd_tiles(BwdKernelKind::sm80, d).dec_rows &&
-         bwd_tiles(BwdKernelKind::sm90_ws, d).bk == bwd_tiles(BwdKernelKind::sm80, d).bk &&
-         (d == 256 || (bwd_tiles(BwdKernelKind::sm90, d).dec_rows == bwd_tiles(BwdKernelKind::sm80, d).dec_rows &&
-                       bwd_tiles(BwdKernelKind::sm90, d).bk == bwd_tiles(BwdKernelKind::sm80, d).bk));
+         bwd_tiles(BwdKernelKind::sm90_ws, d).bk == bwd_tiles(BwdKernelKind::sm80, d).bk;
 }
 static_assert(bwd_same_decisions(64) && bwd_same_decisions(128) && bwd_same_decisions(256),
               "the backward's decision tile depends on the head dim only");

@@ -139,17 +139,6 @@ __device__ __forceinline__ void named_barrier_sync(int id, int count) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
 }
 
-// Publishes a word through an mbarrier when pred: the store, then an arrival (release at CTA scope,
-// so a thread that sees the phase complete reads the word).  Predicated rather than branched on, so
-// that the caller's code stays warp-uniform.
-__device__ __forceinline__ void smem_store_arrive_if(uint32_t word, int v, uint32_t mbar, bool pred) {
-  asm volatile(
-      "{\n .reg .pred p;\n setp.ne.u32 p, %3, 0;\n @p st.shared.b32 [%0], %1;\n"
-      " @p mbarrier.arrive.shared::cta.b64 _, [%2];\n}\n" ::"r"(word),
-      "r"(v), "r"(mbar), "r"((uint32_t)pred)
-      : "memory");
-}
-
 // Barrier of one warpgroup of the wgmma kernels (ids 1 and 2; 0 is __syncthreads).  The id from a
 // register: one instruction instead of a branch between two immediate ids (ptxas then reserves all
 // 16 barriers, which costs nothing at one CTA per SM).

@@ -217,14 +217,12 @@ __device__ __forceinline__ uint8_t* wgmma_fwd_mask_row(const FwdParams& p, int b
   return mask_row;
 }
 
-// A warp's part of the decision on its 16 rows of a key tile starting at key k0, whose scores are
-// in s (the wgmma kernels, one m16 block per warp): the causal/bounds mask where the tile reaches
-// past the warp's shortest row (min_L_w keys), each lane's part of the row max into mx, and, when
-// test_on, whether the warp retains the tile (true otherwise).  The reduction over the quad waits
-// for a retained tile: the test is monotone in tile_max, so a row passes iff every lane's part
-// does, and the warp's vote over the parts is the vote over the rows, bit for bit.
-// The first half, shared with the warp-specialized kernel (which tests against a raw bound): the
-// mask where needed and each lane's part of the row max.
+// The first half of a warp's part of the decision on its 16 rows of a key tile starting at key k0,
+// whose scores are in s (the wgmma kernel, one m16 block per warp; the test against a raw bound is
+// the caller's): the causal/bounds mask where the tile reaches past the warp's shortest row (min_L_w
+// keys) and each lane's part of the row max into mx.  The test is monotone in tile_max, so a row
+// passes iff every lane's part does, and the warp's vote over the parts is the vote over the rows,
+// bit for bit.
 // kNanMax: lane_row_max's (false only for an instance without the test).
 template <int NT, bool kNanMax = true>
 __device__ __forceinline__ void warp_mask_max(float (&s)[1][NT][4], float (&mx)[1][2], int k0, int min_L_w,
@@ -235,18 +233,6 @@ __device__ __forceinline__ void warp_mask_max(float (&s)[1][NT][4], float (&mx)[
     apply_mask<1, NT>(s, lim, k0, lane);
   }
   lane_row_max<1, NT, kNanMax>(s, 0, mx[0][0], mx[0][1]);
-}
-template <int NT, bool kNanMax = true>
-__device__ __forceinline__ bool warp_mask_max_test(float (&s)[1][NT][4], float (&mx)[1][2], int k0, int min_L_w,
-                                                   int row_w, int lane, int Nq, int Nk, const FwdParams& p,
-                                                   bool test_on, const float (&log_norm)[1][2],
-                                                   const float (&log_thr)[1][2]) {
-  warp_mask_max<NT, kNanMax>(s, mx, k0, min_L_w, row_w, lane, Nq, Nk, p.causal);
-  if (!test_on) return true;
-  float tmax[1][2];
-#pragma unroll
-  for (int hh = 0; hh < 2; ++hh) tmax[0][hh] = mx[0][hh] * p.scale_log2;
-  return !warp_vote_skip(lane_rows_allow_skip<1>(tmax, log_norm, log_thr));
 }
 
 }  // namespace cuda

@@ -1,14 +1,12 @@
 // The CUDA forward's host side: checks what the kernels need, resolves the arguments into FwdParams,
 // and chooses the kernel -- the only place where that happens:
 //   sm_90 (sm_90a build), every head dim: the 128-key kernel where the TMA can describe K and V
-//     (fwd/kernel_sm90_k128.cuh, every tau; 64-key tiles at d = 256); where the TMA cannot serve
-//     (varlen calls without total_k), at d = 128 the two-warpgroup wgmma kernel with cp.async loads
-//     (fwd/kernel_sm90.cuh);
-//   everything else, and seeded splits the TMA cannot serve: the mma.sync kernel (fwd/kernel_sm80.cuh).
+//     (fwd/kernel_sm90_k128.cuh, every tau; 64-key tiles at d = 256);
+//   everything else, and on sm_90 what the TMA cannot describe (varlen calls without total_k, a
+//     stride or address the tensor map refuses): the mma.sync kernel (fwd/kernel_sm80.cuh).
 // The decision tile is the chosen kernel's row of the tile table, fwd/tiles.h (forward_tiles asks the
-// same choice; the 64-key warp-specialized kernel, fwd/kernel_sm90_ws.cuh, runs only under the
-// override).  Each kernel's tau = 0 instance runs at tau = 0 (the mma.sync kernel's where FwdConfig
-// has one).  The kernel override (backend.h) forces another kernel for tests and benchmarks.
+// same choice).  Each kernel's tau = 0 instance runs at tau = 0 (the mma.sync kernel's where FwdConfig
+// has one).  The kernel override (backend.h) forces the mma.sync kernel for tests and benchmarks.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -47,25 +45,20 @@ cuda::FwdLaunch choose_kernel(const cuda::FwdParams& p, bool dense) {
   constexpr bool kBf16 = std::is_same<T, __nv_bfloat16>::value;
   const bool varlen = p.cu_k != nullptr;
   const int map_rows = varlen ? p.total_k : p.seqlen_k, map_batch = varlen ? 1 : p.batch;
-  const bool k128 = cuda::fwd_has_sm90_k128(D) && forced != FwdVariant::wgmma_ws;
-  const int box_rows = cuda::fwd_tiles(k128 ? cuda::FwdKernelKind::sm90_k128 : cuda::FwdKernelKind::sm90_ws, D).bk;
-  const bool tma = forced != FwdVariant::wgmma_cp_async && (!varlen || p.total_k > 0) &&
+  const int box_rows = cuda::fwd_tiles(cuda::FwdKernelKind::sm90_k128, D).bk;
+  const bool tma = (!varlen || p.total_k > 0) &&
                    cuda::make_kv_tensor_map(&l.tmap_k, p.k, kBf16, D, map_rows, p.heads_kv, map_batch, p.k_sr,
                                             p.k_sh, p.k_sb, box_rows) &&
                    cuda::make_kv_tensor_map(&l.tmap_v, p.v, kBf16, D, map_rows, p.heads_kv, map_batch, p.v_sr,
                                             p.v_sh, p.v_sb, box_rows);
-  // Where the TMA cannot serve: the two-warpgroup kernel (d = 128), except for a seeded split
-  // (ForwardArgs::seed_lse; that kernel has no registers left for the seed's bookkeeping), and the
-  // mma.sync kernel at the head dims without a two-warpgroup kernel.
-  if (tma || (cuda::fwd_has_sm90(D) && !l.seeded)) {
-    l.kernel = !tma   ? cuda::FwdKernelKind::sm90
-               : k128 ? cuda::FwdKernelKind::sm90_k128
-                      : cuda::FwdKernelKind::sm90_ws;
-    l.dense = dense;  // every wgmma kernel serves tau = 0 with code of its own
-    // The 128-key kernel records where the call asks for the tile mask or the slots (its instances
-    // without the recording code count no slots).
-    if (l.kernel == cuda::FwdKernelKind::sm90_k128) l.record = l.record || p.slots != nullptr;
-  }
+  // Where the TMA cannot serve: the mma.sync kernel, as set above (docs/kernels.md, "Known limits",
+  // states what that costs).
+  if (!tma) return l;
+  l.kernel = cuda::FwdKernelKind::sm90_k128;
+  l.dense = dense;  // its tau = 0 instance has code of its own
+  // It records where the call asks for the tile mask or the slots (its instances without the
+  // recording code count no slots).
+  l.record = l.record || p.slots != nullptr;
   return l;
 }
 

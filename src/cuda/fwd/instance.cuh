@@ -4,21 +4,19 @@
 
 #include "cuda/core/arch.cuh"
 #include "cuda/fwd/kernel_sm80.cuh"
-#include "cuda/fwd/kernel_sm90.cuh"
 #include "cuda/fwd/kernel_sm90_k128.cuh"
-#include "cuda/fwd/kernel_sm90_ws.cuh"
 #include "cuda/fwd/launch.h"
 
 namespace mala {
 namespace cuda {
 
-// Whether this build's wgmma kernels run on the current device (false for head dims without them:
-// fwd_has_sm90_ws, params.h).
+// Whether this build's wgmma kernel runs on the current device (false for head dims without it:
+// fwd_has_sm90_k128, tiles.h).  Probes the 128-key kernel itself, the one a true answer lets run.
 template <typename T, int D>
 bool fwd_wgmma_usable() {
-  if constexpr (fwd_has_sm90_ws(D)) {
+  if constexpr (fwd_has_sm90_k128(D)) {
     static const bool ok =
-        wgmma_kernel_usable(reinterpret_cast<const void*>(mala_fwd_kernel_sm90_ws<T, D, false, false, false>));
+        wgmma_kernel_usable(reinterpret_cast<const void*>(mala_fwd_kernel_sm90_k128<T, D, false, false, false>));
     return ok;
   } else {
     return false;
@@ -30,13 +28,6 @@ cudaError_t launch_fwd(const FwdParams& p, const FwdLaunch& l, cudaStream_t stre
   if constexpr (fwd_has_sm90_k128(D)) {
     if (l.kernel == FwdKernelKind::sm90_k128)
       return launch_fwd_sm90_k128<T, D>(p, l.dense, l.record, l.seeded, l.tmap_k, l.tmap_v, stream);
-  }
-  if constexpr (fwd_has_sm90_ws(D)) {
-    if (l.kernel == FwdKernelKind::sm90_ws)
-      return launch_fwd_sm90_ws<T, D>(p, l.dense, l.record, l.seeded, l.tmap_k, l.tmap_v, stream);
-  }
-  if constexpr (fwd_has_sm90(D)) {
-    if (l.kernel == FwdKernelKind::sm90) return launch_fwd_sm90<T, D>(p, l.dense, stream);
   }
   return launch_fwd_sm80<T, D>(p, l.dense, l.seeded, stream);
 }

@@ -14,12 +14,12 @@ struct FwdLaunch {
   FwdKernelKind kernel = FwdKernelKind::sm80;
   bool dense = false;   // tau = 0: the kernel's dense instance (sm80: where FwdConfig has one)
   // The instance with the recording code: sm90_k128 where the call asks for the tile mask or the
-  // slots, sm90_ws where it asks for the tile mask (the others have no instance without it).
+  // slots (sm80 has no instance without it).
   bool record = false;
-  // A seeded split (FwdParams::seed_lse, tau > 0): the sm90_k128, sm90_ws and sm80 instances with the
-  // seed's bookkeeping (its code in the loop slowed the unseeded instances when they shared it).
+  // A seeded split (FwdParams::seed_lse, tau > 0): the sm90_k128 and sm80 instances with the seed's
+  // bookkeeping (its code in the loop slowed the unseeded instances when they shared it).
   bool seeded = false;
-  CUtensorMap tmap_k{}, tmap_v{};  // sm90_ws, sm90_k128: K and V described to the TMA (core/tma.cuh)
+  CUtensorMap tmap_k{}, tmap_v{};  // sm90_k128: K and V described to the TMA (core/tma.cuh)
 };
 
 // Launches the kernel l names; every choice is the caller's (dispatch.cu).

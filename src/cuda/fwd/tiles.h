@@ -8,16 +8,12 @@ namespace mala {
 namespace cuda {
 
 enum class FwdKernelKind {
-  sm80,     // mma.sync (fwd/kernel_sm80.cuh): every device, every head dim
-  sm90,     // two-warpgroup wgmma, cp.async loads (fwd/kernel_sm90.cuh): sm_90a, d = 128
-  sm90_ws,  // warp-specialized wgmma, two S accumulators, TMA loads (fwd/kernel_sm90_ws.cuh): sm_90a,
-            // d = 64, 128 and 256; only under the kernel override (FwdVariant::wgmma_ws)
+  sm80,       // mma.sync (fwd/kernel_sm80.cuh): every device, every head dim; on sm_90 where the TMA
+              // cannot describe K and V
   sm90_k128,  // one S accumulator, TMA loads (fwd/kernel_sm90_k128.cuh): sm_90a, every head dim (128-key
               // tiles, 64 at d = 256)
 };
-// The head dims each wgmma kernel is built for.
-constexpr bool fwd_has_sm90(int d) { return d == 128; }
-constexpr bool fwd_has_sm90_ws(int d) { return d == 64 || d == 128 || d == 256; }
+// The head dims the wgmma kernel is built for.
 constexpr bool fwd_has_sm90_k128(int d) { return d == 64 || d == 128 || d == 256; }
 
 struct FwdTiles {
@@ -30,19 +26,15 @@ struct FwdTiles {
   bool v_skip;    // at tau > 0, V waits on the decision (a skipped tile's V is not loaded)
 };
 
-// The table (each value's reason: the kernel's layout struct, FwdKernelTraits, FwdSm90, FwdWs,
-// FwdK128; the 128-key kernel's tiles are 64 keys at d = 256, where O's 128 registers a thread leave
-// room for a 64-key S only).  Head dims outside 64, 128 and 256 read d = 128's row.
+// The table (each value's reason: the kernel's layout struct, FwdKernelTraits, FwdK128; the 128-key
+// kernel's tiles are 64 keys at d = 256, where O's 128 registers a thread leave room for a 64-key S
+// only).  Head dims outside 64, 128 and 256 read d = 128's row.
 constexpr FwdTiles fwd_tiles(FwdKernelKind k, int d) {
   switch (k) {
     case FwdKernelKind::sm90_k128:
       return d == 64 ? FwdTiles{128, 128, 32, 2, 4, 4, false}
              : d == 256 ? FwdTiles{128, 64, 32, 2, 2, 2, true}
                         : FwdTiles{128, 128, 16, 1, 3, 3, true};
-    case FwdKernelKind::sm90_ws:
-      return d == 256 ? FwdTiles{128, 32, 16, 1, 4, 4, true} : FwdTiles{128, 64, 32, 2, 4, 8, true};
-    case FwdKernelKind::sm90:
-      return FwdTiles{128, 64, 32, 2, 4, 4, true};
     default:
       return d == 256 ? FwdTiles{64, 32, 16, 1, 2, 2, true} : FwdTiles{128, 64, 32, 1, 2, 2, true};
   }
@@ -52,8 +44,8 @@ constexpr FwdTiles fwd_tiles(FwdKernelKind k, int d) {
 // warps owns kWarps * 16 * kMT consecutive query rows; each warp owns a contiguous aligned block of
 // 16*kMT rows and decides skips for its block alone.  kDenseInstance: the kernel has a tau = 0
 // instance without the test, the vote and the lazy V.  Not at d = 128, where that instance ran
-// slower than the general one (its register allocation; on sm_90 the wgmma kernels serve d = 128
-// anyway).
+// slower than the general one (its register allocation; on sm_90 the 128-key kernel serves d = 128
+// wherever the TMA can describe K and V).
 template <int D>
 struct FwdConfig {
   static constexpr FwdTiles kTiles = fwd_tiles(FwdKernelKind::sm80, D);
