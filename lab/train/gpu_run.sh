@@ -13,7 +13,7 @@
 # Phases: build (the mala extension, in the background from the start), corpus (scan, tokenizer if
 # lab/train/tokenizer.json is absent, token streams), pt (4K pre-training: both arms of every size in
 # SIZES at once, PT_BUDGET_S each), lct (16K, LCT_BUDGET_S), timing, regime, speed, matched.
-# Timing, speed and the saved states use the first seed of SEEDS.
+# Timing, speed and the saved states use a size's first seed.
 # Environment: STORE (default /tmp/mala-train), SIZES (default "s4m m13m"), SEEDS (default 42), ARMS
 # (default "dense mala"; "mala0" is MALA's kernels at tau = 0, the control arm: it trains, and its
 # analysis is its held-out evals; timing, regime and speed run for dense and mala only), PT_BUDGET_S (330),
@@ -41,7 +41,10 @@ FA4_SITE=${FA4_SITE:-}
 FA4_WAIT_S=${FA4_WAIT_S:-300}
 RES=$STORE/res
 
-arms_analyzed() { for a in $ARMS; do [ "$a" = mala0 ] || echo "$a"; done; }
+# Per-size overrides: SEEDS_<size>, ARMS_<size>, PT_STEPS_<size>, LCT_STEPS_<size> (for example a
+# control arm of one size beside both arms of another, in one run).
+for_size() { local v="${1}_$2"; echo "${!v:-${!1}}"; }
+arms_analyzed() { for a in $(for_size ARMS "$1"); do [ "$a" = mala0 ] || echo "$a"; done; }
 
 phases() {
   local R=$STORE/repo T=$STORE/repo/lab/train D=$STORE/data W=$STORE/work
@@ -49,7 +52,8 @@ phases() {
   mkdir -p "$D" "$W" "$RES" "$STORE/sync"
   cd "$R"
   ph() { echo "$(date +%T) $*" >> "$RES/phases.log"; }
-  ph "start SIZES=$SIZES SEEDS=$SEEDS ARMS=$ARMS PT_BUDGET_S=$PT_BUDGET_S LCT_BUDGET_S=$LCT_BUDGET_S PT_STEPS=$PT_STEPS LCT_STEPS=$LCT_STEPS COMPILE_LOSS=$COMPILE_LOSS"
+  ph "start SIZES=$SIZES SEEDS=$SEEDS ARMS=$ARMS PT_BUDGET_S=$PT_BUDGET_S LCT_BUDGET_S=$LCT_BUDGET_S PT_STEPS=$PT_STEPS LCT_STEPS=$LCT_STEPS COMPILE_LOSS=$COMPILE_LOSS" \
+     "$(env | grep -E '^(SEEDS|ARMS|PT_STEPS|LCT_STEPS)_' | sort | tr '\n' ' ')"
   rm -rf "$STORE/site" "$STORE/build.done" "$STORE/build.failed"
   ( CMAKE_ARGS=-DCMAKE_CUDA_ARCHITECTURES=90a CMAKE_BUILD_PARALLEL_LEVEL=16 python3 -m pip install \
       --no-build-isolation --no-deps --no-cache-dir --upgrade --target "$STORE/site" . > "$RES/build.log" 2>&1 \
@@ -96,9 +100,10 @@ PYEOF
   ph "pt"
   pids=()
   for s in $SIZES; do
-    for seed in $SEEDS; do
-      for arm in $ARMS; do
-        python3 "$T/train.py" --size "$s" --arm "$arm" --seed "$seed" --stage pt --seqlen 4096 --budget-s "$PT_BUDGET_S" --steps "$PT_STEPS" \
+    for seed in $(for_size SEEDS "$s"); do
+      for arm in $(for_size ARMS "$s"); do
+        python3 "$T/train.py" --size "$s" --arm "$arm" --seed "$seed" --stage pt --seqlen 4096 --budget-s "$PT_BUDGET_S" \
+          --steps "$(for_size PT_STEPS "$s")" \
           --sync "$STORE/sync" --eval-every 100 "${cl[@]}" "${common[@]}" > "$RES/pt_${s}_${arm}_s${seed}.log" 2>&1 &
         pids+=($!)
       done
@@ -108,10 +113,10 @@ PYEOF
   ph "lct"
   pids=()
   for s in $LCT_SIZES; do
-    for seed in $SEEDS; do
-      for arm in $ARMS; do
+    for seed in $(for_size SEEDS "$s"); do
+      for arm in $(for_size ARMS "$s"); do
         python3 "$T/train.py" --size "$s" --arm "$arm" --seed "$seed" --stage lct --seqlen 16384 \
-          --budget-s "$LCT_BUDGET_S" --steps "$LCT_STEPS" --probe-steps 20 --sync "$STORE/sync" --eval-every 25 "${cl[@]}" "${common[@]}" \
+          --budget-s "$LCT_BUDGET_S" --steps "$(for_size LCT_STEPS "$s")" --probe-steps 20 --sync "$STORE/sync" --eval-every 25 "${cl[@]}" "${common[@]}" \
           > "$RES/lct_${s}_${arm}_s${seed}.log" 2>&1 &
         pids+=($!)
       done
@@ -122,19 +127,20 @@ PYEOF
   A=(--data "$D" --tokenizer "$TOK" --out "$RES" --work "$W")
   T_A=("${A[@]}" "${cl[@]}")
   for s in $SIZES; do
-    for arm in $(arms_analyzed); do
-      python3 "$T/analyze.py" timing --size "$s" --arm "$arm" --seed "${SEEDS%% *}" --stage pt --seqlen 4096 \
+    seed0=$(for_size SEEDS "$s"); seed0=${seed0%% *}
+    for arm in $(arms_analyzed "$s"); do
+      python3 "$T/analyze.py" timing --size "$s" --arm "$arm" --seed "$seed0" --stage pt --seqlen 4096 \
         --profile "$RES/profile_${s}_${arm}_pt.txt" "${T_A[@]}" >> "$RES/timing.log" 2>&1 || ph "timing $s $arm pt failed"
       if [[ " $LCT_SIZES " == *" $s "* ]]; then
-        python3 "$T/analyze.py" timing --size "$s" --arm "$arm" --seed "${SEEDS%% *}" --stage lct --seqlen 16384 "${T_A[@]}" >> "$RES/timing.log" 2>&1 || ph "timing $s $arm lct failed"
+        python3 "$T/analyze.py" timing --size "$s" --arm "$arm" --seed "$seed0" --stage lct --seqlen 16384 "${T_A[@]}" >> "$RES/timing.log" 2>&1 || ph "timing $s $arm lct failed"
       fi
     done
   done
   ph "regime"
-  seed0=${SEEDS%% *}
   for s in $LCT_SIZES; do
-    for seed in $SEEDS; do
-      for arm in $(arms_analyzed); do
+    seed0=$(for_size SEEDS "$s"); seed0=${seed0%% *}
+    for seed in $(for_size SEEDS "$s"); do
+      for arm in $(arms_analyzed "$s"); do
         save=()
         [ "$arm" = mala ] && [ "$seed" = "$seed0" ] && save=(--save-states "$W/states_${s}_mala" --save-n 16384)
         python3 "$T/analyze.py" regime --size "$s" --arm "$arm" --seed "$seed" --stage lct "${save[@]}" "${A[@]}" \
@@ -148,20 +154,24 @@ PYEOF
   fi
   ph "speed"
   for s in ${SPEED_SIZES:-$LCT_SIZES}; do
-    for arm in $(arms_analyzed); do
-      python3 "$T/analyze.py" speed --size "$s" --arm "$arm" --seed "${SEEDS%% *}" --stage lct --n 16384 "${A[@]}" >> "$RES/speed.log" 2>&1 || ph "speed $s $arm failed"
+    seed0=$(for_size SEEDS "$s"); seed0=${seed0%% *}
+    for arm in $(arms_analyzed "$s"); do
+      python3 "$T/analyze.py" speed --size "$s" --arm "$arm" --seed "$seed0" --stage lct --n 16384 "${A[@]}" >> "$RES/speed.log" 2>&1 || ph "speed $s $arm failed"
     done
   done
-  if [[ " $ARMS " != *" mala "* ]]; then ph "all done"; return; fi  # matched work and states: MALA-trained
+  # The matched-work study and the states: on the MALA-trained models.
+  mala_sizes=$(for s in $LCT_SIZES; do if [[ " $(for_size ARMS "$s") " == *" mala "* ]]; then echo "$s"; fi; done)
+  if [ -z "$mala_sizes" ]; then ph "all done"; return; fi
   ph "matched"
   MW=$R/lab/real/matched_work.py
   for s in ${SPEED_SIZES:-$LCT_SIZES}; do
+    [[ " $mala_sizes " == *" $s "* ]] || continue
     python3 "$MW" --device cuda --states "$W/states_${s}_mala" --n 8192 --key "${s}_8192" --out "$RES/matched_work.json" >> "$RES/matched.log" 2>&1 || ph "matched $s 8K failed"
     python3 "$MW" --device cuda --states "$W/states_${s}_mala" --key "${s}_16384" --out "$RES/matched_work.json" >> "$RES/matched.log" 2>&1 || ph "matched $s 16K failed"
   done
   # Two layers' states (the first and the last) of the smallest MALA-trained model: float16, the
   # first 8K rows, one file each (a file that comes back holds at most 16 MiB).
-  s0=${LCT_SIZES%% *}
+  s0=$(echo $mala_sizes | cut -d' ' -f1)
   mkdir -p "$RES/states"
   python3 - "$W/states_${s0}_mala" "$RES/states" <<'EOF' || ph "states copy failed"
 import sys, glob, os, numpy as np
@@ -179,7 +189,7 @@ case "${1:-}" in
 start)
   rm -rf "$STORE/repo" "$RES" && mkdir -p "$STORE/repo" "$RES"
   cp -r . "$STORE/repo/"
-  export -f phases arms_analyzed
+  export -f phases arms_analyzed for_size
   export STORE SIZES SEEDS LCT_SIZES PT_BUDGET_S LCT_BUDGET_S PT_STEPS LCT_STEPS COMPILE_LOSS RES SPEED_SIZES FA4_SITE FA4_WAIT_S ARMS
   setsid nohup bash -c phases > "$STORE/phases.out" 2>&1 < /dev/null &
   echo "gpu_run: started (log $RES/phases.log)"
