@@ -73,7 +73,8 @@ __global__ void __launch_bounds__(384, 1)
   Sm& st = *reinterpret_cast<Sm*>(smem);
   const uint32_t sK0 = sbase + offsetof(Sm, k), sV0 = sbase + offsetof(Sm, v), sQ0 = sbase + offsetof(Sm, q);
   // The K ring's full and empty mbarriers, then the V ring's.
-  const MbarRing<NS> kring = MbarRing<NS>::at(sbase + offsetof(Sm, mbar)), vring = MbarRing<NS>::at(kring.empty0 + 8 * NS);
+  const MbarRing<NS> kring = MbarRing<NS>::at(sbase + offsetof(Sm, mbar)),
+                     vring = MbarRing<NS>::at(kring.empty0 + 8 * NS);
   // tau > 0: use u's decision in slot u % kDecSlots, phase parity (u / kDecSlots) & 1; flags [slot][wg].
   constexpr int ND = C::kDecSlots;
   // The K ring's base for the consumers' issue_s, which waits through MbarRing<NS>::at(k_mbar): a
