@@ -146,12 +146,12 @@ __device__ __forceinline__ bool softmax_step_update(float (&s)[MT][NT][4], const
 }
 
 // softmax_step_or_keep without the rescale of acc, for kernels whose acc is still being written by the
-// previous tile's P V while this tile's exponentials run (fwd/kernel_sm90_k128.cuh): the factors go to
+// previous tile's P V while this tile's exponentials run (fwd/sm90_consumer.cuh): the factors go to
 // alpha, which the caller applies with softmax_rescale once that P V has completed -- only when this
 // returns true (alpha is not set otherwise).
 // kDeferSum (with kQuadSum): the quad reduction of the tile's row sums and their addition to l are
 // left to the caller where no base moved (the common tile): part gets this lane's parts, and
-// softmax_add_deferred_sum(l, part), run later (fwd/kernel_sm90_k128.cuh: once the next tile's
+// softmax_add_deferred_sum(l, part), run later (fwd/sm90_consumer.cuh: once the next tile's
 // wgmmas are issued), leaves l bit for bit as without kDeferSum (the same sum added to the same l).
 // Where a base moved, l is updated here and part = 0, which adds nothing (l + 0 = l, flush-to-zero
 // included: l is 0 or at least 1, the key that set the base having P = 1).

@@ -56,10 +56,13 @@ struct MbarRing {
   // One thread, before the fence_mbarrier_init and the CTA barrier: full_count arrivals fill a slot
   // (the producer's one), empty_count drain it.
   __device__ __forceinline__ void init(int full_count, int empty_count) const {
-    for (int i = 0; i < N; ++i) {
-      mbar_init(full(i), full_count);
-      mbar_init(empty(i), empty_count);
-    }
+    for (int i = 0; i < N; ++i) init_slot(i, full_count, empty_count);
+  }
+  // Slot i's pair alone, for rings initialised slot by slot side by side (the order of the inits
+  // reaches the PTX).
+  __device__ __forceinline__ void init_slot(int i, int full_count, int empty_count) const {
+    mbar_init(full(i), full_count);
+    mbar_init(empty(i), empty_count);
   }
   // A slot and a parity the kernel computes its own way go to mbar_wait<true>(ring.full(slot),
   // parity) (or empty): the address is computed before the parity, as by hand; a helper taking both

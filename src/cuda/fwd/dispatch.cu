@@ -1,7 +1,7 @@
 // The CUDA forward's host side: checks what the kernels need, resolves the arguments into FwdParams,
 // and chooses the kernel -- the only place where that happens:
 //   sm_90 (sm_90a build), every head dim: the 128-key kernel where the TMA can describe K and V
-//     (fwd/kernel_sm90_k128.cuh, every tau; 64-key tiles at d = 256);
+//     (fwd/sm90_kernel.cuh, every tau; 64-key tiles at d = 256);
 //   everything else, and on sm_90 what the TMA cannot describe (varlen calls without total_k, a
 //     stride or address the tensor map refuses): the mma.sync kernel (fwd/kernel_sm80.cuh).
 // The decision tile is the chosen kernel's row of the tile table, fwd/tiles.h (forward_tiles asks the
@@ -35,8 +35,8 @@ cuda::FwdLaunch choose_kernel(const cuda::FwdParams& p, bool dense) {
   cuda::FwdLaunch l;
   l.kernel = cuda::FwdKernelKind::sm80;
   l.dense = dense && cuda::FwdConfig<D>::kDenseInstance;
-  l.record = p.tile_mask != nullptr;
   l.seeded = p.seed_lse != nullptr && !dense;
+  l.record = p.tile_mask != nullptr;
   if (forced == FwdVariant::mma_sync || !cuda::fwd_wgmma_usable<T, D>()) return l;
   // K and V by TMA when it can describe them.  Varlen: only when the caller gave the packed
   // tensors' row count (total_k; cu_seqlens_k lives on the device), mapped as one batch entry of

@@ -4,7 +4,7 @@
 
 #include "cuda/core/arch.cuh"
 #include "cuda/fwd/kernel_sm80.cuh"
-#include "cuda/fwd/kernel_sm90_k128.cuh"
+#include "cuda/fwd/sm90_kernel.cuh"
 #include "cuda/fwd/launch.h"
 
 namespace mala {
@@ -27,7 +27,7 @@ template <typename T, int D>
 cudaError_t launch_fwd(const FwdParams& p, const FwdLaunch& l, cudaStream_t stream) {
   if constexpr (fwd_has_sm90_k128(D)) {
     if (l.kernel == FwdKernelKind::sm90_k128)
-      return launch_fwd_sm90_k128<T, D>(p, l.dense, l.record, l.seeded, l.tmap_k, l.tmap_v, stream);
+      return launch_fwd_sm90_k128<T, D>(p, l.dense, l.seeded, l.record, l.tmap_k, l.tmap_v, stream);
   }
   return launch_fwd_sm80<T, D>(p, l.dense, l.seeded, stream);
 }

@@ -12,13 +12,14 @@ namespace cuda {
 
 struct FwdLaunch {
   FwdKernelKind kernel = FwdKernelKind::sm80;
+  // The instance's flags, in the kernels' order (kDense, kSeeded, kRecord: fwd/sm90_kernel.cuh).
   bool dense = false;   // tau = 0: the kernel's dense instance (sm80: where FwdConfig has one)
-  // The instance with the recording code: sm90_k128 where the call asks for the tile mask or the
-  // slots (sm80 has no instance without it).
-  bool record = false;
   // A seeded split (FwdParams::seed_lse, tau > 0): the sm90_k128 and sm80 instances with the seed's
   // bookkeeping (its code in the loop slowed the unseeded instances when they shared it).
   bool seeded = false;
+  // The instance with the recording code: sm90_k128 where the call asks for the tile mask or the
+  // slots (sm80 has no instance without it).
+  bool record = false;
   CUtensorMap tmap_k{}, tmap_v{};  // sm90_k128: K and V described to the TMA (core/tma.cuh)
 };
 

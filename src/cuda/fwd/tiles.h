@@ -10,7 +10,7 @@ namespace cuda {
 enum class FwdKernelKind {
   sm80,       // mma.sync (fwd/kernel_sm80.cuh): every device, every head dim; on sm_90 where the TMA
               // cannot describe K and V
-  sm90_k128,  // one S accumulator, TMA loads (fwd/kernel_sm90_k128.cuh): sm_90a, every head dim (128-key
+  sm90_k128,  // one S accumulator, TMA loads (fwd/sm90_kernel.cuh): sm_90a, every head dim (128-key
               // tiles, 64 at d = 256)
 };
 // The head dims the wgmma kernel is built for.
