@@ -48,27 +48,17 @@ __device__ __forceinline__ float row_log2_threshold_or_inf(float log2_tau, int L
   return L > 0 ? row_log2_threshold(log2_tau, L) : INFINITY;
 }
 
-// The max of lane_row_max: rule::nan_max, or with kNanMax = false fmaxf (which drops NaN) for an
-// instance without a tile test (tau = 0), where a NaN score needs no NaN max to reach the output:
-// P = exp2(NaN - base) is NaN itself, and so are l, o and lse.  (A forward's dense instance spilled
-// 48 bytes with max.NaN there, none with fmaxf: docs/journal.md, 2026-12-02.)
-template <bool kNanMax>
-__device__ __forceinline__ float lane_max(float a, float b) {
-  if constexpr (kNanMax) return rule::nan_max(a, b);
-  else return fmaxf(a, b);
-}
-
 // One level of lane_row_max's tree and the levels below it: x[i] = max(x[i], x[i + W]) for i < W.
 // (Recursion on a constant W: a loop over w /= 2 stays rolled at 16 entries, and ptxas then keeps
 // the arrays in local memory.)
-template <int W, bool kNanMax, int N>
+template <int W, int N>
 __device__ __forceinline__ void lane_row_max_fold(float (&ra)[N], float (&rb)[N]) {
 #pragma unroll
   for (int i = 0; i < W; ++i) {
-    ra[i] = lane_max<kNanMax>(ra[i], ra[i + W]);
-    rb[i] = lane_max<kNanMax>(rb[i], rb[i + W]);
+    ra[i] = rule::nan_max(ra[i], ra[i + W]);
+    rb[i] = rule::nan_max(rb[i], rb[i + W]);
   }
-  if constexpr (W > 1) lane_row_max_fold<W / 2, kNanMax>(ra, rb);
+  if constexpr (W > 1) lane_row_max_fold<W / 2>(ra, rb);
 }
 
 // Max of this lane's entries of rows (g, g + 8) of m16 tile mt of a score fragment s[MT][NT][4]
@@ -77,16 +67,16 @@ __device__ __forceinline__ void lane_row_max_fold(float (&ra)[N], float (&rb)[N]
 // NaN max, which blocks every skip test, as on the CPU.
 // A balanced tree (depth log2(2 NT) instead of a chain of 2 NT maxes: this sits on the path from the
 // scores to the skip decision).
-template <int MT, int NT, bool kNanMax = true>
+template <int MT, int NT>
 __device__ __forceinline__ void lane_row_max(const float (&s)[MT][NT][4], int mt, float& a, float& b) {
   static_assert((NT & (NT - 1)) == 0, "lane_row_max: NT must be a power of two");
   float ra[NT], rb[NT];
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) {
-    ra[nt] = lane_max<kNanMax>(s[mt][nt][0], s[mt][nt][1]);
-    rb[nt] = lane_max<kNanMax>(s[mt][nt][2], s[mt][nt][3]);
+    ra[nt] = rule::nan_max(s[mt][nt][0], s[mt][nt][1]);
+    rb[nt] = rule::nan_max(s[mt][nt][2], s[mt][nt][3]);
   }
-  lane_row_max_fold<NT / 2, kNanMax>(ra, rb);
+  lane_row_max_fold<NT / 2>(ra, rb);
   a = ra[0];
   b = rb[0];
 }

@@ -223,8 +223,7 @@ __device__ __forceinline__ uint8_t* wgmma_fwd_mask_row(const FwdParams& p, int b
 // keys) and each lane's part of the row max into mx.  The test is monotone in tile_max, so a row
 // passes iff every lane's part does, and the warp's vote over the parts is the vote over the rows,
 // bit for bit.
-// kNanMax: lane_row_max's (false only for an instance without the test).
-template <int NT, bool kNanMax = true>
+template <int NT>
 __device__ __forceinline__ void warp_mask_max(float (&s)[1][NT][4], float (&mx)[1][2], int k0, int min_L_w,
                                               int row_w, int lane, int Nq, int Nk, bool causal) {
   if (k0 + 8 * NT > min_L_w) {
@@ -232,7 +231,7 @@ __device__ __forceinline__ void warp_mask_max(float (&s)[1][NT][4], float (&mx)[
     row_limits<1>(lim, row_w, lane, Nq, Nk, causal);
     apply_mask<1, NT>(s, lim, k0, lane);
   }
-  lane_row_max<1, NT, kNanMax>(s, 0, mx[0][0], mx[0][1]);
+  lane_row_max<1, NT>(s, 0, mx[0][0], mx[0][1]);
 }
 
 }  // namespace cuda
