@@ -6,8 +6,9 @@
 #          check, tar, split into parts of PART_MB MiB in .whl/SET/call1, call2, ... (git-ignored)
 #   there: lab/scripts/wheels.sh stage SET          copy the carried .whl/SET/call* into /tmp/wheels-SET
 #   there: lab/scripts/wheels.sh install SET SITE   once every part is staged: join, check the parts'
-#          and the wheels' SHA-256, pip install --no-index --no-deps --target SITE, touch SITE/.ready;
-#          exit 1 (nothing installed) while a part is missing
+#          and the wheels' SHA-256, pip install --no-index --no-deps --target SITE, touch
+#          SITE/.ready-SET (a second install of the set returns at once); exit 1 (nothing installed)
+#          while a part is missing
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 cmd=${1:?usage: wheels.sh prepare|stage|install SET ...}
@@ -40,13 +41,14 @@ stage)
   ;;
 install)
   site=${3:?SITE}
+  [ -f "$site/.ready-$set_" ] && exit 0
   cd "$stage" 2>/dev/null || { echo "wheels.sh: $set_: nothing staged"; exit 1; }
   while read -r _ p; do [ -f "$p" ] || { echo "wheels.sh: $set_: $p not staged yet"; exit 1; }; done < parts.sha256
   sha256sum -c --quiet parts.sha256
   cat "$set_".tar.part* > "$set_.tar" && sha256sum -c --quiet "$set_.tar.sha256"
   rm -rf w && mkdir w && tar xf "$set_.tar" -C w && (cd w && sha256sum -c --quiet SHA256SUMS)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" w/*.whl
-  touch "$site/.ready"
+  touch "$site/.ready-$set_"
   echo "wheels.sh: $set_ installed into $site: $(ls w/*.whl | wc -l) wheels"
   ;;
 *)

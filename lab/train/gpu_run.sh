@@ -23,7 +23,7 @@
 # both losses on the first size's random init (analyze.py timing --random-init, into
 # $RES/loss_timing.json) and compiles where that is at least 5% faster.  FA4_SITE: a pip --target
 # folder that lab/scripts/wheels.sh install fa4 fills during the run (its wheels come in parts over
-# several calls); the speed phase waits up to FA4_WAIT_S (300) for its .ready, then times
+# several calls); the speed phase waits up to FA4_WAIT_S (300) for its .ready-fa4, then times
 # FlashAttention-4 beside the others (speed.json records it unavailable otherwise).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -149,8 +149,8 @@ PYEOF
     done
   done
   if [ -n "$FA4_SITE" ]; then
-    for _ in $(seq "$FA4_WAIT_S"); do [ -f "$FA4_SITE/.ready" ] && break; sleep 1; done
-    ph "fa4 $([ -f "$FA4_SITE/.ready" ] && echo ready || echo "not ready after ${FA4_WAIT_S} s")"
+    for _ in $(seq "$FA4_WAIT_S"); do [ -f "$FA4_SITE/.ready-fa4" ] && break; sleep 1; done
+    ph "fa4 $([ -f "$FA4_SITE/.ready-fa4" ] && echo ready || echo "not ready after ${FA4_WAIT_S} s")"
   fi
   ph "speed"
   for s in ${SPEED_SIZES:-$LCT_SIZES}; do

@@ -4,8 +4,8 @@
     python3 lab/train/train_summary.py --res bench/results/train/run1.tgz --res bench/results/train/run2.tgz \\
         --corpus lab/train/corpus --out bench/results/train/summary.json --plots docs/img
 
-Each --res is one run; a size is taken from the last --res that trained it (with all of that run's
-seeds).  summary.json: {"device", "corpus": {...}, "sizes": {NAME: {"dense": {...}, "mala": {...}}},
+Each --res is one run; each arm of a size is taken from the last --res that trained it (with all of
+that run's seeds), so a later run may add an arm (the mala0 control) to a size.  summary.json: {"device", "corpus": {...}, "sizes": {NAME: {"dense": {...}, "mala": {...}}},
 "paired": {NAME: {...}}}.  Each arm: params (and non_embedding_params), tokens (pre-training +
 long-context), final_heldout_loss_4k / _16k (the final model), the same after pre-training (pt_*),
 fwd_slots_16k, bwd_slots_16k, fwd_retained_16k, bwd_retained_16k (MALA tau = 1 on the held-out batch,
@@ -16,15 +16,17 @@ MALA arm also holds the matched-work study on its states (matched_work, by N).  
 an arm's numbers are means over its seeds, "seeds" lists them, "per_seed" holds each seed's own
 summary and "ci95" the 95% t-intervals of the mean over seeds; "paired" holds, per loss, the
 MALA-minus-dense difference of the two arms trained from the same seed (same initial weights and
-data order): mean, 95% t-interval, and the same relative to dense.  Timing, speed, the fidelity and
+data order): mean, 95% t-interval, and the same relative to dense; "paired_pooled" the relative
+differences over every size's pairs (t-interval, sign test); "paired_control", where a mala0 arm
+ran, the same pairing of mala0 with dense and of mala with mala0.  Timing, speed, the fidelity and
 the matched-work study use the first seed.  Plots need matplotlib.
 """
 
 from __future__ import annotations
 
 import argparse
-import math
 import json
+import math
 import os
 import sys
 
@@ -115,7 +117,8 @@ def arm_summary(res, size, arm, seed=configs.SEED):
     h, d, L = cfg["num_attention_heads"], cfg["head_dim"], cfg["num_hidden_layers"]
     layers16 = last["len_16384"]["layers"]
     out["attn_flops_per_token"] = (
-        configs.attention_flops_per_token(16384, h, d, L) if arm != "mala" else
+        # The arm's own training tau: dense accounting where it skipped nothing (dense, mala0).
+        configs.attention_flops_per_token(16384, h, d, L) if (lct or pt)["tau"] == 0 else
         configs.attention_flops_per_token(16384, h, d, L, [x["fwd_slots"] for x in layers16],
                                           [x["bwd_slots"] for x in layers16]))
     out["attn_flops_per_token_dense_accounting"] = configs.attention_flops_per_token(16384, h, d, L)
@@ -401,10 +404,8 @@ def main(argv=None):
                   f"slots {s['fwd_slots_16k']:.0f} / {s['bwd_slots_16k']:.0f}, step {s.get('step_ms', 0):.1f} ms "
                   f"(attn {s.get('attn_fwd_ms', 0):.1f} + {s.get('attn_bwd_ms', 0):.1f})")
         pairs = {"mala_minus_dense": summary["paired"].get(size), **summary.get("paired_control", {}).get(size, {})}
-        for name, p in pairs.items():
+        for name, p in ((n, p) for n, p in pairs.items() if p):
             for k in ("final_heldout_loss_4k", "final_heldout_loss_16k"):
-                if not p:
-                    continue
                 ci = p[k]["relative_ci95"]
                 print(f"{size} paired {k}: {name} {p[k]['mean']:+.4f} nats, {100 * p[k]['relative_mean']:+.2f}%"
                       + (f" (95% CI {100 * ci[1]:+.2f}% .. {100 * ci[2]:+.2f}%)" if ci else ""))
