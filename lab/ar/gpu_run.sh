@@ -19,7 +19,8 @@
 # SEQLEN_HEAD (8192), D_HEAD (512), SEEDS_HEAD ("0 1 2"), TREND_LENS ("1024 2048 4096"),
 # D_TREND (512), SEEDS_TREND ("0"), GRID_LENS (""), GRID_DS (""), PAR (6), STEPS (4000),
 # BUDGET_S (per seed of the headline cell; 150), TREND_BUDGET_S (90), BATCH (16), LR (1e-3),
-# N_TRAIN (32000), N_TEST (256), TIMING_STEPS (25); for a dry run elsewhere: DEVICE (cuda), BUILD (1;
+# N_TRAIN (32000), N_TEST (256), TIMING_STEPS (25), TIMING_AFTER (a file the timing phase waits for, up to
+# TIMING_WAIT_S (600), so that another job sharing the GPU has ended before steps are timed); for a dry run elsewhere: DEVICE (cuda), BUILD (1;
 # 0 uses the mala already on PYTHONPATH), TASK_ARGS (extra ar_train.py train arguments, e.g. a tiny task).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -42,6 +43,8 @@ LR=${LR:-1e-3}
 N_TRAIN=${N_TRAIN:-32000}
 N_TEST=${N_TEST:-256}
 TIMING_STEPS=${TIMING_STEPS:-25}
+TIMING_AFTER=${TIMING_AFTER:-}
+TIMING_WAIT_S=${TIMING_WAIT_S:-600}
 DEVICE=${DEVICE:-cuda}
 BUILD=${BUILD:-1}
 TASK_ARGS=${TASK_ARGS:-}
@@ -105,6 +108,10 @@ phases() {
     [ -f "$RES/cells/${n}_${d}_full.json" ] || grid="$grid $n:$d"
   done; done
   [ -n "$grid" ] && cells grid "$TREND_BUDGET_S" "$SEEDS_TREND" "$grid"
+  if [ -n "$TIMING_AFTER" ]; then
+    for _ in $(seq "$TIMING_WAIT_S"); do [ -e "$TIMING_AFTER" ] && break; sleep 1; done
+    ph "timing after $TIMING_AFTER: $([ -e "$TIMING_AFTER" ] && echo present || echo "absent after ${TIMING_WAIT_S} s")"
+  fi
   ph "timing"
   for m in $METHODS; do
     python3 "$A/ar_train.py" train --seqlen "$SEQLEN_HEAD" --d-model "$D_HEAD" --method "$m" --seeds 0 \
@@ -123,7 +130,7 @@ start)
   cp -r . "$STORE/repo/"
   export -f phases
   export STORE METHODS SEQLEN_HEAD D_HEAD SEEDS_HEAD TREND_LENS D_TREND SEEDS_TREND GRID_LENS GRID_DS PAR STEPS \
-    BUDGET_S TREND_BUDGET_S BATCH LR N_TRAIN N_TEST TIMING_STEPS DEVICE BUILD TASK_ARGS RES
+    BUDGET_S TREND_BUDGET_S BATCH LR N_TRAIN N_TEST TIMING_STEPS TIMING_AFTER TIMING_WAIT_S DEVICE BUILD TASK_ARGS RES
   setsid nohup bash -c phases > "$STORE/phases.out" 2>&1 < /dev/null &
   echo "gpu_run: started (log $RES/phases.log)"
   ;;
