@@ -12,6 +12,12 @@
            layerLL_{q,k,v}.npy, the layout `mala_bench --real`, the suite and matched_work.py read)
   speed    every layer's attention at --n on sequence 0's states: forward and backward of MALA tau,
            MALA 0 and cuDNN SDPA (the suite's systems and timer: L2 flushed, median)
+  grads    the gradient's fidelity: --sequences held-out sequences at --seqlen through the trained
+           model, the whole model's parameter gradient under the training's bf16 autocast with each
+           attention (SDPA, SDPA's memory-efficient kernel, MALA at tau = 0 and at --tau) against the
+           same model's gradient in fp32 without autocast (SDPA's math kernel): relative L2 error and
+           cosine per attention, and each loss; whether MALA's kernels at tau = 0 are as faithful as
+           torch's own, which the control arm's loss cannot tell apart from trajectories drifting
 
     python3 lab/train/analyze.py timing --work W --out O --size s4m --arm mala --stage lct --seqlen 16384
 """
@@ -180,6 +186,44 @@ def cmd_regime(args, device):
     merge(os.path.join(args.out, "regime.json"), train.run_tag(args.size, args.arm, args.stage, args.seed), out)
 
 
+def cmd_grads(args, device):
+    from contextlib import nullcontext
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    import mala.integrations.transformers as mala_hf
+
+    model = load(args, device)
+    held = corpus.sequences(np.load(os.path.join(args.data, "heldout.npy"), mmap_mode="r"), args.seqlen)
+    x = torch.from_numpy(np.stack(held[: args.sequences]).astype(np.int64)).to(device)
+
+    def grad(name, amp, backend=None):
+        attn.set_attention(model, name)
+        model.zero_grad(set_to_none=True)
+        with (train.autocast(device) if amp else nullcontext()), (sdpa_kernel([backend]) if backend else nullcontext()):
+            loss = train.sequence_loss(model, x)
+        loss.backward()
+        g = torch.cat([p.grad.detach().float().flatten() for p in model.parameters() if p.grad is not None])
+        model.zero_grad(set_to_none=True)
+        return float(loss.detach()), g
+
+    loss_ref, ref = grad("sdpa", amp=False, backend=SDPBackend.MATH)
+    out = {"seqlen": args.seqlen, "sequences": int(x.shape[0]), "reference": "fp32, no autocast, SDPA math",
+           "loss_reference": loss_ref, "attention": {}}
+    for label, name, tau in (("sdpa", "sdpa", None), ("sdpa_ea", "sdpa_ea", None), ("mala_tau0", "mala", 0.0),
+                             (f"mala_tau{args.tau:g}", "mala", args.tau)):
+        if tau is not None:
+            mala_hf.register(tau=tau)
+        loss, g = grad(name, amp=True)
+        err = float((g - ref).norm() / ref.norm())
+        cos = float(torch.nn.functional.cosine_similarity(g, ref, dim=0))
+        out["attention"][label] = {"loss": loss, "grad_rel_err": err, "grad_cosine": cos}
+        train.log(f"grads {args.size} {args.arm} {label}: loss {loss:.5f} (fp32 {loss_ref:.5f}), "
+                  f"gradient rel. error {err:.3e}, cosine {cos:.6f}")
+    merge(os.path.join(args.out, "grads.json"), f"{train.run_tag(args.size, args.arm, args.stage, args.seed)}_{args.seqlen}",
+          out)
+
+
 def cmd_speed(args, device):
     sys.path.insert(0, SUITE)
     import systems
@@ -224,9 +268,9 @@ def cmd_speed(args, device):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("cmd", choices=("timing", "regime", "speed"))
+    ap.add_argument("cmd", choices=("timing", "regime", "speed", "grads"))
     ap.add_argument("--size", required=True)
-    ap.add_argument("--arm", required=True, choices=("dense", "mala", "mala0"))
+    ap.add_argument("--arm", required=True, choices=train.ARMS)
     ap.add_argument("--stage", default="lct", choices=("pt", "lct"))
     ap.add_argument("--data", required=True)
     ap.add_argument("--work", required=True)
@@ -253,7 +297,7 @@ def main():
     # The integration at the arm's training tau (timing); regime and speed pass their tau per call.
     attn.register(train.train_tau(a.arm, a.tau))
     t = time.time()
-    {"timing": cmd_timing, "regime": cmd_regime, "speed": cmd_speed}[a.cmd](a, device)
+    {"timing": cmd_timing, "regime": cmd_regime, "speed": cmd_speed, "grads": cmd_grads}[a.cmd](a, device)
     train.log(f"{a.cmd} took {time.time() - t:.1f} s")
 
 

@@ -2,6 +2,8 @@
 
   "mala"        the library's integration (mala.integrations.transformers.register(tau)): the MALA arm
   "sdpa"        transformers' own SDPA: the dense arm
+  "sdpa_ea"     torch's SDPA held to a second exact backend (the memory-efficient kernel on CUDA, the
+                math one on the CPU): the dense_ea arm, how far two exact attentions' runs drift apart
   "mala_stats"  mala.attention(tau, return_stats=True) per layer, recording the kernels' realized work
                 (forward and, once backward has run, backward slots and tile decisions) in RECORD;
                 used to measure either arm's held-out batch with MALA tau = 1
@@ -32,6 +34,27 @@ def _stats_attention(module, query, key, value, attention_mask, scaling=None, dr
     return out, None
 
 
+def _second_backend():
+    from torch.nn.attention import SDPBackend
+
+    return SDPBackend.EFFICIENT_ATTENTION if torch.cuda.is_available() else SDPBackend.MATH
+
+
+def _sdpa_ea_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Causal SDPA on one exact backend other than the default's; grouped key / value heads are
+    repeated here, since the memory-efficient kernel takes no enable_gqa."""
+    from torch.nn.attention import sdpa_kernel
+
+    if attention_mask is not None:
+        raise ValueError("attention_mask: the study's attention takes plain causal attention only")
+    rep = query.shape[1] // key.shape[1]
+    if rep > 1:
+        key, value = key.repeat_interleave(rep, dim=1), value.repeat_interleave(rep, dim=1)
+    with sdpa_kernel([_second_backend()]):
+        out = torch.nn.functional.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
 def _timed_attention(module, query, key, value, attention_mask, **kwargs):
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -50,16 +73,18 @@ def _timed_attention(module, query, key, value, attention_mask, **kwargs):
 
 
 def register(tau: float = 1.0):
-    """Registers "mala" (the integration, at tau), "mala_stats" and "timed"."""
+    """Registers "mala" (the integration, at tau), "mala_stats", "sdpa_ea" and "timed"."""
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
     mala_hf.register(tau=tau)
     RECORD["tau"] = float(tau)
     AttentionInterface.register("mala_stats", _stats_attention)
+    AttentionInterface.register("sdpa_ea", _sdpa_ea_attention)
     AttentionInterface.register("timed", _timed_attention)
     # The integration's mask builder: None for plain causal attention.
     AttentionMaskInterface.register("mala_stats", ALL_MASK_ATTENTION_FUNCTIONS["mala"])
+    AttentionMaskInterface.register("sdpa_ea", ALL_MASK_ATTENTION_FUNCTIONS["mala"])
     AttentionMaskInterface.register("timed", ALL_MASK_ATTENTION_FUNCTIONS["mala"])
 
 

@@ -12,11 +12,12 @@
 #                                             brings back, so a call that waits writes one other at most
 # Phases: build (the mala extension, in the background from the start), corpus (scan, tokenizer if
 # lab/train/tokenizer.json is absent, token streams), pt (4K pre-training: both arms of every size in
-# SIZES at once, PT_BUDGET_S each), lct (16K, LCT_BUDGET_S), timing, regime, speed, matched.
+# SIZES at once, PT_BUDGET_S each), lct (16K, LCT_BUDGET_S), timing, regime, grads, speed, matched.
 # Timing, speed and the saved states use a size's first seed.
 # Environment: STORE (default /tmp/mala-train), SIZES (default "s4m m13m"), SEEDS (default 42), ARMS
-# (default "dense mala"; "mala0" is MALA's kernels at tau = 0, the control arm: it trains, and its
-# analysis is its held-out evals; timing, regime and speed run for dense and mala only), PT_BUDGET_S (330),
+# (default "dense mala"; "mala0" is MALA's kernels at tau = 0, the control arm, and "dense_ea" SDPA's
+# memory-efficient kernel, the noise floor: they train, and their analysis is their held-out evals;
+# timing, regime and speed run for dense and mala only), PT_BUDGET_S (330),
 # LCT_BUDGET_S (120), LCT_SIZES (default: SIZES); PT_STEPS / LCT_STEPS fix the step counts instead of the
 # budgets (both arms then train on the same tokens without agreeing); COMPILE_LOSS=1 runs the loss
 # through torch.compile in training and timing (train.py --compile-loss); COMPILE_LOSS=auto first times
@@ -44,7 +45,7 @@ RES=$STORE/res
 # Per-size overrides: SEEDS_<size>, ARMS_<size>, PT_STEPS_<size>, LCT_STEPS_<size> (for example a
 # control arm of one size beside both arms of another, in one run).
 for_size() { local v="${1}_$2"; echo "${!v:-${!1}}"; }
-arms_analyzed() { for a in $(for_size ARMS "$1"); do [ "$a" = mala0 ] || echo "$a"; done; }
+arms_analyzed() { for a in $(for_size ARMS "$1"); do case $a in dense|mala) echo "$a" ;; esac; done; }
 
 phases() {
   local R=$STORE/repo T=$STORE/repo/lab/train D=$STORE/data W=$STORE/work
@@ -146,6 +147,16 @@ PYEOF
         python3 "$T/analyze.py" regime --size "$s" --arm "$arm" --seed "$seed" --stage lct "${save[@]}" "${A[@]}" \
           >> "$RES/regime.log" 2>&1 || ph "regime $s $arm seed $seed failed"
       done
+    done
+  done
+  ph "grads"
+  # The gradient's fidelity (analyze.py grads) on each size's first arm, first seed.
+  for s in $LCT_SIZES; do
+    seed0=$(for_size SEEDS "$s"); seed0=${seed0%% *}
+    arm0=$(for_size ARMS "$s"); arm0=${arm0%% *}
+    for nq in 4096:4 16384:1; do
+      python3 "$T/analyze.py" grads --size "$s" --arm "$arm0" --seed "$seed0" --stage lct --seqlen "${nq%%:*}" \
+        --sequences "${nq##*:}" "${A[@]}" >> "$RES/grads.log" 2>&1 || ph "grads $s $arm0 ${nq%%:*} failed"
     done
   done
   if [ -n "$FA4_SITE" ]; then

@@ -8,7 +8,9 @@ weights), dense or MALA attention, one stage.
   --arm dense  transformers' "sdpa" attention;  --arm mala: attn_implementation="mala" (the
                library's transformers integration) at --tau, forward and backward;  --arm mala0:
                the same integration at tau = 0 (exact attention through MALA's kernels), the control
-               that separates the rule's cost from the kernels' numerics
+               that separates the rule's cost from the kernels' numerics;  --arm dense_ea: torch's
+               SDPA held to its memory-efficient kernel (attn.py "sdpa_ea"), a second exact attention:
+               how far two dense runs of one seed drift apart from rounding alone (the noise floor)
 
 Both arms of a size start from the same weights (the seed's init, or their own pre-training) and see
 the same sequences in the same order (corpus.sequences of the token stream, a permutation per epoch
@@ -113,6 +115,9 @@ def batches(seqs: np.ndarray, batch: int, seed: int):
         epoch += 1
 
 
+ARMS = ("dense", "mala", "mala0", "dense_ea")
+
+
 def run_tag(size, arm, stage, seed=configs.SEED):
     """A run's name: <size>_<arm>_<stage>, with _s<seed> for any seed but the study's default."""
     return f"{size}_{arm}_{stage}" + ("" if seed == configs.SEED else f"_s{seed}")
@@ -132,12 +137,12 @@ def build_model(size, vocab, arm, device, init_from=None, seed=configs.SEED):
 
 def own_attention(arm):
     """The registered attention an arm trains with: MALA's integration (at the arm's tau, which
-    register() fixed) for the MALA arms, torch's SDPA for dense."""
-    return "sdpa" if arm == "dense" else "mala"
+    register() fixed) for the MALA arms, torch's SDPA for dense, SDPA's second exact kernel for dense_ea."""
+    return {"dense": "sdpa", "dense_ea": "sdpa_ea"}.get(arm, "mala")
 
 
 def train_tau(arm, tau):
-    """The tau an arm trains with: --tau for mala, 0 for mala0 and dense."""
+    """The tau an arm trains with: --tau for mala, 0 for mala0 and the dense arms."""
     return tau if arm == "mala" else 0.0
 
 
@@ -212,7 +217,7 @@ def steps_for(ms, budget_left, step_now, max_steps):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size", required=True, choices=sorted(configs.SIZES))
-    ap.add_argument("--arm", required=True, choices=("dense", "mala", "mala0"))
+    ap.add_argument("--arm", required=True, choices=ARMS)
     ap.add_argument("--stage", default="pt", choices=("pt", "lct"))
     ap.add_argument("--tau", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=configs.SEED,

@@ -17,8 +17,8 @@ an arm's numbers are means over its seeds, "seeds" lists them, "per_seed" holds 
 summary and "ci95" the 95% t-intervals of the mean over seeds; "paired" holds, per loss, the
 MALA-minus-dense difference of the two arms trained from the same seed (same initial weights and
 data order): mean, 95% t-interval, and the same relative to dense; "paired_pooled" the relative
-differences over every size's pairs (t-interval, sign test); "paired_control", where a mala0 arm
-ran, the same pairing of mala0 with dense and of mala with mala0.  Timing, speed, the fidelity and
+differences over every size's pairs (t-interval, sign test); "paired_control", where a mala0 or dense_ea arm
+ran, the same pairing of mala0 with dense, of mala with mala0 and of dense_ea with dense.  Timing, speed, the fidelity and
 the matched-work study use the first seed.  Plots need matplotlib.
 """
 
@@ -38,7 +38,9 @@ sys.path.insert(0, HERE)
 import configs  # noqa: E402
 
 
-ARMS = ("dense", "mala", "mala0")  # mala0: MALA's kernels at tau = 0, the control arm
+# mala0: MALA's kernels at tau = 0, the control arm; dense_ea: SDPA's memory-efficient kernel, a second
+# exact attention (the noise floor of two dense runs of one seed)
+ARMS = ("dense", "mala", "mala0", "dense_ea")
 
 
 def load(path):
@@ -71,6 +73,18 @@ def t_interval(x):
 def run_tag(size, arm, stage, seed):
     """train.py's run_tag (that module needs torch): _s<seed> for any seed but the study's default."""
     return f"{size}_{arm}_{stage}" + ("" if seed == configs.SEED else f"_s{seed}")
+
+
+def size_arm(name):
+    """(size, arm) of a pre-training run's file, train_<size>_<arm>_pt[_s<seed>].json (an arm's name
+    may hold an underscore, a size's does not); None for any other file."""
+    if not (name.startswith("train_") and name.endswith(".json")):
+        return None
+    size, _, rest = name[len("train_"):-len(".json")].partition("_")
+    arm, sep, seed = rest.rpartition("_pt")
+    if not sep or arm not in ARMS or (seed and not (seed.startswith("_s") and seed[2:].isdigit())):
+        return None
+    return size, arm
 
 
 def seeds_of(res, size, arm):
@@ -217,7 +231,7 @@ def plots(summary, runs, out_dir):
     import matplotlib.pyplot as plt
 
     os.makedirs(out_dir, exist_ok=True)
-    colors = {"dense": "tab:blue", "mala": "tab:red", "mala0": "tab:green"}
+    colors = {"dense": "tab:blue", "mala": "tab:red", "mala0": "tab:green", "dense_ea": "tab:gray"}
     styles = {0: "-", 1: "--", 2: ":"}
     sizes = list(summary["sizes"])
     # Held-out loss against tokens and against attention FLOPs.
@@ -343,8 +357,9 @@ def main(argv=None):
     where = {}  # (size, arm) -> the last run that trained that arm of that size
     for res in folders:
         for f in os.listdir(res):
-            if f.startswith("train_") and f.endswith(".json") and "_pt" in f:
-                where[tuple(f.split("_")[1:3])] = res
+            sa = size_arm(f)
+            if sa:
+                where[sa] = res
     sizes = sorted({s for s, _ in where}, key=lambda s: configs.SIZES[s]["hidden"] * configs.SIZES[s]["layers"])
     summary = {"device": None, "corpus": {"files": manifest["counts"], "tokens": {
         "train": streams["train_tokens"], "heldout": streams["heldout_tokens"]},
@@ -386,11 +401,15 @@ def main(argv=None):
                         for p in m if isinstance(m[p], dict) and "slots" in m[p]}
         if "dense" in per_arm and "mala" in per_arm:
             summary["paired"][size] = paired(per_arm["dense"], per_arm["mala"])
-        if "mala0" in per_arm:  # the control: MALA's kernels at tau = 0
-            summary.setdefault("paired_control", {})[size] = {
-                f"{b}_minus_{a}": paired(per_arm[a], per_arm[b])
-                for a, b in (("dense", "mala0"), ("mala0", "mala")) if a in per_arm and b in per_arm}
+        controls = {f"{b}_minus_{a}": paired(per_arm[a], per_arm[b])
+                    for a, b in (("dense", "mala0"), ("mala0", "mala"), ("dense", "dense_ea"))
+                    if a in per_arm and b in per_arm}
+        if controls:  # the control (MALA's kernels at tau = 0) and the noise floor (a second exact kernel)
+            summary.setdefault("paired_control", {})[size] = controls
     summary["paired_pooled"] = pooled(summary["paired"])
+    for res in folders:  # the gradient's fidelity (analyze.py grads), by run tag and length
+        if os.path.exists(os.path.join(res, "grads.json")):
+            summary.setdefault("grads", {}).update(load(os.path.join(res, "grads.json")))
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     with open(a.out, "w") as f:
         json.dump(summary, f, indent=1)

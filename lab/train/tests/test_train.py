@@ -183,7 +183,7 @@ def test_a_few_steps_of_each_arm_lower_the_loss(roots, tmp_path):
     corpus.build(data, tok)
     tok_path = str(tmp_path / "tok.json")
     tok.save(tok_path)
-    recs = {arm: run_arm(tmp_path, data, tok_path, arm) for arm in ("dense", "mala", "mala0")}
+    recs = {arm: run_arm(tmp_path, data, tok_path, arm) for arm in ("dense", "mala", "mala0", "dense_ea")}
     for arm, rec in recs.items():
         first, last = rec["evals"][0], rec["evals"][-1]
         assert last["step"] == 30 and rec["final"]["tokens"] == 30 * 512
@@ -198,6 +198,10 @@ def test_a_few_steps_of_each_arm_lower_the_loss(roots, tmp_path):
     # it follows the dense arm up to rounding.
     assert recs["mala0"]["tau"] == 0.0 and recs["mala"]["tau"] == 1.0
     for a, b in zip(recs["mala0"]["steps"], recs["dense"]["steps"]):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-3)
+    # So does the noise-floor arm, SDPA held to its second exact kernel.
+    assert recs["dense_ea"]["tau"] == 0.0
+    for a, b in zip(recs["dense_ea"]["steps"], recs["dense"]["steps"]):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-3)
     # The long-context stage starts from the pre-training weights, at LCT_LR_FACTOR x peak.
     lct = run_arm(tmp_path, data, tok_path, "mala", steps=5, stage="lct", seqlen=128)
@@ -217,10 +221,47 @@ def test_a_few_steps_of_each_arm_lower_the_loss(roots, tmp_path):
     for layer in layers:
         assert layer["omitted_mean"] == [0.0] * configs.SIZES["tiny"]["heads"] and max(layer["o_err"]) == 0.0
         assert layer["fwd_retained"] == [1.0] * configs.SIZES["tiny"]["heads"]
+    # The gradient's fidelity on the trained dense model: on the CPU (fp32, no autocast) every
+    # attention's gradient equals the reference up to fp32 rounding, MALA's at tau = 0 too.
+    cmd = [sys.executable, os.path.join(TRAIN, "analyze.py"), "grads", "--size", "tiny", "--arm", "dense", "--stage",
+           "pt", "--data", data, "--tokenizer", tok_path, "--work", str(tmp_path / "work"), "--out",
+           str(tmp_path / "out"), "--seqlen", "64", "--sequences", "2", "--device", "cpu"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    with open(tmp_path / "out" / "grads.json") as f:
+        grads = json.load(f)["tiny_dense_pt_64"]
+    assert grads["sequences"] == 2 and set(grads["attention"]) == {"sdpa", "sdpa_ea", "mala_tau0", "mala_tau1"}
+    for label in ("sdpa", "sdpa_ea", "mala_tau0"):
+        g = grads["attention"][label]
+        assert g["grad_rel_err"] < 1e-4 and g["grad_cosine"] > 0.9999, label
+        assert g["loss"] == pytest.approx(grads["loss_reference"], rel=1e-5), label
     # Another seed: other initial weights (and data order), recorded under its own name.
     other = run_arm(tmp_path, data, tok_path, "dense", steps=2, seed=7)
     assert other["seed"] == 7
     assert other["evals"][0]["len_64"]["loss"] != pytest.approx(recs["dense"]["evals"][0]["len_64"]["loss"], rel=1e-4)
+
+
+def test_the_second_exact_attention_equals_sdpa_with_grouped_heads():
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    pytest.importorskip("mala")
+    import attn
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 48, 16, generator=g, requires_grad=True)
+    k = torch.randn(2, 2, 48, 16, generator=g, requires_grad=True)
+    v = torch.randn(2, 2, 48, 16, generator=g, requires_grad=True)
+    out, w = attn._sdpa_ea_attention(None, q, k, v, None, scaling=0.3)
+    assert w is None and out.shape == (2, 48, 4, 16)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1),
+                                                           is_causal=True, scale=0.3).transpose(1, 2)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    gq, gk = torch.autograd.grad(out.square().sum(), (q, k))
+    rq, rk = torch.autograd.grad(ref.square().sum(), (q, k))
+    torch.testing.assert_close(gq, rq, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(gk, rk, rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="attention_mask"):
+        attn._sdpa_ea_attention(None, q, k, v, torch.ones(1))
 
 
 def test_manifest_is_gzip_text(tmp_path, roots):

@@ -24,6 +24,14 @@ def test_t_interval_matches_a_hand_computation():
     assert ts.t_interval([1.0]) is None
 
 
+def test_size_arm_reads_arms_with_an_underscore():
+    assert ts.size_arm("train_s4m_dense_ea_pt_s43.json") == ("s4m", "dense_ea")
+    assert ts.size_arm("train_m13m_mala0_pt.json") == ("m13m", "mala0")
+    assert ts.size_arm("train_s4m_mala_lct_s43.json") is None
+    assert ts.size_arm("train_s4m_mala_pt_sx.json") is None
+    assert ts.size_arm("regime.json") is None
+
+
 def test_seeds_of_reads_the_run_tags(tmp_path):
     for name in ("train_s4m_mala_pt.json", "train_s4m_mala_pt_s44.json", "train_s4m_mala_pt_s43.json",
                  "train_s4m_mala_lct_s45.json", "train_s4m_dense_pt_s46.json", "train_m13m_mala_pt_s47.json"):
