@@ -19,8 +19,10 @@ indexer), and returns out [B, N, H, d].  After each forward it leaves
         learns only from a KL loss towards the main attention's head-mean distribution over the
         selected keys (the paper's sparse training stage); there is no dense warm-up stage, since
         the models here train from scratch with the indexer in place.
-  nsa   native sparse attention through fla-core 0.6.0's parallel_nsa (Triton, CUDA only), imported
-        lazily; compressed, selected and sliding branches with learned sigmoid gates
+  nsa   native sparse attention: fla-core 0.6.0's parallel_nsa (Triton, CUDA only, imported
+        lazily) computes the compressed and selected branches; the sliding branch (nsa_window keys)
+        is swa's kernel here, since parallel_nsa's own calls flash-attn, absent on the GPU machine.
+        The gated sum is fla's: o_slc * g_slc + o_cmp * g_cmp + o_swa * g_swa, learned sigmoid gates.
 
 swa, moba and dsa select in PyTorch and attend through flex_attention: a mask_mod reads the
 selection, and a BlockMask of TILE x TILE tiles lists the tiles any allowed (row, key) pair falls in,
@@ -428,19 +430,21 @@ class Attention(nn.Module):
     def _nsa(self, q, k, v, x, rope):
         parallel_nsa = _parallel_nsa()
         B, n, H, d = q.shape
-        cfg = self.cfg
-        dt = torch.bfloat16 if q.dtype == torch.float32 else q.dtype
+        cfg, in_dt = self.cfg, q.dtype
+        dt = torch.bfloat16 if in_dt == torch.float32 else in_dt
+        q, k, v = q.to(dt), k.to(dt).contiguous(), v.to(dt).contiguous()
         # Each model head becomes one KV head with NSA_GROUP identical query heads: the kernel's
         # group-shared block selection is then exactly per head, and the model stays the same as
         # every other method's (the group's outputs are identical; the first one is kept).
-        qg = q.to(dt).repeat_interleave(NSA_GROUP, dim=2)
-        g = torch.sigmoid(self.gate(x)).to(dt).repeat_interleave(NSA_GROUP, dim=2)
-        g_cmp, g_slc, g_swa = g[..., :H * NSA_GROUP], g[..., H * NSA_GROUP:2 * H * NSA_GROUP], g[..., 2 * H * NSA_GROUP:]
-        out = parallel_nsa(qg, k.to(dt).contiguous(), v.to(dt).contiguous(), g_cmp.contiguous(), g_slc.contiguous(),
-                           g_swa.contiguous(), block_counts=cfg.nsa_blocks, block_size=cfg.nsa_block,
-                           window_size=cfg.nsa_window)
+        g_cmp, g_slc, g_swa = torch.sigmoid(self.gate(x)).to(dt).split(H, dim=-1)
+        rep = lambda t: t.repeat_interleave(NSA_GROUP, dim=2).contiguous()  # noqa: E731
+        o = parallel_nsa(rep(q), k, v, rep(g_cmp), rep(g_slc), None, block_counts=cfg.nsa_blocks,
+                         block_size=cfg.nsa_block, window_size=0)
+        o = o.view(B, n, H, NSA_GROUP, d)[:, :, :, 0]
+        if cfg.nsa_window > 0:  # fla's sliding term: causal window of nsa_window keys, scale 1/sqrt(d)
+            o = torch.addcmul(o, self._window(q, k, v, cfg.nsa_window), g_swa.unsqueeze(-1))
         self.last_slots = torch.tensor(nsa_nominal_slots(n, cfg))
-        return out.view(B, n, H, NSA_GROUP, d)[:, :, :, 0].to(q.dtype)
+        return o.to(in_dt)
 
 
 def nsa_nominal_slots(n: int, cfg: MethodConfig) -> float:

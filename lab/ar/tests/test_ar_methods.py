@@ -335,6 +335,35 @@ def test_nominal_budgets():
         M.MethodConfig(ceiling=1000, moba_block=128).moba_topk
 
 
+def test_nsa_wiring_with_a_stand_in_kernel(monkeypatch):
+    # parallel_nsa needs Triton on a GPU; a stand-in with its signature checks the rest on the CPU:
+    # heads to KV heads of NSA_GROUP queries, the gates' split, and the sliding term added here.
+    calls = []
+
+    def stand_in(q, k, v, g_cmp, g_slc, g_swa, block_counts, block_size, window_size):
+        calls.append((q.shape, k.shape, g_cmp.shape, g_swa, window_size, block_counts, block_size))
+        G = q.shape[2] // k.shape[2]
+        kk, vv = k.repeat_interleave(G, 2), v.repeat_interleave(G, 2)  # any per-head function will do
+        o_slc = dense_ref(q, kk, vv, M.causal_allow(0, q.shape[1], q.shape[1], "cpu")).to(q.dtype)
+        running_mean = vv.cumsum(1) / torch.arange(1, q.shape[1] + 1)[None, :, None, None]
+        return o_slc * g_slc.unsqueeze(-1) + running_mean * g_cmp.unsqueeze(-1)
+
+    monkeypatch.setattr(M, "_parallel_nsa", lambda: stand_in)
+    cfg = M.MethodConfig(ceiling=16, nsa_block=4, nsa_window=8)
+    q, k, v = (t.to(torch.bfloat16) for t in qkv(12))
+    x = _x(13)
+    m = _module("nsa", cfg)
+    out = m(q, k, v, x, rope)
+    G = M.NSA_GROUP
+    assert calls == [((B, N, H * G, D), (B, N, H, D), (B, N, H * G), None, 0, cfg.nsa_blocks, cfg.nsa_block)]
+    g_cmp, g_slc, g_swa = torch.sigmoid(m.gate(x)).to(torch.bfloat16).split(H, dim=-1)
+    base = stand_in(q.repeat_interleave(G, 2), k, v, g_cmp.repeat_interleave(G, 2), g_slc.repeat_interleave(G, 2),
+                    None, 0, 0, 0)[:, :, ::G]
+    want = base.double() + g_swa.double()[..., None] * dense_ref(q, k, v, ref_swa(N, cfg.nsa_window))
+    assert out.dtype == torch.bfloat16 and torch.allclose(out.double(), want, atol=2e-2, rtol=1e-2)
+    assert float(m.last_slots) == pytest.approx(M.nsa_nominal_slots(N, cfg))
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled flex_attention: CUDA only")
 @pytest.mark.parametrize("method", ["swa", "moba", "dsa"])
 def test_flex_matches_dense_on_gpu(method):
@@ -367,8 +396,36 @@ def test_nsa_matches_its_naive_reference_on_gpu():
     Bg, T, Hkv, G, d = 1, 256, 1, 16, 64
     q = torch.randn(Bg, T, Hkv * G, d, device="cuda", generator=g, dtype=torch.bfloat16)
     k, v = (torch.randn(Bg, T, Hkv, d, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(2))
-    gates = [torch.rand(Bg, T, Hkv * G, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(3)]
-    kw = dict(block_counts=2, block_size=32, window_size=32)
-    out = fla_nsa.parallel_nsa(q, k, v, *gates, **kw)
-    ref = fla_nsa.naive_nsa(q, k, v, *gates, **kw)
+    g_cmp, g_slc = (torch.rand(Bg, T, Hkv * G, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(2))
+    # Window 0 in both: fla-core 0.6.0 computes its sliding branch with flash-attn, absent here.
+    kw = dict(block_counts=2, block_size=32, window_size=0)
+    out = fla_nsa.parallel_nsa(q, k, v, g_cmp, g_slc, None, **kw)
+    ref = fla_nsa.naive_nsa(q, k, v, g_cmp, g_slc, None, **kw)
     assert (out.float() - ref.float()).abs().max() < 5e-2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="parallel_nsa is a Triton kernel: CUDA only")
+def test_nsa_module_is_flas_gated_sum_on_gpu():
+    fla_nsa = pytest.importorskip("fla.ops.nsa")
+    cfg = M.MethodConfig(ceiling=96, nsa_block=32, nsa_window=32)  # 2 selected blocks of 32 + 32 keys
+    Bg, T, Hg, d, G = 2, 256, 2, 64, M.NSA_GROUP
+    g = torch.Generator(device="cuda").manual_seed(1)
+    q, k, v = (torch.randn(Bg, T, Hg, d, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(3))
+    x = torch.randn(Bg, T, Hg * d, device="cuda", generator=g)
+    torch.manual_seed(0)
+    m = M.Attention("nsa", Hg * d, Hg, d, cfg).cuda()
+    with torch.no_grad():
+        out = m(q, k, v, x, rope)
+        gates = torch.sigmoid(m.gate(x)).to(torch.bfloat16)
+        g_cmp, g_slc, g_swa = (gates[..., i * Hg:(i + 1) * Hg].repeat_interleave(G, 2) for i in range(3))
+        qg = q.repeat_interleave(G, 2)
+        # fla's parallel_nsa / naive_nsa with window_size W add torch.addcmul(o, o_swa, g_swa), o_swa =
+        # flash_attn_func(q, k, v, causal=True, window_size=(W - 1, 0)): the last W keys, scale
+        # 1 / sqrt(d), query head h on KV head h // G.  Here o_swa is that, in float64.
+        o_swa = dense_ref(qg, k.repeat_interleave(G, 2), v.repeat_interleave(G, 2), ref_swa(T, cfg.nsa_window).cuda())
+        kw = dict(block_counts=cfg.nsa_blocks, block_size=cfg.nsa_block, window_size=0)
+        for nsa in (fla_nsa.parallel_nsa, fla_nsa.naive_nsa):
+            ref = nsa(qg, k, v, g_cmp, g_slc, None, **kw).double() + g_swa.double()[..., None] * o_swa
+            ref = ref.view(Bg, T, Hg, G, d)
+            assert (ref - ref[:, :, :, :1]).abs().max() < 1e-2  # the group's copies agree
+            assert (out.double() - ref[:, :, :, 0]).abs().max() < 5e-2
