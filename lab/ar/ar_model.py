@@ -4,10 +4,15 @@ for every method except the attention inside each layer (ar_methods.Attention).
 Rotary position embeddings on q and k (the task needs relative position: the first layer has to
 copy each key into the position of its value); heads of head_dim 64 (d_model / 64 of them, one head
 below d_model 64); a 4x GELU MLP; untied embedding and output.  The output head runs only at the
-scored (query) positions, so a batch of 8K sequences never materializes N x vocab logits.
+scored (query) positions, so a batch of 8K sequences never materializes N x vocab logits.  Each
+weight is drawn from its own generator, seeded by the run's seed and the weight's name: a seed
+gives every method the same initial weights for every parameter they share (a method's own ones,
+DSA's indexer or NSA's gates, draw nothing from the others' streams).
 """
 
 from __future__ import annotations
+
+import zlib
 
 import torch
 import torch.nn as nn
@@ -54,20 +59,18 @@ class Block(nn.Module):
 
 class ARModel(nn.Module):
     def __init__(self, vocab: int, d_model: int, method: str, n_layers: int = 2, head_dim: int = 64,
-                 mcfg: MethodConfig = MethodConfig()):
+                 mcfg: MethodConfig = MethodConfig(), seed: int = 0):
         super().__init__()
         self.emb = nn.Embedding(vocab, d_model)
         self.blocks = nn.ModuleList(Block(method, d_model, head_dim, mcfg) for _ in range(n_layers))
         self.ln_f = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, vocab, bias=False)
-        self.apply(self._init)
-
-    @staticmethod
-    def _init(m):
-        if isinstance(m, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(m.weight, std=0.02)
-            if getattr(m, "bias", None) is not None:
-                nn.init.zeros_(m.bias)
+        for name, m in self.named_modules():
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                g = torch.Generator().manual_seed(zlib.crc32(f"{int(seed)}:{name}".encode()))
+                nn.init.normal_(m.weight, std=0.02, generator=g)
+                if getattr(m, "bias", None) is not None:
+                    nn.init.zeros_(m.bias)
 
     def attentions(self):
         return [b.attn for b in self.blocks]

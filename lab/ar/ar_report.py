@@ -4,8 +4,9 @@ summary that `ar_train.py collect` writes.
   python3 lab/ar/ar_report.py ar.json [--plot ar_accuracy.png]
 
 Prints, per d_model, accuracy with its 95% interval per (method, length), then realized mean slots
-and step time per method.  The plot (one panel per d_model, accuracy against length per method)
-needs matplotlib and is skipped with a note without it.
+and step time per method.  A cell whose training stopped at the time cap (fewer steps than the
+others: not step-matched) is marked with * and listed under its table.  The plot (one panel per
+d_model, accuracy against length per method) needs matplotlib and is skipped with a note without it.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ def tables(doc) -> str:
     lines = []
     for d in sorted({c["d_model"] for c in cells}):
         lens = sorted({c["seqlen"] for c in cells if c["d_model"] == d})
+        early = []
         by = {(c["method"], c["seqlen"]): c for c in cells if c["d_model"] == d}
         lines += [f"d_model {d}: accuracy [95% interval] (seeds)", "",
                   "| method | " + " | ".join(f"{n:,}" for n in lens) + " |",
@@ -43,9 +45,14 @@ def tables(doc) -> str:
                     row.append("skipped")
                 else:
                     lo, hi = c["ci95"]
-                    row.append(f"{_pct(c['accuracy'])} [{_pct(lo)}, {_pct(hi)}] ({len(c['seeds'])})")
+                    mark = " *" if c.get("hit_time_cap") else ""
+                    row.append(f"{_pct(c['accuracy'])} [{_pct(lo)}, {_pct(hi)}] ({len(c['seeds'])}){mark}")
+                    if mark:
+                        early.append(f"{m} at {n:,}: steps {c['steps_done']} of {c['steps']}")
             if any(row):
                 lines.append(f"| {m} | " + " | ".join(row) + " |")
+        if early:
+            lines += ["", "\\* stopped at the time cap, not step-matched: " + "; ".join(early)]
         lines += ["", f"d_model {d}: mean slots per query / step ms", "",
                   "| method | " + " | ".join(f"{n:,}" for n in lens) + " |", "|---|" + "---|" * len(lens)]
         for m in METHODS:
@@ -53,7 +60,8 @@ def tables(doc) -> str:
             for n in lens:
                 c = by.get((m, n))
                 ok = c is not None and c.get("mean_slots") is not None
-                row.append(f"{c['mean_slots']:.0f} / {c['step_ms']:.0f}" if ok else "")
+                ms = "-" if ok and c.get("step_ms") is None else f"{c['step_ms']:.0f}" if ok else ""
+                row.append(f"{c['mean_slots']:.0f} / {ms}" if ok else "")
             if any(row):
                 lines.append(f"| {m} | " + " | ".join(row) + " |")
         lines.append("")

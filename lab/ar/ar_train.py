@@ -1,18 +1,22 @@
 """Train and evaluate one cell of the associative-recall study (issue #65), or collect cells.
 
   python3 lab/ar/ar_train.py train --seqlen 8192 --d-model 512 --method mala --seeds 0 1 2 \
-      --steps 2000 --out bench/results/ar/cells/8192_512_mala.json
+      --steps 300 --batch 8 [--time-cap-s 400] --out bench/results/ar/cells/8192_512_mala.json
   python3 lab/ar/ar_train.py collect --cells bench/results/ar/cells --out bench/results/ar/ar.json \
       [--timing DIR]   (step_ms from cells timed alone; the training cells' own become step_ms_concurrent)
 
-train: for each seed, a fresh model (the seed fixes its init and the order of the training pool;
-the pool and the test set are the same for every method and seed), AdamW with a linear warm-up and
-cosine decay over --steps steps or --budget-s seconds of training (whichever ends first), then
-accuracy over every query of the fixed test set.  The cell it writes:
+train: for each seed, a fresh model (the seed fixes its init, the same for the parameters every
+method shares, and the order of the training pool; the pool and the test set are the same for
+every method and seed), AdamW with a linear warm-up and cosine decay over --steps steps, then
+accuracy over every query of the fixed test set.  Training is step-matched: every method takes the
+same --steps optimizer steps on the same batches, whatever its speed.  --time-cap-s is only a
+safety net: a seed that reaches it stops there, and its cell says so (hit_time_cap, steps_done);
+such a cell is not step-matched, and collect lists it under "stopped_early".  The cell it writes:
   seqlen, d_model, method, accuracy (pooled over seeds), ci95 ([lo, hi], a bootstrap over seeds
   and, within each, over test sequences: the queries of one sequence are not independent), seeds,
   mean_slots (mean forward post-score key slots per query row on the test set, over layers, heads
   and rows, averaged over seeds), step_ms (median training step, first seed, after --skip-steps),
+  steps (planned), steps_done (per seed), hit_time_cap (any seed),
 plus per-seed details and the setup.  A method that cannot run here (nsa without fla-core or CUDA)
 writes a cell with accuracy null and its reason under "skipped".
 """
@@ -55,12 +59,12 @@ def bootstrap_ci95(correct_per_seed, n_q: int, reps: int = 2000, seed: int = 0):
     return [float(lo), float(hi)]
 
 
-def lr_at(step, steps, lr, warmup, progress=0.0):
-    """Linear warm-up over `warmup` steps, then cosine decay to 0 at whichever ends first: step
-    `steps`, or `progress` (the fraction of a time budget spent) reaching 1."""
+def lr_at(step, steps, lr, warmup):
+    """Linear warm-up over `warmup` steps, then cosine decay to 0 at step `steps`: a function of the
+    step alone, so that every method follows the same schedule."""
     if step < warmup:
         return lr * (step + 1) / warmup
-    t = max((step - warmup) / max(1, steps - warmup), progress)
+    t = (step - warmup) / max(1, steps - warmup)
     return lr * 0.5 * (1.0 + math.cos(math.pi * min(1.0, t)))
 
 
@@ -95,7 +99,8 @@ def evaluate(model, tokens, labels, batch, dev):
 
 def train_seed(args, cfg, mcfg, seed, test, dev, log):
     torch.manual_seed(seed)
-    model = ARModel(cfg.vocab, args.d_model, args.method, n_layers=args.layers, head_dim=args.head_dim, mcfg=mcfg).to(dev)
+    model = ARModel(cfg.vocab, args.d_model, args.method, n_layers=args.layers, head_dim=args.head_dim, mcfg=mcfg,
+                    seed=seed).to(dev)
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "emb" not in n]
     other = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "emb" not in n)]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.wd}, {"params": other, "weight_decay": 0.0}],
@@ -103,15 +108,16 @@ def train_seed(args, cfg, mcfg, seed, test, dev, log):
     stream = ar_data.TrainStream(cfg, args.n_train, args.batch, seed)
     step_s, train_slots, bwd_slots, losses = [], [], [], []
     t_start = time.perf_counter()
-    step = 0
+    hit_cap = False
     for step in range(args.steps):
-        spent = (time.perf_counter() - t_start) / args.budget_s if args.budget_s else 0.0
-        if spent >= 1.0:
+        if args.time_cap_s and time.perf_counter() - t_start >= args.time_cap_s:
+            hit_cap = True
+            log(f"seed {seed} hit the time cap ({args.time_cap_s:.0f} s) after {step} of {args.steps} steps")
             break
         tok, lab = stream.next()
         tok, lab = torch.from_numpy(tok).to(dev), torch.from_numpy(lab).to(dev)
         for g in opt.param_groups:
-            g["lr"] = lr_at(step, args.steps, args.lr, args.warmup, spent)
+            g["lr"] = lr_at(step, args.steps, args.lr, args.warmup)
         _sync(dev)
         t0 = time.perf_counter()
         where = lab != ar_data.IGNORE
@@ -136,7 +142,8 @@ def train_seed(args, cfg, mcfg, seed, test, dev, log):
     correct, slots = evaluate(model, test[0], test[1], args.eval_batch, dev)
     timed = step_s[args.skip_steps:] or step_s
     return {
-        "seed": seed, "steps": steps_done, "epochs": steps_done * args.batch / args.n_train,
+        "seed": seed, "steps_done": steps_done, "hit_time_cap": hit_cap, "train_wall_s": time.perf_counter() - t_start,
+        "epochs": steps_done * args.batch / args.n_train,
         "final_loss": float(np.mean(losses[-10:])) if losses else None,
         "accuracy": float(correct.sum() / (len(correct) * cfg.n_q)),
         "correct_per_sequence": correct.tolist(), "mean_slots": float(slots),
@@ -155,13 +162,14 @@ def run_train(args, log=print):
                                    nsa_window=args.nsa_window)
     dev = torch.device(args.device)
     setup = {"task": cfg.to_dict(), "methods": mcfg.to_dict(), "layers": args.layers, "head_dim": args.head_dim,
-             "batch": args.batch, "steps": args.steps, "budget_s": args.budget_s, "lr": args.lr, "wd": args.wd,
+             "batch": args.batch, "steps": args.steps, "time_cap_s": args.time_cap_s, "lr": args.lr, "wd": args.wd,
              "warmup": args.warmup, "n_train": args.n_train, "n_test": args.n_test,
              "test_seed": ar_data.TEST_SEED, "train_pool_seed": ar_data.TRAIN_POOL_SEED,
              "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
              "torch": torch.__version__}
     cell = {"seqlen": args.seqlen, "d_model": args.d_model, "method": args.method, "accuracy": None,
-            "ci95": None, "seeds": list(args.seeds), "mean_slots": None, "step_ms": None, "setup": setup}
+            "ci95": None, "seeds": list(args.seeds), "mean_slots": None, "step_ms": None, "steps": args.steps,
+            "steps_done": None, "hit_time_cap": None, "setup": setup}
     ok, why = ar_methods.available(args.method, dev)
     if not ok:
         cell["skipped"] = why
@@ -173,11 +181,14 @@ def run_train(args, log=print):
         cell["ci95"] = bootstrap_ci95([r["correct_per_sequence"] for r in runs], cfg.n_q)
         cell["mean_slots"] = float(np.mean([r["mean_slots"] for r in runs]))
         cell["step_ms"] = runs[0]["step_ms"]
+        cell["steps_done"] = [r["steps_done"] for r in runs]
+        cell["hit_time_cap"] = any(r["hit_time_cap"] for r in runs)
         if args.method == "nsa":
             cell["nsa_compressed_slots"] = ar_methods.nsa_compressed_slots(cfg.seqlen, mcfg)
         cell["runs"] = runs
         log(f"{args.method} seqlen {args.seqlen} d_model {args.d_model}: accuracy {cell['accuracy']:.4f} "
-            f"ci95 {cell['ci95']} slots {cell['mean_slots']:.1f} step_ms {cell['step_ms']:.1f}")
+            f"ci95 {cell['ci95']} slots {cell['mean_slots']:.1f} step_ms {cell['step_ms'] or float('nan'):.1f} "
+            f"steps {cell['steps_done']} of {args.steps}" + (" (hit the time cap)" if cell["hit_time_cap"] else ""))
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
@@ -204,12 +215,17 @@ def run_collect(args):
     for c in cells:
         for r in c.get("runs", []):
             r.pop("correct_per_sequence", None)  # kept in the cell files, not in the summary
+    # A cell whose training stopped at the time cap took fewer steps than the others: not comparable.
+    early = [f"{c['seqlen']}x{c['d_model']} {c['method']}: steps {c['steps_done']} of {c['steps']}"
+             for c in cells if c.get("hit_time_cap")]
     doc = {"device": args.device or (setups[0]["device"] if setups else None),
-           "setup": setups[0] if setups else {}, "cells": cells}
+           "setup": setups[0] if setups else {}, "stopped_early": early, "cells": cells}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(doc, f, indent=1)
     print(f"collect: {len(cells)} cells -> {args.out}")
+    for e in early:
+        print(f"collect: stopped early at the time cap, not step-matched: {e}")
     return doc
 
 
@@ -221,12 +237,13 @@ def parser():
     t.add_argument("--d-model", type=int, required=True)
     t.add_argument("--method", required=True, choices=ar_methods.METHODS)
     t.add_argument("--seeds", type=int, nargs="+", default=[0])
-    t.add_argument("--steps", type=int, default=2000)
-    t.add_argument("--budget-s", type=float, default=0.0, help="stop a seed's training after this many seconds")
-    t.add_argument("--batch", type=int, default=16)
+    t.add_argument("--steps", type=int, default=300, help="optimizer steps per seed, the same for every method")
+    t.add_argument("--time-cap-s", type=float, default=0.0,
+                   help="safety net: stop a seed's training after this many seconds (0: none); reported")
+    t.add_argument("--batch", type=int, default=8)
     t.add_argument("--lr", type=float, default=1e-3)
     t.add_argument("--wd", type=float, default=0.1)
-    t.add_argument("--warmup", type=int, default=100)
+    t.add_argument("--warmup", type=int, default=30)
     t.add_argument("--n-train", type=int, default=32000)
     t.add_argument("--n-test", type=int, default=256)
     t.add_argument("--eval-batch", type=int, default=16)

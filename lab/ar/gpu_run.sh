@@ -9,19 +9,34 @@
 #                                          prints the phase log and each log's tail; packs the results
 #                                          into $OUT/ar_results.tgz
 # Phases: build (the mala extension, in the background from the start), wheels (every .whl under
-# .whl/ into $STORE/site: fla-core 0.6.0 and einops for nsa), nsa check (parallel_nsa against its
-# naive reference), head (SEQLEN_HEAD x D_HEAD, every method, SEEDS_HEAD), trend (TREND_LENS at
-# D_TREND, SEEDS_TREND), grid (GRID_LENS x GRID_DS, SEEDS_TREND; empty by default), timing (each
-# method alone at SEQLEN_HEAD x D_HEAD for TIMING_STEPS steps), collect (ar.json, tables.md).
+# .whl/ into $STORE/site: fla-core 0.6.0 and einops for nsa), gpu check (the GPU-only tests of
+# lab/ar/tests: compiled flex_attention against the dense path for swa/moba/dsa, parallel_nsa against
+# fla's naive reference, the nsa module against fla's gated sum), head (SEQLEN_HEAD x D_HEAD, every
+# method, SEEDS_HEAD), trend (TREND_LENS at D_TREND, SEEDS_TREND), grid (GRID_LENS x GRID_DS,
+# SEEDS_TREND; empty by default), timing (each method alone at SEQLEN_HEAD x D_HEAD for TIMING_STEPS
+# steps), collect (ar.json, tables.md).
 # Cells of one phase run PAR at a time on the one GPU, so their own step_ms is concurrent; the
 # timing phase's is the one reported.
+# Training is step-matched: every method takes STEPS optimizer steps per seed on the same batches,
+# the LR schedule over steps.  TIME_CAP_S (head) and TREND_TIME_CAP_S (trend and grid), per seed,
+# are a safety net only: a seed that reaches one stops, its cell records hit_time_cap and
+# steps_done, and collect (ar.json "stopped_early", phases.log) and the tables flag that cell.
+# Defaults sized for about 15 minutes of one H200 for head + trend, all six methods concurrent,
+# assuming per-step times alone at 8192 x 512, batch 8, bf16 of about full 35 ms, mala 45, swa 35,
+# moba 45, dsa 160, nsa 150 (together 0.47 s: six concurrent cells advance about one step each per
+# 0.47 s; the first run, on an H200 shared six ways plus a neighbour, took 430 ms (full) and 540 ms
+# (mala) per batch-16 step), and 4K / 2K / 1K steps at 0.4 / 0.2 / 0.1 of an 8K one: head 3 x 300 x
+# 0.47 s = 7 min, trend 300 x 0.47 s x 0.7 = 1.7 min, compilation, set-up and evaluation about
+# 4 min; build, gpu check (about 2 min) and timing (about 3 min) come on top.  To calibrate once
+# measured: STEPS, BATCH, and the caps at about twice the slowest cell's seed.
 # Environment (defaults): STORE (/tmp/mala-ar), METHODS ("full mala swa moba dsa nsa"),
 # SEQLEN_HEAD (8192), D_HEAD (512), SEEDS_HEAD ("0 1 2"), TREND_LENS ("1024 2048 4096"),
-# D_TREND (512), SEEDS_TREND ("0"), GRID_LENS (""), GRID_DS (""), PAR (6), STEPS (4000),
-# BUDGET_S (per seed of the headline cell; 150), TREND_BUDGET_S (90), BATCH (16), LR (1e-3),
-# N_TRAIN (32000), N_TEST (256), TIMING_STEPS (25), TIMING_AFTER (a file the timing phase waits for, up to
-# TIMING_WAIT_S (600), so that another job sharing the GPU has ended before steps are timed); for a dry run elsewhere: DEVICE (cuda), BUILD (1;
-# 0 uses the mala already on PYTHONPATH), TASK_ARGS (extra ar_train.py train arguments, e.g. a tiny task).
+# D_TREND (512), SEEDS_TREND ("0"), GRID_LENS (""), GRID_DS (""), PAR (6), STEPS (300), BATCH (8),
+# WARMUP (30), LR (1e-3), TIME_CAP_S (400), TREND_TIME_CAP_S (200), N_TRAIN (32000), N_TEST (256),
+# TIMING_STEPS (20), TIMING_AFTER (a file the timing phase waits for, up to TIMING_WAIT_S (600), so
+# that another job sharing the GPU has ended before steps are timed); for a dry run elsewhere:
+# DEVICE (cuda), BUILD (1; 0 uses the mala already on PYTHONPATH), TASK_ARGS (extra ar_train.py
+# train arguments, e.g. a tiny task).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 STORE=${STORE:-/tmp/mala-ar}
@@ -35,14 +50,15 @@ SEEDS_TREND=${SEEDS_TREND:-0}
 GRID_LENS=${GRID_LENS-}
 GRID_DS=${GRID_DS-}
 PAR=${PAR:-6}
-STEPS=${STEPS:-4000}
-BUDGET_S=${BUDGET_S:-150}
-TREND_BUDGET_S=${TREND_BUDGET_S:-90}
-BATCH=${BATCH:-16}
+STEPS=${STEPS:-300}
+BATCH=${BATCH:-8}
+WARMUP=${WARMUP:-30}
 LR=${LR:-1e-3}
+TIME_CAP_S=${TIME_CAP_S:-400}
+TREND_TIME_CAP_S=${TREND_TIME_CAP_S:-200}
 N_TRAIN=${N_TRAIN:-32000}
 N_TEST=${N_TEST:-256}
-TIMING_STEPS=${TIMING_STEPS:-25}
+TIMING_STEPS=${TIMING_STEPS:-20}
 TIMING_AFTER=${TIMING_AFTER:-}
 TIMING_WAIT_S=${TIMING_WAIT_S:-600}
 DEVICE=${DEVICE:-cuda}
@@ -57,7 +73,7 @@ phases() {
   cd "$R"
   ph() { echo "$(date +%T) $*" >> "$RES/phases.log"; }
   ph "start METHODS=$METHODS head=${SEQLEN_HEAD}x${D_HEAD} seeds=[$SEEDS_HEAD] trend=[$TREND_LENS]x$D_TREND" \
-     "budget ${BUDGET_S}s/${TREND_BUDGET_S}s steps $STEPS batch $BATCH"
+     "steps $STEPS batch $BATCH (step-matched; time caps ${TIME_CAP_S}s/${TREND_TIME_CAP_S}s per seed)"
   rm -rf "$STORE/site" "$STORE/build.done" "$STORE/build.failed"
   mkdir -p "$STORE/site"
   [ "$BUILD" = 1 ] || touch "$STORE/build.done"
@@ -74,21 +90,22 @@ phases() {
     sleep 2
   done
   ph "build done"
-  ph "nsa check"
-  python3 -m pytest -q -p no:cacheprovider "$A/tests/test_ar_methods.py" -k nsa > "$RES/nsa_check.log" 2>&1 \
-    || ph "nsa check failed (see nsa_check.log)"
+  ph "gpu check"
+  python3 -m pytest -q -p no:cacheprovider "$A/tests/test_ar_methods.py" -k on_gpu > "$RES/gpu_check.log" 2>&1 \
+    || ph "gpu check failed (see gpu_check.log)"
   # shellcheck disable=SC2206
   task=($TASK_ARGS)
-  common=(--steps "$STEPS" --batch "$BATCH" --lr "$LR" --n-train "$N_TRAIN" --n-test "$N_TEST" --device "$DEVICE" "${task[@]}")
-  # cells PHASE BUDGET SEEDS "LEN:D ..." : every method of every (LEN, D), PAR at a time
+  common=(--steps "$STEPS" --batch "$BATCH" --warmup "$WARMUP" --lr "$LR" --n-train "$N_TRAIN" --n-test "$N_TEST"
+          --device "$DEVICE" "${task[@]}")
+  # cells PHASE CAP SEEDS "LEN:D ..." : every method of every (LEN, D), PAR at a time
   cells() {
-    local phase=$1 budget=$2 seeds=$3 shapes=$4 pids=() n d m
+    local phase=$1 cap=$2 seeds=$3 shapes=$4 pids=() n d m
     ph "$phase"
     for nd in $shapes; do
       n=${nd%%:*} d=${nd##*:}
       for m in $METHODS; do
         # shellcheck disable=SC2086
-        python3 "$A/ar_train.py" train --seqlen "$n" --d-model "$d" --method "$m" --seeds $seeds --budget-s "$budget" \
+        python3 "$A/ar_train.py" train --seqlen "$n" --d-model "$d" --method "$m" --seeds $seeds --time-cap-s "$cap" \
           "${common[@]}" --out "$RES/cells/${n}_${d}_${m}.json" > "$RES/logs/${phase}_${n}_${d}_${m}.log" 2>&1 &
         pids+=($!)
         if [ ${#pids[@]} -ge "$PAR" ]; then
@@ -99,15 +116,15 @@ phases() {
     done
     for p in "${pids[@]}"; do wait "$p" || ph "a $phase cell failed (pid $p)"; done
   }
-  cells head "$BUDGET_S" "$SEEDS_HEAD" "$SEQLEN_HEAD:$D_HEAD"
+  cells head "$TIME_CAP_S" "$SEEDS_HEAD" "$SEQLEN_HEAD:$D_HEAD"
   trend=""
   for n in $TREND_LENS; do trend="$trend $n:$D_TREND"; done
-  [ -n "$trend" ] && cells trend "$TREND_BUDGET_S" "$SEEDS_TREND" "$trend"
+  [ -n "$trend" ] && cells trend "$TREND_TIME_CAP_S" "$SEEDS_TREND" "$trend"
   grid=""
   for n in $GRID_LENS; do for d in $GRID_DS; do
     [ -f "$RES/cells/${n}_${d}_full.json" ] || grid="$grid $n:$d"
   done; done
-  [ -n "$grid" ] && cells grid "$TREND_BUDGET_S" "$SEEDS_TREND" "$grid"
+  [ -n "$grid" ] && cells grid "$TREND_TIME_CAP_S" "$SEEDS_TREND" "$grid"
   if [ -n "$TIMING_AFTER" ]; then
     for _ in $(seq "$TIMING_WAIT_S"); do [ -e "$TIMING_AFTER" ] && break; sleep 1; done
     ph "timing after $TIMING_AFTER: $([ -e "$TIMING_AFTER" ] && echo present || echo "absent after ${TIMING_WAIT_S} s")"
@@ -115,7 +132,8 @@ phases() {
   ph "timing"
   for m in $METHODS; do
     python3 "$A/ar_train.py" train --seqlen "$SEQLEN_HEAD" --d-model "$D_HEAD" --method "$m" --seeds 0 \
-      --steps "$TIMING_STEPS" --batch "$BATCH" --lr "$LR" --n-train "$N_TRAIN" --n-test 16 --device "$DEVICE" "${task[@]}" \
+      --steps "$TIMING_STEPS" --batch "$BATCH" --warmup "$WARMUP" --lr "$LR" --n-train "$N_TRAIN" --n-test 16 \
+      --device "$DEVICE" "${task[@]}" \
       --out "$RES/timing/${SEQLEN_HEAD}_${D_HEAD}_${m}.json" > "$RES/logs/timing_${m}.log" 2>&1 || ph "timing $m failed"
   done
   ph "collect"
@@ -130,7 +148,8 @@ start)
   cp -r . "$STORE/repo/"
   export -f phases
   export STORE METHODS SEQLEN_HEAD D_HEAD SEEDS_HEAD TREND_LENS D_TREND SEEDS_TREND GRID_LENS GRID_DS PAR STEPS \
-    BUDGET_S TREND_BUDGET_S BATCH LR N_TRAIN N_TEST TIMING_STEPS TIMING_AFTER TIMING_WAIT_S DEVICE BUILD TASK_ARGS RES
+    BATCH WARMUP LR TIME_CAP_S TREND_TIME_CAP_S N_TRAIN N_TEST TIMING_STEPS TIMING_AFTER TIMING_WAIT_S DEVICE BUILD \
+    TASK_ARGS RES
   setsid nohup bash -c phases > "$STORE/phases.out" 2>&1 < /dev/null &
   echo "gpu_run: started (log $RES/phases.log)"
   ;;

@@ -1,6 +1,7 @@
 """CPU smoke tests of the study's loop (lab/ar/ar_train.py): dense attention learns a tiny MQAR
-well above chance, every method trains a few steps and writes its cell, cells collect into the
-summary, and the bootstrap interval behaves."""
+well above chance, every method trains a few steps and writes its cell, training is step-matched
+(the time cap only stops and flags), cells collect into the summary, and the bootstrap interval
+behaves."""
 
 import json
 import os
@@ -52,7 +53,8 @@ def test_every_method_runs(tmp_path, method):
     cell = _train(tmp_path, method, 3, "--skip-steps", "1", "--seeds", "0", "1")
     assert cell["seeds"] == [0, 1] and len(cell["runs"]) == 2
     assert 0.0 <= cell["accuracy"] <= 1.0 and cell["step_ms"] > 0
-    assert all(r["steps"] == 3 and np.isfinite(r["final_loss"]) for r in cell["runs"])
+    assert all(r["steps_done"] == 3 and np.isfinite(r["final_loss"]) for r in cell["runs"])
+    assert cell["steps"] == 3 and cell["steps_done"] == [3, 3] and cell["hit_time_cap"] is False
     if method == "mala":
         assert cell["runs"][0]["train_mean_bwd_slots"] > 0
     else:
@@ -66,9 +68,10 @@ def test_nsa_cell_is_skipped_with_reason_and_collect(tmp_path):
     out = tmp_path / "summary" / "ar.json"  # outside the cells folder
     doc = ar_train.run_collect(ar_train.parser().parse_args(["collect", "--cells", str(tmp_path), "--out", str(out)]))
     assert [c["method"] for c in doc["cells"]] == ["swa", "nsa"]
-    assert doc["device"] == "cpu" and doc["setup"]["task"]["n_kv"] == 4
+    assert doc["device"] == "cpu" and doc["setup"]["task"]["n_kv"] == 4 and doc["stopped_early"] == []
     for c in doc["cells"]:
-        assert {"seqlen", "d_model", "method", "accuracy", "ci95", "seeds", "mean_slots", "step_ms"} <= set(c)
+        assert {"seqlen", "d_model", "method", "accuracy", "ci95", "seeds", "mean_slots", "step_ms", "steps",
+                "steps_done", "hit_time_cap"} <= set(c)
     assert json.loads(out.read_text()) == doc
     # Timing cells run alone replace the concurrent runs' step times.
     tdir = tmp_path / "timing"
@@ -98,8 +101,24 @@ def test_bootstrap_ci95():
 def test_schedule():
     assert ar_train.lr_at(0, 100, 1.0, 10) == pytest.approx(0.1)
     assert ar_train.lr_at(10, 100, 1.0, 10) == pytest.approx(1.0)
+    assert ar_train.lr_at(55, 100, 1.0, 10) == pytest.approx(0.5)
     assert ar_train.lr_at(99, 100, 1.0, 10) < 0.01
-    assert ar_train.lr_at(20, 100, 1.0, 10, progress=0.999) < 0.01  # the time budget ends it first
+
+
+def test_step_matched_and_the_time_cap(tmp_path):
+    from ar_model import ARModel
+
+    # A seed gives every method the same batches and the same initial shared weights.
+    a, b = (dict(ARModel(32, 32, m, seed=4).named_parameters()) for m in ("full", "dsa"))
+    assert set(a) < set(b) and all(torch.equal(a[n], b[n]) for n in a)
+    assert not torch.equal(a["emb.weight"], dict(ARModel(32, 32, "full", seed=5).named_parameters())["emb.weight"])
+    # The cap stops training, and the cell and the summary say so.
+    cell = _train(tmp_path, "swa", 50, "--time-cap-s", "1e-9")
+    assert cell["hit_time_cap"] is True and cell["steps_done"] == [0] and cell["steps"] == 50
+    assert cell["accuracy"] is not None  # still evaluated, but flagged
+    out = tmp_path / "summary" / "ar.json"
+    doc = ar_train.run_collect(ar_train.parser().parse_args(["collect", "--cells", str(tmp_path), "--out", str(out)]))
+    assert doc["stopped_early"] == ["32x32 swa: steps [0] of 50"]
 
 
 def test_report_tables():
@@ -119,3 +138,8 @@ def test_report_tables():
     assert "| full |  | 4096 / 30 |" in text
     # full comes before mala in the method order
     assert text.index("| full |") < text.index("| mala |")
+    # A cell that stopped at the time cap is marked and listed.
+    doc["cells"][1].update(hit_time_cap=True, steps_done=[120], steps=300)
+    text = ar_report.tables(doc)
+    assert "| full |  | 50.00% [40.00%, 60.00%] (1) * |" in text
+    assert "\\* stopped at the time cap, not step-matched: full at 8,192: steps [120] of 300" in text
