@@ -11,6 +11,11 @@
 // With the forward's tile mask (kFwdMask), a tile none of whose forward tiles was retained is
 // skipped before S^T: no Q or dO load, no vote (the offline test would skip it: spec.md).
 // After the last tile: dK and dV from registers (bwd/sm90_epilogue.cuh).
+// The tile's arithmetic steps (S^T and dP^T, P^T, dS^T, the packing, the dS^T store, the dV, dQ and
+// dK products) are functions below.  The decision and the rings' bookkeeping stay in the step lambda
+// over bwd_sm90_consume's locals, as in the forward's consumers (fwd/sm90_consumer.cuh): moving the
+// retained tile's work into a lambda of its own, or the prefetched tile's test and vote, changed the
+// SASS of the d = 64 skipping instances (by a register swap for the vote alone).
 #pragma once
 
 #include <stddef.h>
@@ -26,6 +31,101 @@
 
 namespace mala {
 namespace cuda {
+
+// The steps of a retained tile, on this thread's fragments of the warpgroup's m64 accumulators.
+// Entry 4n + 2hh + c of S^T, dP^T, P^T, dS^T (64 keys x 64 query rows): key krow + 8hh, query row
+// 8n + 2tig + c of the tile; lse_t, dsum_t: the tile's rows' scalars in their slots.
+
+// acc (warpgroup wg's 64 keys x the tile's 64 rows) = X_wg Y^T over d, X = K or V (at sX), Y = Q or
+// dO (at sY): S^T or dP^T; committed.
+template <typename T, int D, typename KTile, typename QTile>
+__device__ __forceinline__ void bwd_sm90_keys_x_rows(float (&acc)[32], const uint32_t& sX, const uint32_t& sY,
+                                                     const int& wg) {
+#pragma unroll
+  for (int e = 0; e < 32; ++e) acc[e] = 0.f;
+  wgmma_fence();
+  wgmma_ss_kmajor<64, D, T>(acc, sX + 64 * wg * 128, KTile::kBlockBytes, sY, QTile::kBlockBytes);
+  wgmma_commit();
+}
+
+// P^T = exp2(S^T * scale - lse), in place (S^T raw, masked entries -inf).
+__device__ __forceinline__ void bwd_sm90_probs(float (&s)[32], const float* const& lse_t, const float& scale_log2,
+                                               const int& tig) {
+#pragma unroll
+  for (int n = 0; n < 8; ++n)
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      const float l2 = lse_t[n * 8 + 2 * tig + c];
+      s[4 * n + c] = exp2f(s[4 * n + c] * scale_log2 - l2);
+      s[4 * n + 2 + c] = exp2f(s[4 * n + 2 + c] * scale_log2 - l2);
+    }
+}
+
+// dS^T = P^T (dP^T - D), in place of dP^T.
+__device__ __forceinline__ void bwd_sm90_dscores(float (&dp)[32], const float (&s)[32], const float* const& dsum_t,
+                                                 const int& tig) {
+#pragma unroll
+  for (int n = 0; n < 8; ++n)
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      const float dd = dsum_t[n * 8 + 2 * tig + c];
+      dp[4 * n + c] = s[4 * n + c] * (dp[4 * n + c] - dd);
+      dp[4 * n + 2 + c] = s[4 * n + 2 + c] * (dp[4 * n + 2 + c] - dd);
+    }
+}
+
+// P^T and dS^T packed into wgmma A fragments (T), one per 16 query rows: the operands of dV and dK.
+template <typename T>
+__device__ __forceinline__ void bwd_sm90_pack(const float (&s)[32], const float (&dp)[32], uint32_t (&pa)[4][4],
+                                              uint32_t (&da)[4][4]) {
+#pragma unroll
+  for (int kq = 0; kq < 4; ++kq)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      pa[kq][i] = pack2<T>(s[8 * kq + 2 * i], s[8 * kq + 2 * i + 1]);
+      da[kq][i] = pack2<T>(dp[8 * kq + 2 * i], dp[8 * kq + 2 * i + 1]);
+    }
+}
+
+// dS^T (packed) -> the dS^T tile in shared memory at dsb, for dQ = dS K.
+template <typename STile>
+__device__ __forceinline__ void bwd_sm90_store_ds(unsigned char* const& dsb, const uint32_t (&da)[4][4],
+                                                  const int& krow, const int& tig) {
+#pragma unroll
+  for (int kq = 0; kq < 4; ++kq) {
+    const int c = kq * 16 + 2 * tig;
+    *reinterpret_cast<uint32_t*>(dsb + STile::offset(krow, c)) = da[kq][0];
+    *reinterpret_cast<uint32_t*>(dsb + STile::offset(krow + 8, c)) = da[kq][1];
+    *reinterpret_cast<uint32_t*>(dsb + STile::offset(krow, c + 8)) = da[kq][2];
+    *reinterpret_cast<uint32_t*>(dsb + STile::offset(krow + 8, c + 8)) = da[kq][3];
+  }
+}
+
+// acc (m64nD, this warpgroup's keys) += A^T Y, A: P^T or dS^T from registers, Y: the tile's dO or Q
+// (at sY, QTile's layout); issued, not committed.  dV += P^T dO and dK += dS^T Q.
+template <typename T, int D, typename QTile>
+__device__ __forceinline__ void bwd_sm90_issue_rows_x_d(float (&acc)[D / 2], const uint32_t (&a)[4][4],
+                                                        const uint32_t& sY) {
+#pragma unroll
+  for (int kq = 0; kq < 4; ++kq)
+    WgmmaRS<D, 1, T>::run(acc, a[kq], wgmma_desc(sY + kq * 2048, QTile::kBlockBytes, 1024));
+}
+
+// dQ (m64 x D/2: all 64 rows, dims dq_col0..) = dS K over the tile's 128 keys, both warpgroups'
+// dS^T from the tile at sDS; issued, not committed.
+template <typename T, int D, int BK, typename STile, typename KTile>
+__device__ __forceinline__ void bwd_sm90_issue_dq(float (&dq)[D / 4], const uint32_t& sDS, const uint32_t& sK,
+                                                  const int& dq_col0) {
+  constexpr int kDqCols = D / 2;
+#pragma unroll
+  for (int kk = 0; kk < BK / 16; ++kk) {
+    const uint32_t krow_off = kk * 16 * 128;
+    const uint64_t a = wgmma_desc(sDS + krow_off, STile::kBlockBytes, 1024);
+    const uint64_t b = wgmma_desc(sK + (dq_col0 / 64) * KTile::kBlockBytes + (dq_col0 % 64) * 2 + krow_off,
+                                  KTile::kBlockBytes, 1024);
+    WgmmaSS<kDqCols, 1, 1, T>::run(dq, a, b);
+  }
+}
 
 // A consumer thread's whole run (tid: its thread in the CTA, >= 128): who it is, dK = dV = 0, every
 // tile of the CTA in the visiting order, the dQ writer's stop, dK and dV.  The template flags are
@@ -81,14 +181,6 @@ __device__ __forceinline__ void bwd_sm90_consume(
     __syncwarp();
     if (lane == 0) mbar_arrive(mb_dq_full);
     ++n_posts;
-  };
-  // acc (this warpgroup's 64 keys x 64 rows) = X_g Y^T over d, X = K or V, Y = Q or dO; committed.
-  auto keys_x_rows = [&](float(&acc)[32], uint32_t sX, uint32_t sY) {
-#pragma unroll
-    for (int e = 0; e < 32; ++e) acc[e] = 0.f;
-    wgmma_fence();
-    wgmma_ss_kmajor<64, D, T>(acc, sX + 64 * wg * 128, KTile::kBlockBytes, sY, QTile::kBlockBytes);
-    wgmma_commit();
   };
   // Masked entries of S^T -> -inf (tiles that cross the diagonal or an end).  Entry 4n + 2hh + c: key
   // krow + 8hh, query row q0 + 8n + 2tig + c.  The scores stay raw: the test takes them raw.
@@ -162,10 +254,10 @@ __device__ __forceinline__ void bwd_sm90_consume(
     // The bounds of this thread's first two query rows, for the retained-tile shortcut below.
     float2 early_bound = make_float2(0.f, 0.f);
     if (!kDense && dp_early) early_bound = make_float2(bound_t[2 * tig], bound_t[2 * tig + 1]);
-    keys_x_rows(s, sK, sQ + qs * QTile::kBytes);
+    bwd_sm90_keys_x_rows<T, D, KTile, QTile>(s, sK, sQ + qs * QTile::kBytes, wg);
     if constexpr (dp_early) {
       mbar_wait<true>(doring.full(ring_t & 1), bwd_ws_parity(ring_t >> 1));
-      keys_x_rows(dp, sV, sDO + (ring_t & 1) * QTile::kBytes);
+      bwd_sm90_keys_x_rows<T, D, KTile, QTile>(dp, sV, sDO + (ring_t & 1) * QTile::kBytes, wg);
       release_pending_do();
       wgmma_wait<1>();
       wgmma_fence_operands(s);
@@ -210,7 +302,7 @@ __device__ __forceinline__ void bwd_sm90_consume(
       retain_1 = true;
       release_pending_do();
       mbar_wait<true>(doring.full(ring_t & 1), bwd_ws_parity(ring_t >> 1));
-      keys_x_rows(dp, sV, sDO + (ring_t & 1) * QTile::kBytes);
+      bwd_sm90_keys_x_rows<T, D, KTile, QTile>(dp, sV, sDO + (ring_t & 1) * QTile::kBytes, wg);
     }
     // Retained tile t.  Its dS^T goes into the one buffer once the other warpgroup's dQ products of
     // the last retained tile have read it: both warpgroups post to the writer only after those, so
@@ -222,50 +314,21 @@ __device__ __forceinline__ void bwd_sm90_consume(
     const float* unit_t = reinterpret_cast<const float*>(smem + offsetof(Sm, unit)) + qs * C::kVecStride + vec0;
     // P = exp2(S - lse) while dP^T is computed.
     const float* lse_t = lse_s + qs * C::kVecStride + vec0;
-#pragma unroll
-    for (int n = 0; n < 8; ++n)
-#pragma unroll
-      for (int c = 0; c < 2; ++c) {
-        const float l2 = lse_t[n * 8 + 2 * tig + c];
-        s[4 * n + c] = exp2f(s[4 * n + c] * p.scale_log2 - l2);
-        s[4 * n + 2 + c] = exp2f(s[4 * n + 2 + c] * p.scale_log2 - l2);
-      }
+    bwd_sm90_probs(s, lse_t, p.scale_log2, tig);
     wgmma_wait<0>();
     wgmma_fence_operands(dp);
     const float* dsum_t = dsum_s + ds * C::kVecStride + vec0;
-#pragma unroll
-    for (int n = 0; n < 8; ++n)
-#pragma unroll
-      for (int c = 0; c < 2; ++c) {
-        const float dd = dsum_t[n * 8 + 2 * tig + c];
-        dp[4 * n + c] = s[4 * n + c] * (dp[4 * n + c] - dd);
-        dp[4 * n + 2 + c] = s[4 * n + 2 + c] * (dp[4 * n + 2 + c] - dd);
-      }
+    bwd_sm90_dscores(dp, s, dsum_t, tig);
     uint32_t pa[4][4], da[4][4];
-#pragma unroll
-    for (int kq = 0; kq < 4; ++kq)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        pa[kq][i] = pack2<T>(s[8 * kq + 2 * i], s[8 * kq + 2 * i + 1]);
-        da[kq][i] = pack2<T>(dp[8 * kq + 2 * i], dp[8 * kq + 2 * i + 1]);
-      }
+    bwd_sm90_pack<T>(s, dp, pa, da);
     // dS^T -> shared memory for dQ (the buffer is free: the wait at the top of the tile).
     unsigned char* dsb = smem + offsetof(Sm, ds);
-#pragma unroll
-    for (int kq = 0; kq < 4; ++kq) {
-      const int c = kq * 16 + 2 * tig;
-      *reinterpret_cast<uint32_t*>(dsb + STile::offset(krow, c)) = da[kq][0];
-      *reinterpret_cast<uint32_t*>(dsb + STile::offset(krow + 8, c)) = da[kq][1];
-      *reinterpret_cast<uint32_t*>(dsb + STile::offset(krow, c + 8)) = da[kq][2];
-      *reinterpret_cast<uint32_t*>(dsb + STile::offset(krow + 8, c + 8)) = da[kq][3];
-    }
+    bwd_sm90_store_ds<STile>(dsb, da, krow, tig);
     fence_proxy_async_smem();
     // dV += P^T dO (while the warpgroups meet), then dQ, then dK += dS^T Q: dQ goes to the writer's
     // buffer while dK still runs (FlashAttention-3's order), instead of after it.
     wgmma_fence();
-#pragma unroll
-    for (int kq = 0; kq < 4; ++kq)
-      WgmmaRS<D, 1, T>::run(dv, pa[kq], wgmma_desc(sDOs + kq * 2048, QTile::kBlockBytes, 1024));
+    bwd_sm90_issue_rows_x_d<T, D, QTile>(dv, pa, sDOs);
     wgmma_commit();
     // dQ once both warpgroups' dS^T are in shared memory.
     named_barrier_sync(C::kBarDs, C::kConsumers);
@@ -273,18 +336,9 @@ __device__ __forceinline__ void bwd_sm90_consume(
 #pragma unroll
     for (int i = 0; i < kDqCols / 2; ++i) dq[i] = 0.f;
     wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < BK / 16; ++kk) {
-      const uint32_t krow_off = kk * 16 * 128;
-      const uint64_t a = wgmma_desc(sDS + krow_off, STile::kBlockBytes, 1024);
-      const uint64_t b = wgmma_desc(sK + (dq_col0 / 64) * KTile::kBlockBytes + (dq_col0 % 64) * 2 + krow_off,
-                                    KTile::kBlockBytes, 1024);
-      WgmmaSS<kDqCols, 1, 1, T>::run(dq, a, b);
-    }
+    bwd_sm90_issue_dq<T, D, BK, STile, KTile>(dq, sDS, sK, dq_col0);
     wgmma_commit();
-#pragma unroll
-    for (int kq = 0; kq < 4; ++kq)
-      WgmmaRS<D, 1, T>::run(dk, da[kq], wgmma_desc(sQs + kq * 2048, QTile::kBlockBytes, 1024));
+    bwd_sm90_issue_rows_x_d<T, D, QTile>(dk, da, sQs);
     wgmma_commit();
     wgmma_wait<1>();  // dV and dQ (groups complete in order): dO_t is free, dQ is ready
     wgmma_fence_operands(dv);
