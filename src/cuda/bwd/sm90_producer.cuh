@@ -7,7 +7,10 @@
 //     decided tile t, and only if they retain it.  The slot's full barrier completes once per tile
 //     either way (with no bytes when dO_t is not loaded), so every phase is static.
 // With kFwdMask both skip the tiles the forward's mask leaves unscored (is_scored), so their rings
-// count scored tiles only, as the consumers' do.
+// count scored tiles only, as the consumers' do.  Before refilling a slot each waits through
+// MbarRing::producer_wait at the RingPos of the new use (the slot, the use's parity), from counters
+// the loop steps itself: a RingPos stepped by advance (with a flag for the first pass) changed the
+// SASS of all six instances.
 // What the kernel computed comes by reference (the role functions of the forward say why:
 // fwd/sm90_consumer.cuh): q_row0, k_row0, map_b: the TMA coordinates of the sequence's row 0.
 #pragma once
@@ -45,7 +48,7 @@ __device__ __forceinline__ void bwd_sm90_load_q(const BwdParams& p, const BwdTma
   for (int t = 0, s = 0, use = 0; t < n_iter; ++t, x = w.next(x)) {
     if constexpr (kFwdMask)
       if (!is_scored(t)) continue;
-    if (use > 0) mbar_wait<true>(qring.empty(s), bwd_ws_parity(use - 1));
+    if (use > 0) qring.producer_wait(RingPos{s, bwd_ws_parity(use)});
     // Q, and lse and the bound of its rows (rows past the sequence read the next rows' finite
     // values: their scores are masked, so P is 0 and no bound is reached).
     if (lane == 0) {
@@ -90,7 +93,7 @@ __device__ __forceinline__ void bwd_sm90_load_do(const BwdParams& p, const BwdTm
       if (!is_scored(t)) continue;
     const int r = kFwdMask ? u++ : t;
     const int s = r & 1;
-    if (r >= 2) mbar_wait<true>(doring.empty(s), bwd_ws_parity((r >> 1) - 1));
+    if (r >= 2) doring.producer_wait(RingPos{s, bwd_ws_parity(r >> 1)});
     bool load = true;
     // Speculative when tile r - 2 was retained: its decision is out by the time its dO slot (this
     // one) comes back, so the load is not held up by tile r - 1's.
@@ -103,7 +106,7 @@ __device__ __forceinline__ void bwd_sm90_load_do(const BwdParams& p, const BwdTm
         tma_load_tile_boxes<BQ, D>(sDO + s * QTile::kBytes, &maps.dout, full, q_row0 + r0, h, map_b);
         tma_load_1d(sbase + offsetof(Sm, dsum) + s * C::kVecStride * 4, &maps.dsum, full, at & ~3);
       } else {
-        mbar_arrive(full);
+        doring.fill_empty(s);  // no dO: the phase completes without bytes
       }
     }
   }
