@@ -62,11 +62,11 @@ __global__ void __launch_bounds__(384, 1)
   using Sm = typename C::Storage;
   const uint32_t sK = sbase + offsetof(Sm, k), sV = sbase + offsetof(Sm, v), sQ = sbase + offsetof(Sm, q),
                  sDO = sbase + offsetof(Sm, dout), sDS = sbase + offsetof(Sm, ds), sDQ = sbase + offsetof(Sm, dq);
-  const uint32_t mb_kv = sbase + offsetof(Sm, mbar);
-  const MbarRing<NQS> qring = MbarRing<NQS>::at(mb_kv + 8);
-  const MbarRing<2> doring = MbarRing<2>::at(qring.empty0 + 8 * NQS);
-  const uint32_t mb_vote = doring.empty0 + 16, mb_dq_full = mb_vote + 32, mb_dq_empty = mb_dq_full + 8,
-                 mb_dec = mb_dq_empty + 8;
+  const uint32_t mb_kv = sbase + offsetof(Sm, kv_bar);
+  const MbarRing<NQS> qring = MbarRing<NQS>::at(sbase + offsetof(Sm, q_bar));
+  const MbarRing<2> doring = MbarRing<2>::at(sbase + offsetof(Sm, do_bar));
+  const uint32_t mb_vote = sbase + offsetof(Sm, vote_bar), mb_dq_full = sbase + offsetof(Sm, dq_full_bar),
+                 mb_dq_empty = sbase + offsetof(Sm, dq_empty_bar), mb_dec = sbase + offsetof(Sm, dec_bar);
   uint32_t* vote_w = reinterpret_cast<uint32_t*>(smem + offsetof(Sm, vote));
   volatile int* s_dec = reinterpret_cast<volatile int*>(smem + offsetof(Sm, dec));
   volatile int* s_dq_row = reinterpret_cast<volatile int*>(smem + offsetof(Sm, dq_row));

@@ -48,10 +48,16 @@ struct BwdWs {
     float bound[kQStages][kVecStride];
     float dsum[2][kVecStride];
     float unit[kDet ? kQStages : 0][kVecStride];  // kDet only (no bytes otherwise)
-    // kv_full, q_full[kQStages], q_empty[kQStages], do_full[2], do_empty[2], vote[4], dq_full,
-    // dq_empty, dec[8] (rounded up to 16 bytes)
-    uint64_t mbar[(19 + 2 * kQStages + 1) / 2 * 2];
-    uint32_t vote[4];  // tagged vote words
+    // The mbarriers: K's and V's (one, both loads' bytes); the Q and dO rings (full[], then empty[]:
+    // MbarRing::at); the CTA vote's ring (cta_vote_arrive); the dQ writer's buffer, full and empty;
+    // tile u's decision for the dO producer in dec_bar[u % 8].
+    uint64_t kv_bar;
+    uint64_t q_bar[2 * kQStages];
+    uint64_t do_bar[2 * 2];
+    uint64_t vote_bar[4];
+    uint64_t dq_full_bar, dq_empty_bar;
+    uint64_t dec_bar[8];
+    alignas(16) uint32_t vote[4];  // tagged vote words
     int dec[8];        // (u << 1) | retained, for the dO producer (the u-th scored tile in slot u % 8,
                        // published through mbarrier dec[u % 8])
     int dq_row[4];     // to the dQ writer: the tile's first accumulator row (-1: no more tiles)
@@ -64,6 +70,13 @@ struct BwdWs {
                     offsetof(Storage, dout) % 1024 == 0 && offsetof(Storage, ds) % 1024 == 0 &&
                     offsetof(Storage, dq) % 1024 == 0,
                 "BwdWs::Storage: swizzled tiles and dQ boxes at 1024-byte boundaries");
+  static_assert(offsetof(Storage, q_bar) == offsetof(Storage, kv_bar) + 8 &&
+                    offsetof(Storage, do_bar) == offsetof(Storage, q_bar) + 16 * kQStages &&
+                    offsetof(Storage, vote_bar) == offsetof(Storage, do_bar) + 32 &&
+                    offsetof(Storage, dq_full_bar) == offsetof(Storage, vote_bar) + 32 &&
+                    offsetof(Storage, dq_empty_bar) == offsetof(Storage, dq_full_bar) + 8 &&
+                    offsetof(Storage, dec_bar) == offsetof(Storage, dq_empty_bar) + 8,
+                "BwdWs::Storage: the mbarriers packed");
   static_assert(offsetof(Storage, lse) % 128 == 0 && (kVecStride * 4) % 128 == 0,
                 "BwdWs::Storage: TMA boxes of the scalars at 128-byte boundaries");
   static constexpr int kSmem = sizeof(Storage) + 1024;  // + the base's alignment
