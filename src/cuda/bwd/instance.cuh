@@ -4,7 +4,7 @@
 #pragma once
 
 #include "cuda/bwd/kernel_sm80.cuh"
-#include "cuda/bwd/kernel_sm90_ws.cuh"
+#include "cuda/bwd/sm90_kernel.cuh"
 #include "cuda/bwd/kernel_sm90_ws256.cuh"
 #include "cuda/bwd/launch.h"
 #include "cuda/core/arch.cuh"
@@ -12,7 +12,7 @@
 namespace mala {
 namespace cuda {
 
-// The warp-specialized kernels exist at d = 64 and 128 (kernel_sm90_ws.cuh) and 256
+// The warp-specialized kernels exist at d = 64 and 128 (sm90_kernel.cuh) and 256
 // (kernel_sm90_ws256.cuh).
 template <int D>
 constexpr bool bwd_has_wgmma() { return D == 64 || D == 128; }

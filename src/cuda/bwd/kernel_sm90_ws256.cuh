@@ -48,7 +48,7 @@ struct BwdWs256 {
   using KTile = GmmaTile<BK, D>;
   using QTile = GmmaTile<BQ, D>;
   using STile = GmmaTile<BK, BQ>;  // P^T, dS^T [key][query]
-  // Per-row scalars of a query tile by TMA, as in kernel_sm90_ws.cuh: kVec floats from the 16-byte
+  // Per-row scalars of a query tile by TMA, as in sm90_traits.cuh (BwdWs): kVec floats from the 16-byte
   // boundary at or before the tile's first row, kVecStride floats per slot.
   static constexpr int kVec = BQ + 4, kVecStride = 96;
   // The kernel's shared memory from a 1024-byte aligned base (swizzled tiles need it; every tile is

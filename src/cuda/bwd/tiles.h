@@ -10,7 +10,7 @@ namespace cuda {
 enum class BwdKernelKind {
   sm80,     // mma.sync (bwd/kernel_sm80.cuh): every device, every head dim; on sm_90 where the TMA
             // cannot describe the tensors
-  sm90_ws,  // warp-specialized wgmma + TMA: sm_90a, d = 64 and 128 (bwd/kernel_sm90_ws.cuh), d = 256
+  sm90_ws,  // warp-specialized wgmma + TMA: sm_90a, d = 64 and 128 (bwd/sm90_kernel.cuh), d = 256
             // (bwd/kernel_sm90_ws256.cuh, then the dQ kernel of bwd/dq_sm90_ws256.cuh)
 };
 
