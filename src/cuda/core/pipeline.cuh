@@ -88,5 +88,55 @@ struct MbarRing {
   __device__ __forceinline__ void consumer_release(const RingPos& r) const { mbar_arrive(empty(r.slot)); }
 };
 
+// A decision ring (the forward's V skip, fwd/sm90_kernel.cuh): publishers (consumer warps or
+// warpgroups) tell the producer per use whether some of them retains it.  N slots, each an mbarrier
+// that the P publishers arrive on once per use and a flag word of 8 bytes, byte i publisher i's
+// decision; no empty barriers: the kernel's ring proof says when a slot is free again.  Use u is
+// slot u % N with phase parity (u / N) & 1; its mbarrier is bar(u) = bar0 + 8 (u % N) and its word
+// flag(u) = flag0 + 8 (u % N), one offset for both.
+// The methods spell that arithmetic out instead of calling slot / parity / bar / flag, and compute
+// addresses before parities, as MbarRing's waits do: a nested helper (the publisher's offset through
+// offset()) reordered the kernel's PTX and changed the SASS of every tau > 0 instance at d = 128.
+template <int N, int P>
+struct DecisionRing {
+  static_assert(P == 2 || P == 8, "DecisionRing: the producer reads a word of 2 or 8 flag bytes");
+  static constexpr int kSlots = N, kPublishers = P;
+  uint32_t bar0, flag0;  // shared addresses of mbarrier[N] and flag[N][8]
+  __device__ __forceinline__ static uint32_t slot(uint32_t u) { return u % N; }
+  __device__ __forceinline__ static uint32_t parity(uint32_t u) { return (u / N) & 1u; }
+  __device__ __forceinline__ uint32_t bar(uint32_t u) const { return bar0 + 8 * (u % N); }
+  __device__ __forceinline__ uint32_t flag(uint32_t u) const { return flag0 + 8 * (u % N); }
+  // One thread, before the fence_mbarrier_init and the CTA barrier.
+  __device__ __forceinline__ void init() const {
+    for (int i = 0; i < N; ++i) mbar_init(bar0 + 8 * i, P);
+  }
+  // Publisher `index`, where `publisher` != 0: its decision for use u into its byte, then its
+  // arrival.  Predicated in PTX rather than branched around: a branch on a lane costs a BSSY/BSYNC
+  // pair.
+  __device__ __forceinline__ void publish(uint32_t u, uint32_t publisher, int index, bool retain) const {
+    const uint32_t off = u % N * 8;
+    asm volatile(
+        "{\n .reg .pred p;\n .reg .b64 st;\n setp.ne.u32 p, %0, 0;\n @p st.shared.u8 [%1], %2;\n"
+        " @p mbarrier.arrive.shared.b64 st, [%3];\n}\n" ::"r"(publisher),
+        "r"(flag0 + index + off), "r"(retain ? 1u : 0u), "r"(bar0 + off)
+        : "memory");
+  }
+  // Producer: whether every publisher's decision on use u is out, without waiting (acquire when it
+  // is); the wait for them.
+  __device__ __forceinline__ bool test(uint32_t u) const { return mbar_test(bar0 + u % N * 8, (u / N) & 1u); }
+  __device__ __forceinline__ void wait(uint32_t u) const { mbar_wait<true>(bar0 + u % N * 8, (u / N) & 1u); }
+  // Producer, once use u's decisions are out: whether some publisher retains it.  A C++ volatile
+  // load through smem0, the generic pointer of shared address 0 (the kernel's aligned base pointer
+  // minus its shared address): an inline-PTX ld.shared from flag(u) changed how ptxas addressed it
+  // and the producer's SASS.
+  __device__ __forceinline__ bool retained(const volatile unsigned char* smem0, uint32_t u) const {
+    const volatile unsigned char* f = smem0 + (flag0 + u % N * 8);
+    if constexpr (P == 8)
+      return *reinterpret_cast<const volatile uint64_t*>(f) != 0;
+    else
+      return *reinterpret_cast<const volatile uint16_t*>(f) != 0;
+  }
+};
+
 }  // namespace cuda
 }  // namespace mala

@@ -40,7 +40,9 @@ namespace cuda {
 // steps capture move the phi nodes of kr and vr, which changed the SASS of one instance.
 //   row_cta: the CTA's first row; top: its newest key tile; kring, vring: the K and V rings
 //   (k_mbar: the K ring's full0, see issue_s); sK0, sV0, sQ0: the rings' and the Q tiles' first
-//   slots; sbase, mb_dec: the shared base and the decision ring's mbarriers (publish).
+//   slots; sbase: the shared base, from which publish builds the decision ring (FwdK128::dec_ring):
+//   the ring itself by reference moved the phi nodes of kr and vr, which changed the SASS of one
+//   instance.
 template <typename T, int D, bool kDense, bool kSeeded, bool kRecord>
 __device__ __forceinline__ void fwd_sm90_consume(const FwdParams& p, const FwdSeq<T>& sq, const int& Nq,
                                                  const int& Nk, const int& b, const int& h, const int& tid,
@@ -48,12 +50,11 @@ __device__ __forceinline__ void fwd_sm90_consume(const FwdParams& p, const FwdSe
                                                  const MbarRing<FwdK128<D>::kStages>& kring,
                                                  const MbarRing<FwdK128<D>::kStages>& vring, const uint32_t& sK0,
                                                  const uint32_t& sV0, const uint32_t& sQ0, const uint32_t& sbase,
-                                                 const uint32_t& mb_dec, const uint32_t& k_mbar) {
+                                                 const uint32_t& k_mbar) {
   using C = FwdK128<D>;
-  constexpr int BK = C::BK, NT = BK / 8, DT = D / 8, KS = D / 16, NS = C::kStages, ND = C::kDecSlots;
+  constexpr int BK = C::BK, NT = BK / 8, DT = D / 8, KS = D / 16, NS = C::kStages;
   using QTile = typename C::QTile;
   using KVTile = typename C::KVTile;
-  using Sm = typename C::Storage;
   setmaxnreg_inc240();
   // The warp index through a shuffle, so that ptxas knows what derives from it to be warp-uniform.
   const int ctid = tid - 128, warp = __shfl_sync(0xffffffffu, ctid >> 5, 0), lane = ctid & 31, wg = warp >> 2,
@@ -103,18 +104,12 @@ __device__ __forceinline__ void fwd_sm90_consume(const FwdParams& p, const FwdSe
   RingPos kr{0, 0u}, vr{0, 0u};
   // tau > 0: whether this warp (kWarpVote: lane 0 of each warp) or this warpgroup (its thread 0)
   // runs tile t, for the producer, published once S(t) is decided and before V(t) is waited for.
-  // Predicated in PTX rather than branched around: a branch on lane == 0 costs a BSSY/BSYNC pair.
+  // A predicate of DecisionRing::publish's PTX, not a branch.
   const uint32_t publisher = lane == 0 && (C::kWarpVote || wl == 0);
   const int pub_index = C::kWarpVote ? warp : wg;
   auto publish = [&](int t, bool retain) {
-    if constexpr (!kDense && C::kVSkip) {
-      const uint32_t u8 = static_cast<uint32_t>(top - t) % ND * 8;
-      asm volatile(
-          "{\n .reg .pred p;\n .reg .b64 st;\n setp.ne.u32 p, %0, 0;\n @p st.shared.u8 [%1], %2;\n"
-          " @p mbarrier.arrive.shared.b64 st, [%3];\n}\n" ::"r"(publisher),
-          "r"(sbase + static_cast<uint32_t>(offsetof(Sm, dec_flag)) + pub_index + u8), "r"(retain ? 1u : 0u), "r"(mb_dec + u8)
-          : "memory");
-    }
+    if constexpr (!kDense && C::kVSkip)
+      C::dec_ring(sbase).publish(static_cast<uint32_t>(top - t), publisher, pub_index, retain);
   };
   for (int t = top; t > wg_hi; --t) {  // tiles this warpgroup's rows do not reach
     kring.consumer_wait(kr);

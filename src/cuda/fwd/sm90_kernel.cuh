@@ -13,10 +13,10 @@
 //     then K(t - 1) before V(t).  Dense, and d = 64 (FwdK128::kVSkip): V(t) always.  tau > 0: V(t)
 //     at once while the newest decision the consumers have published (read without waiting; each
 //     warp at d = 128, each warpgroup otherwise, publishes per tile whether it runs it, through a
-//     ring of 8 slots) says some ran; otherwise it waits for tile t's decisions and loads V(t) only
-//     where some warp runs it, else completes the slot's full barrier with a plain arrival (no
-//     bytes).  A producer that always waited for the decision was slower where every tile is kept:
-//     it stalled V behind every vote (docs/journal.md);
+//     ring of 8 slots: DecisionRing, core/pipeline.cuh) says some ran; otherwise it waits for tile
+//     t's decisions and loads V(t) only where some warp runs it, else completes the slot's full
+//     barrier with a plain arrival (no bytes).  A producer that always waited for the decision was
+//     slower where every tile is kept: it stalled V behind every vote (docs/journal.md);
 //   consumers (warpgroups 1 and 2, 240 registers; fwd/sm90_consumer.cuh): S = Q K^T, the test and
 //     the vote, the online softmax, O += P V;
 //   epilogue (the consumers; fwd/sm90_epilogue.cuh): O, lse, the slots, the dense instance's mask.
@@ -61,6 +61,7 @@ __global__ void __launch_bounds__(384, 1)
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   uint32_t sbase;
   unsigned char* const smem = smem_align_1024(smem_raw, sbase);
+  const volatile unsigned char* const smem0 = smem - sbase;  // shared address a is smem0 + a
   const int tid = threadIdx.x, b = blockIdx.z, h = blockIdx.y;
   const int qtile = longest_first_query_tile(p.causal);
   const FwdSeq<T> sq = fwd_seq<T>(p, b, h);
@@ -70,26 +71,22 @@ __global__ void __launch_bounds__(384, 1)
   const int n_tiles = sq.key_tiles(row_cta, BQ, BK, p.causal);
   const int top = n_tiles - 1;
   using Sm = typename C::Storage;
-  Sm& st = *reinterpret_cast<Sm*>(smem);
   const uint32_t sK0 = sbase + offsetof(Sm, k), sV0 = sbase + offsetof(Sm, v), sQ0 = sbase + offsetof(Sm, q);
   // The K ring's full and empty mbarriers, then the V ring's.
   const MbarRing<NS> kring = MbarRing<NS>::at(sbase + offsetof(Sm, mbar)),
                      vring = MbarRing<NS>::at(kring.empty0 + 8 * NS);
-  // tau > 0: use u's decision in slot u % kDecSlots, phase parity (u / kDecSlots) & 1; flags [slot][wg].
-  constexpr int ND = C::kDecSlots;
   // The K ring's base for the consumers' issue_s, which waits through MbarRing<NS>::at(k_mbar): a
   // step that captures the ring itself instead reorders the phi nodes of kr and vr in the PTX, which
   // reached ptxas's schedule in 7 of the 15 instances (the SROA order of the kernel's locals).
   const uint32_t k_mbar = kring.full0;
-  const uint32_t mb_dec = sbase + offsetof(Sm, dec);
-  volatile uint8_t* const s_dec = &st.dec_flag[0][0];
+  // tau > 0: the decision ring (core/pipeline.cuh); the consumers build it from sbase as well.
+  const typename C::DecRing dring = C::dec_ring(sbase);
   if (tid == 0) {
     for (int i = 0; i < NS; ++i) {
       kring.init_slot(i, 1, 8);  // the producer's arrival; one arrival per consumer warp
       vring.init_slot(i, 1, 8);
     }
-    if constexpr (!kDense && C::kVSkip)
-      for (int i = 0; i < C::kDecSlots; ++i) mbar_init(mb_dec + 8 * i, C::kPublishers);
+    if constexpr (!kDense && C::kVSkip) dring.init();
     fence_mbarrier_init();
   }
   __syncthreads();
@@ -118,34 +115,27 @@ __global__ void __launch_bounds__(384, 1)
         // Progress: a publisher publishes use i's decision after waiting only for K(<= i),
         // V(<= i - 1) and its warpgroup's other warps at a vote (on use i, or with kWarpVote on use
         // i - 1; above its first tile: after K(i), before V(i)), all issued before V(i) here.
-        // Ring (ND slots): use u's decision is published only once K(u) is full.  `seen` (the next
-        // decision to read) is > i - NS after V(i)'s empty wait (every consumer warp gives V(i - NS)
-        // back after its publisher published use i - NS's decision), and during step i no decision
-        // past use i + 1 can be out (K(i + 1) is the newest K issued): a slot read in step i (use
-        // >= i - NS) is not reused while ND >= NS + 2, and use u - ND's phase has completed before
-        // use u's is tested (parity waits are exact).  One publisher cannot arrive twice on a slot
-        // before every other arrived once: it publishes use u + ND after K(u + ND), issued after
-        // every consumer warp gave K(u + ND - NS) back, by which time each publisher had published
-        // use u (ND >= NS + 1).
-        // Use u's decision: slot u % ND, phase parity (u / ND) & 1; whether some publisher retains it.
-        auto dec_bar = [&](uint32_t u) { return mb_dec + 8 * (u % ND); };
-        auto dec_run = [&](uint32_t u) {
-          if constexpr (C::kWarpVote)
-            return *reinterpret_cast<volatile uint64_t*>(s_dec + 8 * (u % ND)) != 0;
-          else
-            return *reinterpret_cast<volatile uint16_t*>(s_dec + 8 * (u % ND)) != 0;
-        };
+        // Ring (dring, ND = C::kDecSlots slots, use u in slot u % ND): use u's decision is
+        // published only once K(u) is full.  `seen` (the next decision to read) is > i - NS after
+        // V(i)'s empty wait (every consumer warp gives V(i - NS) back after its publisher published
+        // use i - NS's decision), and during step i no decision past use i + 1 can be out
+        // (K(i + 1) is the newest K issued): a slot read in step i (use >= i - NS) is not reused
+        // while ND >= NS + 2, and use u - ND's phase has completed before use u's is tested (parity
+        // waits are exact).  One publisher cannot arrive twice on a slot before every other arrived
+        // once: it publishes use u + ND after K(u + ND), issued after every consumer warp gave
+        // K(u + ND - NS) back, by which time each publisher had published use u (ND >= NS + 1).
+        // dring.test(u): use u's decisions all out (acquire), without waiting; dring.wait(u);
+        // dring.retained(smem0, u): whether some publisher retains use u.
         uint32_t seen = 0;
         bool last = true;  // nothing decided yet: load
         for (int i = 0; i <= top; ++i) {
           if (i < top) load(sK0, &tmap_k, kring, i + 1);
           const RingPos r = RingPos::at<NS>(i);
           if (i >= NS) vring.producer_wait(r);
-          for (; seen <= static_cast<uint32_t>(i) && mbar_test(dec_bar(seen), (seen / ND) & 1u); ++seen)
-            last = dec_run(seen);
+          for (; seen <= static_cast<uint32_t>(i) && dring.test(seen); ++seen) last = dring.retained(smem0, seen);
           if (!last) {
-            mbar_wait<true>(dec_bar(i), (static_cast<uint32_t>(i) / ND) & 1u);
-            last = dec_run(i);
+            dring.wait(i);
+            last = dring.retained(smem0, i);
             seen = i + 1;
           }
           const uint32_t full = vring.full(r.slot);
@@ -158,7 +148,7 @@ __global__ void __launch_bounds__(384, 1)
     }
     return;
   }  fwd_sm90_consume<T, D, kDense, kSeeded, kRecord>(p, sq, Nq, Nk, b, h, tid, row_cta, top, kring, vring, sK0, sV0, sQ0,
-                                                   sbase, mb_dec, k_mbar);
+                                                   sbase, k_mbar);
 #endif
 }
 

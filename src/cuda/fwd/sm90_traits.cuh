@@ -6,6 +6,7 @@
 #include <stdint.h>
 #include <type_traits>
 
+#include "cuda/core/pipeline.cuh"
 #include "cuda/core/smem_tile.cuh"
 #include "cuda/fwd/tiles.h"
 
@@ -46,6 +47,7 @@ struct FwdK128 {
   static constexpr int kDecSlots = 8;  // a power of 2
   static constexpr int kPublishers = kWarpVote ? 8 : 2;
   static_assert(kDecSlots >= kStages + 2, "decision ring: a slot reused before the producer read it");
+  using DecRing = DecisionRing<kDecSlots, kPublishers>;  // core/pipeline.cuh
   // The kernel's shared memory from a 1024-byte aligned base (swizzled tiles need it; every tile is
   // a multiple of 1024 bytes, so each starts aligned, as the asserts below check).
   struct Storage {
@@ -59,6 +61,11 @@ struct FwdK128 {
   static_assert(offsetof(Storage, v) % 1024 == 0 && offsetof(Storage, q) % 1024 == 0 &&
                     QTile::kBytes % 1024 == 0,
                 "FwdK128::Storage: swizzled tiles at 1024-byte boundaries");
+  // The decision ring of the Storage at shared address sbase (the producer's and the consumers').
+  __device__ __forceinline__ static DecRing dec_ring(uint32_t sbase) {
+    return {sbase + static_cast<uint32_t>(offsetof(Storage, dec)),
+            sbase + static_cast<uint32_t>(offsetof(Storage, dec_flag))};
+  }
   // + the base's alignment; kSmem: no decision ring (dense, or no V skip)
   static constexpr int kSmem = offsetof(Storage, dec) + 1024, kSmemRing = sizeof(Storage) + 1024;
 };
