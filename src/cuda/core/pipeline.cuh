@@ -126,11 +126,10 @@ struct DecisionRing {
   __device__ __forceinline__ bool test(uint32_t u) const { return mbar_test(bar0 + u % N * 8, (u / N) & 1u); }
   __device__ __forceinline__ void wait(uint32_t u) const { mbar_wait<true>(bar0 + u % N * 8, (u / N) & 1u); }
   // Producer, once use u's decisions are out: whether some publisher retains it.  A C++ volatile
-  // load through smem0, the generic pointer of shared address 0 (the kernel's aligned base pointer
-  // minus its shared address): an inline-PTX ld.shared from flag(u) changed how ptxas addressed it
-  // and the producer's SASS.
-  __device__ __forceinline__ bool retained(const volatile unsigned char* smem0, uint32_t u) const {
-    const volatile unsigned char* f = smem0 + (flag0 + u % N * 8);
+  // load through `flags`, the generic pointer of the flag array (flag0's bytes): an inline-PTX
+  // ld.shared from flag(u) changed how ptxas addressed it and the producer's SASS.
+  __device__ __forceinline__ static bool retained(const volatile unsigned char* flags, uint32_t u) {
+    const volatile unsigned char* f = flags + u % N * 8;
     if constexpr (P == 8)
       return *reinterpret_cast<const volatile uint64_t*>(f) != 0;
     else

@@ -61,7 +61,8 @@ __global__ void __launch_bounds__(384, 1)
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   uint32_t sbase;
   unsigned char* const smem = smem_align_1024(smem_raw, sbase);
-  const volatile unsigned char* const smem0 = smem - sbase;  // shared address a is smem0 + a
+  // The decision ring's flag bytes, which the producer reads through DecisionRing::retained.
+  const volatile unsigned char* const s_flags = smem + offsetof(typename C::Storage, dec_flag);
   const int tid = threadIdx.x, b = blockIdx.z, h = blockIdx.y;
   const int qtile = longest_first_query_tile(p.causal);
   const FwdSeq<T> sq = fwd_seq<T>(p, b, h);
@@ -125,17 +126,17 @@ __global__ void __launch_bounds__(384, 1)
         // once: it publishes use u + ND after K(u + ND), issued after every consumer warp gave
         // K(u + ND - NS) back, by which time each publisher had published use u (ND >= NS + 1).
         // dring.test(u): use u's decisions all out (acquire), without waiting; dring.wait(u);
-        // dring.retained(smem0, u): whether some publisher retains use u.
+        // dring.retained(s_flags, u): whether some publisher retains use u.
         uint32_t seen = 0;
         bool last = true;  // nothing decided yet: load
         for (int i = 0; i <= top; ++i) {
           if (i < top) load(sK0, &tmap_k, kring, i + 1);
           const RingPos r = RingPos::at<NS>(i);
           if (i >= NS) vring.producer_wait(r);
-          for (; seen <= static_cast<uint32_t>(i) && dring.test(seen); ++seen) last = dring.retained(smem0, seen);
+          for (; seen <= static_cast<uint32_t>(i) && dring.test(seen); ++seen) last = dring.retained(s_flags, seen);
           if (!last) {
             dring.wait(i);
-            last = dring.retained(smem0, i);
+            last = dring.retained(s_flags, i);
             seen = i + 1;
           }
           const uint32_t full = vring.full(r.slot);
