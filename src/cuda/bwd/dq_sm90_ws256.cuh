@@ -44,12 +44,20 @@ struct BwdDq256 {
     unsigned char dout[2][QTile::kBytes];
     unsigned char k[kStages][KTile::kBytes];
     unsigned char v[kStages][KTile::kBytes];
-    uint64_t mbar[9];    // qdo_full, k_full[2], k_empty[2], v_full[2], v_empty[2]
+    // The mbarriers: Q's and dO's (one, all four loads' bytes); the K and V rings (full[], then
+    // empty[]: MbarRing::at).
+    uint64_t qdo_bar;
+    uint64_t k_bar[2 * kStages];
+    uint64_t v_bar[2 * kStages];
     int step[kStages];   // (step << 4) | decisions of the slot's step, or -1
   };
   static_assert(offsetof(Storage, dout) % 1024 == 0 && offsetof(Storage, k) % 1024 == 0 &&
                     offsetof(Storage, v) % 1024 == 0,
                 "BwdDq256::Storage: swizzled tiles at 1024-byte boundaries");
+  static_assert(offsetof(Storage, k_bar) == offsetof(Storage, qdo_bar) + 8 &&
+                    offsetof(Storage, v_bar) == offsetof(Storage, k_bar) + 16 * kStages &&
+                    offsetof(Storage, step) == offsetof(Storage, v_bar) + 16 * kStages,
+                "BwdDq256::Storage: the mbarriers packed");
   static constexpr int kSmem = sizeof(Storage) + 1024;  // + the base's alignment
 };
 
@@ -86,15 +94,16 @@ __global__ void __launch_bounds__(384, 1)
   Sm& st = *reinterpret_cast<Sm*>(smem);
   const uint32_t sQ = sbase + offsetof(Sm, q), sDO = sbase + offsetof(Sm, dout), sK = sbase + offsetof(Sm, k),
                  sV = sbase + offsetof(Sm, v);
-  const uint32_t mb_qdo = sbase + offsetof(Sm, mbar);
-  const MbarRing<NS> kring = MbarRing<NS>::at(mb_qdo + 8), vring = MbarRing<NS>::at(kring.empty0 + 8 * NS);
+  const uint32_t mb_qdo = sbase + offsetof(Sm, qdo_bar);
+  const MbarRing<NS> kring = MbarRing<NS>::at(sbase + offsetof(Sm, k_bar));
+  const MbarRing<NS> vring = MbarRing<NS>::at(sbase + offsetof(Sm, v_bar));
   if (tid == 0) {
     mbar_init(mb_qdo, 1);
+    // Slot by slot, both rings side by side (the order of the inits reaches the PTX): the producer's
+    // expect_tx arrival; one arrival per consumer warp.
     for (int i = 0; i < NS; ++i) {
-      mbar_init(kring.full(i), 1);
-      mbar_init(kring.empty(i), 8);  // one arrival per consumer warp
-      mbar_init(vring.full(i), 1);
-      mbar_init(vring.empty(i), 8);
+      kring.init_slot(i, 1, 8);
+      vring.init_slot(i, 1, 8);
     }
     fence_mbarrier_init();
   }

@@ -63,7 +63,12 @@ struct BwdWs256 {
     float lse[kStages][kVecStride];    // TMA boxes: 16-byte aligned
     float bound[kStages][kVecStride];
     float dsum[kStages][kVecStride];
-    uint64_t mbar[10];     // kv, q_full[2], q_empty[2], do_full[2], do_empty[2], st_free
+    // The mbarriers: K's and V's (one, both loads' bytes); the Q and dO rings (full[], then empty[]:
+    // MbarRing::at); the P^T / dS^T tiles free again (each consumer warp, once it has read a tile's).
+    uint64_t kv_bar;
+    uint64_t q_bar[2 * kStages];
+    uint64_t do_bar[2 * kStages];
+    uint64_t st_free_bar;
     uint32_t vote[2][8];   // each consumer warp's verdict, by tile parity
   };
   static_assert(offsetof(Storage, v) % 1024 == 0 && offsetof(Storage, q) % 1024 == 0 &&
@@ -73,6 +78,11 @@ struct BwdWs256 {
   static_assert(offsetof(Storage, lse) % 16 == 0 && offsetof(Storage, bound) % 16 == 0 &&
                     offsetof(Storage, dsum) % 16 == 0 && (kVecStride * 4) % 16 == 0,
                 "BwdWs256::Storage: TMA boxes at 16-byte boundaries");
+  static_assert(offsetof(Storage, q_bar) == offsetof(Storage, kv_bar) + 8 &&
+                    offsetof(Storage, do_bar) == offsetof(Storage, q_bar) + 16 * kStages &&
+                    offsetof(Storage, st_free_bar) == offsetof(Storage, do_bar) + 16 * kStages &&
+                    offsetof(Storage, vote) == offsetof(Storage, st_free_bar) + 8,
+                "BwdWs256::Storage: the mbarriers packed");
   static constexpr int kSmem = sizeof(Storage) + 1024;  // + the base's alignment
   static constexpr int kBarStored = 1, kConsumers = 256;
 };
@@ -99,16 +109,17 @@ __global__ void __launch_bounds__(384, 1)
   Sm& st = *reinterpret_cast<Sm*>(smem);
   const uint32_t sK = sbase + offsetof(Sm, k), sV = sbase + offsetof(Sm, v), sQ = sbase + offsetof(Sm, q),
                  sDO = sbase + offsetof(Sm, dout), sP = sbase + offsetof(Sm, p), sDS = sbase + offsetof(Sm, ds);
-  const uint32_t mb_kv = sbase + offsetof(Sm, mbar);
-  const MbarRing<NS> qring = MbarRing<NS>::at(mb_kv + 8), doring = MbarRing<NS>::at(qring.empty0 + 8 * NS);
-  const uint32_t mb_st_free = doring.empty0 + 8 * NS;
+  const uint32_t mb_kv = sbase + offsetof(Sm, kv_bar);
+  const MbarRing<NS> qring = MbarRing<NS>::at(sbase + offsetof(Sm, q_bar));
+  const MbarRing<NS> doring = MbarRing<NS>::at(sbase + offsetof(Sm, do_bar));
+  const uint32_t mb_st_free = sbase + offsetof(Sm, st_free_bar);
   if (tid == 0) {
     mbar_init(mb_kv, 2);  // K's and V's expect_tx arrivals
+    // Slot by slot, both rings side by side (the order of the inits reaches the PTX): the producer's
+    // expect_tx arrival; one arrival per consumer warp.
     for (int i = 0; i < NS; ++i) {
-      mbar_init(qring.full(i), 1);
-      mbar_init(qring.empty(i), 8);  // one arrival per consumer warp
-      mbar_init(doring.full(i), 1);
-      mbar_init(doring.empty(i), 8);
+      qring.init_slot(i, 1, 8);
+      doring.init_slot(i, 1, 8);
     }
     mbar_init(mb_st_free, 8);  // each consumer warp, once its reads of a tile's P^T and dS^T are done
     fence_mbarrier_init();
