@@ -134,7 +134,7 @@ __global__ void __launch_bounds__(384, 1)
       int u = 0;  // loaded steps so far: the rings' use count
       auto next_slot = [&]() {
         const int s = u & 1;
-        if (u >= NS) {
+        if (u >= NS) {  // by hand: producer_wait (the parity of the new use, flipped) changed the SASS
           mbar_wait<true>(kring.empty(s), parity((u >> 1) - 1));
           mbar_wait<true>(vring.empty(s), parity((u >> 1) - 1));
         }
@@ -192,14 +192,14 @@ __global__ void __launch_bounds__(384, 1)
   int pending_k = -1;  // the slot whose K goes back once its dQ product has completed
   for (int u = 0;; ++u) {
     const int ks = u & 1;
-    mbar_wait<true>(kring.full(ks), parity(u >> 1));
+    kring.consumer_wait(RingPos{ks, parity(u >> 1)});
     // Read by the lane that gives the slot back (so the read is ordered before that arrival).
     const int word = __shfl_sync(0xffffffffu, lane == 0 ? step_word[ks] : 0, 0);
     if (word < 0) break;
     const int t = word >> 4;
     const bool kept0 = (word >> (2 * wg)) & 1, kept1 = (word >> (2 * wg + 1)) & 1;
     const bool work = t < wg_steps && (kept0 || kept1);
-    mbar_wait<true>(vring.full(ks), parity(u >> 1));
+    vring.consumer_wait(RingPos{ks, parity(u >> 1)});
     if (work) {
 #pragma unroll
       for (int e = 0; e < 16; ++e) s[e] = dp[e] = 0.f;

@@ -141,7 +141,7 @@ __global__ void __launch_bounds__(384, 1)
       BwdWork::Tile x = w.tile(0);
       for (int t = 0; t < n_iter; ++t, x = w.next(x)) {
         const int s = t & 1;
-        if (t >= NS) mbar_wait<true>(qring.empty(s), parity((t >> 1) - 1));
+        if (t >= NS) qring.producer_wait(RingPos{s, parity(t >> 1)});
         const int at = vec_at(x);
         const uint32_t full = qring.full(s);
         mbar_arrive_expect_tx(full, QTile::kBytes + (kDense ? 1 : 2) * C::kVec * 4);
@@ -153,7 +153,7 @@ __global__ void __launch_bounds__(384, 1)
       BwdWork::Tile x = w.tile(0);
       for (int t = 0; t < n_iter; ++t, x = w.next(x)) {
         const int s = t & 1;
-        if (t >= NS) mbar_wait<true>(doring.empty(s), parity((t >> 1) - 1));
+        if (t >= NS) doring.producer_wait(RingPos{s, parity(t >> 1)});
         const uint32_t full = doring.full(s);
         mbar_arrive_expect_tx(full, QTile::kBytes + C::kVec * 4);
         tma_load_tile_boxes<BQ, D>(sDO + s * QTile::kBytes, &maps.dout, full, q_row0 + x.qi() * BQ, x.h(), map_b);
@@ -186,8 +186,10 @@ __global__ void __launch_bounds__(384, 1)
   // S^T(t) and dP^T(t) of this warpgroup's 32 rows, one group: X Y_g^T over d (X = K or V, Y = Q_t or dO_t).
   auto issue_s_dp = [&](int t) {
     const int qs = t & 1;
+    // The Q wait by hand (slot address, then parity): through consumer_wait it changed the skipping
+    // instances' SASS (core/pipeline.cuh's note on the parity computed first).
     mbar_wait<true>(qring.full(qs), parity(t >> 1));
-    mbar_wait<true>(doring.full(qs), parity(t >> 1));
+    doring.consumer_wait(RingPos{qs, parity(t >> 1)});
 #pragma unroll
     for (int e = 0; e < 16; ++e) s[e] = dp[e] = 0.f;
     // The zeros pinned before the first product: left free, ptxas sinks dP^T's behind S^T's wgmmas and
