@@ -1,5 +1,5 @@
 // dQ at head dim 256 on Hopper (wgmma + TMA), sm_90a: the query-major half of the d = 256 backward.
-// The key-major kernel (kernel_sm90_ws256.cuh) computes dK and dV and decides every tile; adding its
+// The key-major kernel (sm90_256_kernel.cuh) computes dK and dV and decides every tile; adding its
 // dQ partials into an fp32 accumulator took longer than all its other work (64 KB of L2 adds per
 // 64 x 64 tile).
 // This kernel recomputes S and dP per query tile instead and keeps dQ in registers: two GEMMs more
@@ -23,6 +23,7 @@
 #include <stddef.h>
 
 #include "cuda/bwd/common.cuh"
+#include "cuda/bwd/sm90_256_traits.cuh"
 #include "cuda/core/pipeline.cuh"
 #include "cuda/core/smem_tile.cuh"
 #include "cuda/core/tma.cuh"
@@ -31,35 +32,6 @@
 
 namespace mala {
 namespace cuda {
-
-struct BwdDq256 {
-  static constexpr int D = 256, BQ = 128, BKS = 32, BK = 64, BH = 32, kThreads = 384, kStages = 2;
-  static_assert(BwdConfig<256>::BQ == BH && BwdConfig<256>::BK == BK, "decision tile: 32 rows x 64 keys");
-  using QTile = GmmaTile<64, D>;   // a warpgroup's Q or dO rows
-  using KTile = GmmaTile<BKS, D>;  // a step's K or V
-  // The kernel's shared memory from a 1024-byte aligned base (swizzled tiles need it; every tile is
-  // a multiple of 1024 bytes, so each starts aligned, as the asserts below check).
-  struct Storage {
-    unsigned char q[2][QTile::kBytes];         // per warpgroup
-    unsigned char dout[2][QTile::kBytes];
-    unsigned char k[kStages][KTile::kBytes];
-    unsigned char v[kStages][KTile::kBytes];
-    // The mbarriers: Q's and dO's (one, all four loads' bytes); the K and V rings (full[], then
-    // empty[]: MbarRing::at).
-    uint64_t qdo_bar;
-    uint64_t k_bar[2 * kStages];
-    uint64_t v_bar[2 * kStages];
-    int step[kStages];   // (step << 4) | decisions of the slot's step, or -1
-  };
-  static_assert(offsetof(Storage, dout) % 1024 == 0 && offsetof(Storage, k) % 1024 == 0 &&
-                    offsetof(Storage, v) % 1024 == 0,
-                "BwdDq256::Storage: swizzled tiles at 1024-byte boundaries");
-  static_assert(offsetof(Storage, k_bar) == offsetof(Storage, qdo_bar) + 8 &&
-                    offsetof(Storage, v_bar) == offsetof(Storage, k_bar) + 16 * kStages &&
-                    offsetof(Storage, step) == offsetof(Storage, v_bar) + 16 * kStages,
-                "BwdDq256::Storage: the mbarriers packed");
-  static constexpr int kSmem = sizeof(Storage) + 1024;  // + the base's alignment
-};
 
 template <typename T, bool kDense>
 __global__ void __launch_bounds__(384, 1)
