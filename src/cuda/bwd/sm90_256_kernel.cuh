@@ -6,7 +6,7 @@
 //     of 64 rows ascending from the first legal one, each the two 32-row decision tiles of one CTA
 //     step.  dQ is not computed here: its partials, 64 KB of fp32 adds per 64 x 64 tile into an
 //     accumulator, took longer than all the rest of the kernel at the L2's reduction rate.
-//   query-major (bwd_dq_kernel_sm90_ws256, bwd/dq_sm90_ws256.cuh): dQ, reading the decisions from
+//   query-major (bwd_dq_kernel_sm90_ws256, bwd/sm90_256_dq_kernel.cuh): dQ, reading the decisions from
 //     the tile mask recorded here.
 //
 // The key-major kernel's three warpgroups (384 threads), by role:
@@ -39,7 +39,7 @@
 #include <stdint.h>
 
 #include "cuda/bwd/common.cuh"
-#include "cuda/bwd/dq_sm90_ws256.cuh"
+#include "cuda/bwd/sm90_256_dq_kernel.cuh"
 #include "cuda/bwd/sm90_256_producer.cuh"
 #include "cuda/bwd/sm90_256_traits.cuh"
 #include "cuda/bwd/sm90_traits.cuh"
