@@ -3,8 +3,8 @@
 //   sm_90 (sm_90a build), while the query tiles and heads fit the packed 16-bit tile words: the
 //     warp-specialized TMA kernels where the TMA can describe Q, dO, K, V and the dQ accumulator
 //     (varlen: when the call gives total_q and total_k): bwd/sm90_kernel.cuh at d = 64 and 128;
-//     at d = 256 kernel_sm90_ws256.cuh (dK, dV, the decisions into the tile mask) then
-//     dq_sm90_ws256.cuh (dQ straight into the output: no accumulator, no convert);
+//     at d = 256 sm90_256_kernel.cuh (dK, dV, the decisions into the tile mask) then
+//     sm90_256_dq_kernel.cuh (dQ straight into the output: no accumulator, no convert);
 //   everything else, and on sm_90 what the TMA cannot describe: the mma.sync kernel
 //     (bwd/kernel_sm80.cuh).
 // deterministic = true runs only on the warp-specialized kernels (an error elsewhere): at d = 64 and

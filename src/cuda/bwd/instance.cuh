@@ -5,7 +5,7 @@
 
 #include "cuda/bwd/kernel_sm80.cuh"
 #include "cuda/bwd/sm90_kernel.cuh"
-#include "cuda/bwd/kernel_sm90_ws256.cuh"
+#include "cuda/bwd/sm90_256_kernel.cuh"
 #include "cuda/bwd/launch.h"
 #include "cuda/core/arch.cuh"
 
@@ -13,7 +13,7 @@ namespace mala {
 namespace cuda {
 
 // The warp-specialized kernels exist at d = 64 and 128 (sm90_kernel.cuh) and 256
-// (kernel_sm90_ws256.cuh).
+// (sm90_256_kernel.cuh).
 template <int D>
 constexpr bool bwd_has_wgmma() { return D == 64 || D == 128; }
 

@@ -27,7 +27,7 @@ struct BwdParams {
   // Outputs written directly by the main kernel (dk/dv when heads_per_cta == group).
   void* dk;
   void* dv;
-  void* dq;  // d = 256 on Hopper: written by the dQ kernel (bwd/dq_sm90_ws256.cuh); else via dq_acc
+  void* dq;  // d = 256 on Hopper: written by the dQ kernel (bwd/sm90_256_dq_kernel.cuh); else via dq_acc
   int64_t dq_b, dq_r, dq_h;
   int64_t dk_b, dk_r, dk_h;
   int64_t dv_b, dv_r, dv_h;

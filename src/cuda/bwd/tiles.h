@@ -11,7 +11,7 @@ enum class BwdKernelKind {
   sm80,     // mma.sync (bwd/kernel_sm80.cuh): every device, every head dim; on sm_90 where the TMA
             // cannot describe the tensors
   sm90_ws,  // warp-specialized wgmma + TMA: sm_90a, d = 64 and 128 (bwd/sm90_kernel.cuh), d = 256
-            // (bwd/kernel_sm90_ws256.cuh, then the dQ kernel of bwd/dq_sm90_ws256.cuh)
+            // (bwd/sm90_256_kernel.cuh, then the dQ kernel of bwd/sm90_256_dq_kernel.cuh)
 };
 
 struct BwdTiles {

@@ -1,5 +1,5 @@
 // dQ at head dim 256 on Hopper (wgmma + TMA), sm_90a: the query-major half of the d = 256 backward.
-// The key-major kernel (kernel_sm90_ws256.cuh) computes dK and dV and decides every tile; adding its
+// The key-major kernel (sm90_256_kernel.cuh) computes dK and dV and decides every tile; adding its
 // dQ partials into an fp32 accumulator took longer than all its other work (64 KB of L2 adds per
 // 64 x 64 tile).
 // This kernel recomputes S and dP per query tile instead and keeps dQ in registers: two GEMMs more
@@ -8,7 +8,8 @@
 // tile mask it recorded (tau > 0), so both halves of the gradient skip exactly the same tiles.
 //
 // One CTA per (128 query rows, query head, sequence); three warpgroups:
-//   producer (warpgroup 0, 24 registers; one thread issues every TMA load): Q and dO of the CTA's rows
+//   producer (warpgroup 0, 24 registers; one thread issues every TMA load, bwd256_dq_load in
+//     bwd/sm90_256_producer.cuh; BwdDq256: bwd/sm90_256_traits.cuh): Q and dO of the CTA's rows
 //     once, then K_t and V_t of each 32-key step that one of the CTA's four decision tiles retains
 //     (read from the tile mask, 8 steps at a time) into rings of 2 slots (full / empty mbarriers),
 //     with the step and its four decisions in a word beside the slot; a word of -1 ends the loop.
@@ -23,6 +24,9 @@
 #include <stddef.h>
 
 #include "cuda/bwd/common.cuh"
+#include "cuda/bwd/sm90_256_producer.cuh"
+#include "cuda/bwd/sm90_256_traits.cuh"
+#include "cuda/bwd/sm90_traits.cuh"
 #include "cuda/core/pipeline.cuh"
 #include "cuda/core/smem_tile.cuh"
 #include "cuda/core/tma.cuh"
@@ -31,27 +35,6 @@
 
 namespace mala {
 namespace cuda {
-
-struct BwdDq256 {
-  static constexpr int D = 256, BQ = 128, BKS = 32, BK = 64, BH = 32, kThreads = 384, kStages = 2;
-  static_assert(BwdConfig<256>::BQ == BH && BwdConfig<256>::BK == BK, "decision tile: 32 rows x 64 keys");
-  using QTile = GmmaTile<64, D>;   // a warpgroup's Q or dO rows
-  using KTile = GmmaTile<BKS, D>;  // a step's K or V
-  // The kernel's shared memory from a 1024-byte aligned base (swizzled tiles need it; every tile is
-  // a multiple of 1024 bytes, so each starts aligned, as the asserts below check).
-  struct Storage {
-    unsigned char q[2][QTile::kBytes];         // per warpgroup
-    unsigned char dout[2][QTile::kBytes];
-    unsigned char k[kStages][KTile::kBytes];
-    unsigned char v[kStages][KTile::kBytes];
-    uint64_t mbar[9];    // qdo_full, k_full[2], k_empty[2], v_full[2], v_empty[2]
-    int step[kStages];   // (step << 4) | decisions of the slot's step, or -1
-  };
-  static_assert(offsetof(Storage, dout) % 1024 == 0 && offsetof(Storage, k) % 1024 == 0 &&
-                    offsetof(Storage, v) % 1024 == 0,
-                "BwdDq256::Storage: swizzled tiles at 1024-byte boundaries");
-  static constexpr int kSmem = sizeof(Storage) + 1024;  // + the base's alignment
-};
 
 template <typename T, bool kDense>
 __global__ void __launch_bounds__(384, 1)
@@ -86,73 +69,26 @@ __global__ void __launch_bounds__(384, 1)
   Sm& st = *reinterpret_cast<Sm*>(smem);
   const uint32_t sQ = sbase + offsetof(Sm, q), sDO = sbase + offsetof(Sm, dout), sK = sbase + offsetof(Sm, k),
                  sV = sbase + offsetof(Sm, v);
-  const uint32_t mb_qdo = sbase + offsetof(Sm, mbar);
-  const MbarRing<NS> kring = MbarRing<NS>::at(mb_qdo + 8), vring = MbarRing<NS>::at(kring.empty0 + 8 * NS);
+  const uint32_t mb_qdo = sbase + offsetof(Sm, qdo_bar);
+  const MbarRing<NS> kring = MbarRing<NS>::at(sbase + offsetof(Sm, k_bar));
+  const MbarRing<NS> vring = MbarRing<NS>::at(sbase + offsetof(Sm, v_bar));
   if (tid == 0) {
     mbar_init(mb_qdo, 1);
+    // Slot by slot, both rings side by side (the order of the inits reaches the PTX): the producer's
+    // expect_tx arrival; one arrival per consumer warp.
     for (int i = 0; i < NS; ++i) {
-      mbar_init(kring.full(i), 1);
-      mbar_init(kring.empty(i), 8);  // one arrival per consumer warp
-      mbar_init(vring.full(i), 1);
-      mbar_init(vring.empty(i), 8);
+      kring.init_slot(i, 1, 8);
+      vring.init_slot(i, 1, 8);
     }
     fence_mbarrier_init();
   }
   __syncthreads();
-  auto parity = [](int use) { return static_cast<uint32_t>(use) & 1u; };
 
   if (tid < 128) {
     setmaxnreg_dec24();
-    if (tid == 0) {
-      mbar_arrive_expect_tx(mb_qdo, 4 * QTile::kBytes);
-      for (int g = 0; g < 2; ++g) {
-        tma_load_tile_boxes<64, D>(sQ + g * QTile::kBytes, &maps.q, mb_qdo, q_map_row + row_cta + 64 * g, h, map_b);
-        tma_load_tile_boxes<64, D>(sDO + g * QTile::kBytes, &maps.dout, mb_qdo, q_map_row + row_cta + 64 * g, h, map_b);
-      }
-      // The CTA's four 32-row decision tiles (halves k = 0..3 of its rows; warpgroup g has 2g, 2g + 1)
-      // of 64-key tile j: bit k set when half k retains it (every bit at tau = 0).
-      const int i0 = row_cta / C::BH;
-      auto halves = [&](int j) -> uint32_t {
-        if (kDense) return 0xFu;
-        uint32_t bits = 0;
-        const uint8_t* m = p.tile_mask + ((static_cast<int64_t>(b) * p.heads_q + h) * p.n_q_tiles + i0) * p.n_k_tiles + j;
-#pragma unroll
-        for (int k = 0; k < 4; ++k)
-          if (i0 + k < p.n_q_tiles && m[static_cast<int64_t>(k) * p.n_k_tiles] == mala::kTileRetained) bits |= 1u << k;
-        return bits;
-      };
-      int* step_word = st.step;
-      int u = 0;  // loaded steps so far: the rings' use count
-      auto next_slot = [&]() {
-        const int s = u & 1;
-        if (u >= NS) {
-          mbar_wait<true>(kring.empty(s), parity((u >> 1) - 1));
-          mbar_wait<true>(vring.empty(s), parity((u >> 1) - 1));
-        }
-        return s;
-      };
-      constexpr int kAhead = 4;  // 64-key tiles whose decisions are read at once (their loads overlap)
-      for (int j0 = 0; 2 * j0 < n_steps; j0 += kAhead) {
-        uint32_t bits[kAhead];
-#pragma unroll
-        for (int jj = 0; jj < kAhead; ++jj) bits[jj] = 2 * (j0 + jj) < n_steps ? halves(j0 + jj) : 0u;
-#pragma unroll
-        for (int jj = 0; jj < kAhead; ++jj)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const int t = 2 * (j0 + jj) + e;
-            if (t >= n_steps || bits[jj] == 0u) continue;
-            const int s = next_slot();
-            step_word[s] = (t << 4) | static_cast<int>(bits[jj]);
-            tma_load_tile<BKS, D>(sK + s * KTile::kBytes, &maps.k32, kring.full(s), k_map_row + t * BKS, hk, map_b);
-            tma_load_tile<BKS, D>(sV + s * KTile::kBytes, &maps.v32, vring.full(s), k_map_row + t * BKS, hk, map_b);
-            ++u;
-          }
-      }
-      const int s = next_slot();
-      step_word[s] = -1;  // the end: a phase of the K slot's full barrier without bytes
-      kring.fill_empty(s);
-    }
+    if (tid == 0)
+      bwd256_dq_load<kDense>(p, maps, st, kring, vring, mb_qdo, sQ, sDO, sK, sV, h, b, hk, row_cta, n_steps,
+                             q_map_row, k_map_row, map_b);
     return;
   }
 
@@ -183,14 +119,14 @@ __global__ void __launch_bounds__(384, 1)
   int pending_k = -1;  // the slot whose K goes back once its dQ product has completed
   for (int u = 0;; ++u) {
     const int ks = u & 1;
-    mbar_wait<true>(kring.full(ks), parity(u >> 1));
+    kring.consumer_wait(RingPos{ks, bwd_ws_parity(u >> 1)});
     // Read by the lane that gives the slot back (so the read is ordered before that arrival).
     const int word = __shfl_sync(0xffffffffu, lane == 0 ? step_word[ks] : 0, 0);
     if (word < 0) break;
     const int t = word >> 4;
     const bool kept0 = (word >> (2 * wg)) & 1, kept1 = (word >> (2 * wg + 1)) & 1;
     const bool work = t < wg_steps && (kept0 || kept1);
-    mbar_wait<true>(vring.full(ks), parity(u >> 1));
+    vring.consumer_wait(RingPos{ks, bwd_ws_parity(u >> 1)});
     if (work) {
 #pragma unroll
       for (int e = 0; e < 16; ++e) s[e] = dp[e] = 0.f;

@@ -1,10 +1,23 @@
-// The warp-specialized backward on Hopper at head dim 256 (wgmma + TMA), sm_90a: the key-major half,
-// dK and dV, and every tile decision; dQ is the query-major kernel's (dq_sm90_ws256.cuh), which reads
-// the decisions from the tile mask recorded here.  The kernel for every tau whenever the TMA can
-// describe Q, dO, K, V (dispatch.cu).  Same decisions, tile mask, slots and gradients as the mma.sync
-// kernel (decision tile 32 query rows x 64 keys).  One CTA per (key tile of 64 keys, sequence, KV
-// head, head split), query tiles of 64 rows ascending from the first legal one, each the two 32-row
-// decision tiles of one CTA step.
+// The d = 256 backward on Hopper (wgmma + TMA), sm_90a: the kernels for every tau whenever the TMA
+// can describe Q, dO, K, V (dispatch.cu).  Two kernels:
+//   key-major (bwd_main_kernel_sm90_ws256): dK and dV, and every tile decision, into the tile mask.
+//     Same decisions, tile mask, slots and gradients as the mma.sync kernel (decision tile 32 query
+//     rows x 64 keys).  One CTA per (key tile of 64 keys, sequence, KV head, head split), query tiles
+//     of 64 rows ascending from the first legal one, each the two 32-row decision tiles of one CTA
+//     step.  dQ is not computed here: its partials, 64 KB of fp32 adds per 64 x 64 tile into an
+//     accumulator, took longer than all the rest of the kernel at the L2's reduction rate.
+//   query-major (bwd_dq_kernel_sm90_ws256, bwd/sm90_256_dq_kernel.cuh): dQ, reading the decisions from
+//     the tile mask recorded here.
+//
+// The key-major kernel's three warpgroups (384 threads), by role:
+//   shell (this file): shared memory (BwdWs256::Storage, bwd/sm90_256_traits.cuh), the mbarriers'
+//     init, the warp roles, the launcher of both kernels;
+//   producer (warpgroup 0, 24 registers; bwd/sm90_256_producer.cuh): warp 0 K and V once, then Q_t
+//     with its rows' lse and skip bound into a ring of 2 slots; warp 1 dO_t with D = rowsum(dO * O)
+//     into a ring of 2 slots (full / empty mbarriers: MbarRing, core/pipeline.cuh);
+//   consumers (warpgroups 1 and 2, 240 registers; this file, below): per tile S^T and dP^T by query
+//     rows, the test and the vote, P^T and dS^T into shared memory, dV and dK by head dims; after
+//     the last tile dK and dV into the outputs.
 //
 // At d = 256 a warpgroup cannot keep dK and dV of all 64 keys x 256 dims (256 registers a thread),
 // so the two consumer warpgroups split the work of a tile two ways:
@@ -13,69 +26,30 @@
 //                  stored (bf16) into one 64 x 64 tile each in shared memory;
 //   by head dims   dV[:, 128g..] += P^T dO[:, 128g..],  dK[:, 128g..] += dS^T Q[:, 128g..]
 //                  (m64n128k64, over the retained row halves only).
-// dQ is not computed here: its partials, 64 KB of fp32 adds per 64 x 64 tile into an accumulator,
-// took longer than all the rest of the kernel at the L2's reduction rate.
-// Three warpgroups (384 threads):
-//   producer (warpgroup 0, 24 registers): warp 0 K and V once, then Q_t with its rows' lse and skip
-//     bound into a ring of 2 slots; warp 1 dO_t with D = rowsum(dO * O) into a ring of 2 slots (every
-//     tile: S^T and dP^T are issued together, before the test).
-//   consumers (warpgroups 1 and 2, 240 registers), per tile t:
-//     wait S^T(t), dP^T(t);  mask, test: each warp's verdict into a word;  P^T, dS^T
-//     wait until both warpgroups have finished reading tile t - 1's P^T / dS^T (mbarrier), store
-//     barrier (both halves stored, both verdicts in): a half is retained iff one of its 4 warps blocks
-//     issue dV and dK;  then S^T(t + 1), dP^T(t + 1), so that the tensor cores hold the next tile's
-//     products while this tile's slots go back.
-//   A tile whose halves are both skipped issues no dV or dK work.
+// Per tile t:
+//   wait S^T(t), dP^T(t);  mask, test: each warp's verdict into a word;  P^T, dS^T
+//   wait until both warpgroups have finished reading tile t - 1's P^T / dS^T (mbarrier), store
+//   barrier (both halves stored, both verdicts in): a half is retained iff one of its 4 warps blocks
+//   issue dV and dK;  then S^T(t + 1), dP^T(t + 1), so that the tensor cores hold the next tile's
+//   products while this tile's slots go back.
+// A tile whose halves are both skipped issues no dV or dK work.
 #pragma once
 
 #include <stddef.h>
+#include <stdint.h>
 
 #include "cuda/bwd/common.cuh"
-#include "cuda/bwd/dq_sm90_ws256.cuh"
-#include "cuda/core/pipeline.cuh"
+#include "cuda/bwd/sm90_256_dq_kernel.cuh"
+#include "cuda/bwd/sm90_256_producer.cuh"
+#include "cuda/bwd/sm90_256_traits.cuh"
+#include "cuda/bwd/sm90_traits.cuh"
 #include "cuda/core/smem_tile.cuh"
+#include "cuda/core/pipeline.cuh"
 #include "cuda/core/tma.cuh"
 #include "cuda/core/wgmma.cuh"
 
 namespace mala {
 namespace cuda {
-
-struct BwdWs256 {
-  static constexpr BwdTiles kTiles = bwd_tiles(BwdKernelKind::sm90_ws, 256);  // bwd/tiles.h
-  static constexpr int D = 256, BQ = kTiles.bq, BK = kTiles.bk, BH = kTiles.dec_rows, kThreads = 384,
-                       kStages = kTiles.q_stages;
-  static_assert(BH == 32 && BQ == 2 * BH, "decision tile: a warpgroup's 32 rows x 64 keys");
-  using KTile = GmmaTile<BK, D>;
-  using QTile = GmmaTile<BQ, D>;
-  using STile = GmmaTile<BK, BQ>;  // P^T, dS^T [key][query]
-  // Per-row scalars of a query tile by TMA, as in sm90_traits.cuh (BwdWs): kVec floats from the 16-byte
-  // boundary at or before the tile's first row, kVecStride floats per slot.
-  static constexpr int kVec = BQ + 4, kVecStride = 96;
-  // The kernel's shared memory from a 1024-byte aligned base (swizzled tiles need it; every tile is
-  // a multiple of 1024 bytes, so each starts aligned, as the asserts below check).
-  struct Storage {
-    unsigned char k[KTile::kBytes];
-    unsigned char v[KTile::kBytes];
-    unsigned char q[kStages][QTile::kBytes];
-    unsigned char dout[kStages][QTile::kBytes];
-    unsigned char p[STile::kBytes];
-    unsigned char ds[STile::kBytes];
-    float lse[kStages][kVecStride];    // TMA boxes: 16-byte aligned
-    float bound[kStages][kVecStride];
-    float dsum[kStages][kVecStride];
-    uint64_t mbar[10];     // kv, q_full[2], q_empty[2], do_full[2], do_empty[2], st_free
-    uint32_t vote[2][8];   // each consumer warp's verdict, by tile parity
-  };
-  static_assert(offsetof(Storage, v) % 1024 == 0 && offsetof(Storage, q) % 1024 == 0 &&
-                    offsetof(Storage, dout) % 1024 == 0 && offsetof(Storage, p) % 1024 == 0 &&
-                    offsetof(Storage, ds) % 1024 == 0,
-                "BwdWs256::Storage: swizzled tiles at 1024-byte boundaries");
-  static_assert(offsetof(Storage, lse) % 16 == 0 && offsetof(Storage, bound) % 16 == 0 &&
-                    offsetof(Storage, dsum) % 16 == 0 && (kVecStride * 4) % 16 == 0,
-                "BwdWs256::Storage: TMA boxes at 16-byte boundaries");
-  static constexpr int kSmem = sizeof(Storage) + 1024;  // + the base's alignment
-  static constexpr int kBarStored = 1, kConsumers = 256;
-};
 
 template <typename T, bool kDense>
 __global__ void __launch_bounds__(384, 1)
@@ -99,59 +73,40 @@ __global__ void __launch_bounds__(384, 1)
   Sm& st = *reinterpret_cast<Sm*>(smem);
   const uint32_t sK = sbase + offsetof(Sm, k), sV = sbase + offsetof(Sm, v), sQ = sbase + offsetof(Sm, q),
                  sDO = sbase + offsetof(Sm, dout), sP = sbase + offsetof(Sm, p), sDS = sbase + offsetof(Sm, ds);
-  const uint32_t mb_kv = sbase + offsetof(Sm, mbar);
-  const MbarRing<NS> qring = MbarRing<NS>::at(mb_kv + 8), doring = MbarRing<NS>::at(qring.empty0 + 8 * NS);
-  const uint32_t mb_st_free = doring.empty0 + 8 * NS;
+  const uint32_t mb_kv = sbase + offsetof(Sm, kv_bar);
+  const MbarRing<NS> qring = MbarRing<NS>::at(sbase + offsetof(Sm, q_bar));
+  const MbarRing<NS> doring = MbarRing<NS>::at(sbase + offsetof(Sm, do_bar));
+  const uint32_t mb_st_free = sbase + offsetof(Sm, st_free_bar);
   if (tid == 0) {
     mbar_init(mb_kv, 2);  // K's and V's expect_tx arrivals
+    // Slot by slot, both rings side by side (the order of the inits reaches the PTX): the producer's
+    // expect_tx arrival; one arrival per consumer warp.
     for (int i = 0; i < NS; ++i) {
-      mbar_init(qring.full(i), 1);
-      mbar_init(qring.empty(i), 8);  // one arrival per consumer warp
-      mbar_init(doring.full(i), 1);
-      mbar_init(doring.empty(i), 8);
+      qring.init_slot(i, 1, 8);
+      doring.init_slot(i, 1, 8);
     }
     mbar_init(mb_st_free, 8);  // each consumer warp, once its reads of a tile's P^T and dS^T are done
     fence_mbarrier_init();
   }
   __syncthreads();
 
+  // TMA coordinates of this sequence's row 0: varlen maps the packed rows as one batch entry.
   const int q_row0 = w.varlen ? static_cast<int>(w.qrow0) : 0, k_row0 = w.varlen ? static_cast<int>(w.krow0) : 0;
   const int map_b = w.varlen ? 0 : w.b;
-  auto parity = [](int use) { return static_cast<uint32_t>(use) & 1u; };
-  // First row of (head h, query tile qi) in the per-row vectors.
-  auto vec_at = [&](BwdWork::Tile x) { return static_cast<int>(x.h() * p.rows_q_cap + w.qrow0 + x.qi() * BQ); };
 
   if (tid < 128) {
     setmaxnreg_dec24();
     const int warp = tid >> 5, lane = tid & 31;
-    if (lane == 0 && warp == 0) {
-      tma_load_tile<BK, D>(sK, &maps.k, mb_kv, k_row0 + kb, w.hk, map_b);
-      tma_load_tile<BK, D>(sV, &maps.v, mb_kv, k_row0 + kb, w.hk, map_b);
-      BwdWork::Tile x = w.tile(0);
-      for (int t = 0; t < n_iter; ++t, x = w.next(x)) {
-        const int s = t & 1;
-        if (t >= NS) mbar_wait<true>(qring.empty(s), parity((t >> 1) - 1));
-        const int at = vec_at(x);
-        const uint32_t full = qring.full(s);
-        mbar_arrive_expect_tx(full, QTile::kBytes + (kDense ? 1 : 2) * C::kVec * 4);
-        tma_load_tile_boxes<BQ, D>(sQ + s * QTile::kBytes, &maps.q, full, q_row0 + x.qi() * BQ, x.h(), map_b);
-        tma_load_1d(sbase + offsetof(Sm, lse) + s * C::kVecStride * 4, &maps.lse, full, at & ~3);
-        if (!kDense) tma_load_1d(sbase + offsetof(Sm, bound) + s * C::kVecStride * 4, &maps.bound, full, at & ~3);
-      }
-    } else if (lane == 0 && warp == 1) {
-      BwdWork::Tile x = w.tile(0);
-      for (int t = 0; t < n_iter; ++t, x = w.next(x)) {
-        const int s = t & 1;
-        if (t >= NS) mbar_wait<true>(doring.empty(s), parity((t >> 1) - 1));
-        const uint32_t full = doring.full(s);
-        mbar_arrive_expect_tx(full, QTile::kBytes + C::kVec * 4);
-        tma_load_tile_boxes<BQ, D>(sDO + s * QTile::kBytes, &maps.dout, full, q_row0 + x.qi() * BQ, x.h(), map_b);
-        tma_load_1d(sbase + offsetof(Sm, dsum) + s * C::kVecStride * 4, &maps.dsum, full, vec_at(x) & ~3);
-      }
-    }
+    if (lane == 0 && warp == 0)
+      bwd256_load_q<kDense>(p, maps, w, n_iter, kb, qring, mb_kv, sbase, sK, sV, sQ, q_row0, k_row0, map_b);
+    else if (lane == 0 && warp == 1)
+      bwd256_load_do(p, maps, w, n_iter, doring, sbase, sDO, q_row0, map_b);
     return;
   }
 
+  // The consumers, in the kernel's body: as a function of their own (bwd256_consume, its arguments
+  // by reference, the Storage by reference or pointer, or smem) they changed the SASS of both
+  // instances (journal.md, 2026-12-02).
   setmaxnreg_inc240();
   const int ctid = tid - 128, warp = __shfl_sync(0xffffffffu, ctid >> 5, 0), lane = ctid & 31, wg = warp >> 2,
             wl = warp & 3, gid = lane >> 2, tig = lane & 3;
@@ -175,8 +130,10 @@ __global__ void __launch_bounds__(384, 1)
   // S^T(t) and dP^T(t) of this warpgroup's 32 rows, one group: X Y_g^T over d (X = K or V, Y = Q_t or dO_t).
   auto issue_s_dp = [&](int t) {
     const int qs = t & 1;
-    mbar_wait<true>(qring.full(qs), parity(t >> 1));
-    mbar_wait<true>(doring.full(qs), parity(t >> 1));
+    // The Q wait by hand (slot address, then parity): through consumer_wait it changed the skipping
+    // instances' SASS (core/pipeline.cuh's note on the parity computed first).
+    mbar_wait<true>(qring.full(qs), bwd_ws_parity(t >> 1));
+    doring.consumer_wait(RingPos{qs, bwd_ws_parity(t >> 1)});
 #pragma unroll
     for (int e = 0; e < 16; ++e) s[e] = dp[e] = 0.f;
     // The zeros pinned before the first product: left free, ptxas sinks dP^T's behind S^T's wgmmas and
@@ -219,7 +176,7 @@ __global__ void __launch_bounds__(384, 1)
     const int qw = q0 + qcol;
     if (keys_x_rows_needs_mask(qw, BH, kb, BK, qlen, klen, p.causal))
       apply_mask_keys_x_rows<4>(s, kb + krow, qw, lane, qlen, klen, p.causal);
-    const int vec0 = vec_at(x) & 3;
+    const int vec0 = C::vec_at(p, w, x) & 3;
     if constexpr (!kDense) {
       // The offline test: does some entry of this warp reach its row's raw-score bound?
       const float* bound_t = bound_s + qs * C::kVecStride + vec0 + qcol;
@@ -241,7 +198,7 @@ __global__ void __launch_bounds__(384, 1)
         pp[2 * n + hh] = pack2<T>(p0, p1);
         dd[2 * n + hh] = pack2<T>(p0 * (dp[i] - d0), p1 * (dp[i + 1] - d1));
       }
-    if (t > 0) mbar_wait<true>(mb_st_free, parity(t - 1));  // both warpgroups are done with tile t - 1's
+    if (t > 0) mbar_wait<true>(mb_st_free, bwd_ws_parity(t - 1));  // both warpgroups are done with tile t - 1's
     unsigned char* sp_g = st.p;
     unsigned char* sds_g = st.ds;
 #pragma unroll
