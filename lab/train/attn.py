@@ -25,9 +25,13 @@ RECORD = {"tau": 1.0, "layers": {}}
 TIMED = {"inner": "sdpa", "events": []}
 
 
-def _stats_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+def _plain_causal(attention_mask):
     if attention_mask is not None:
         raise ValueError("attention_mask: the study's attention takes plain causal attention only")
+
+
+def _stats_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    _plain_causal(attention_mask)
     out, stats = mala.attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
                                 tau=RECORD["tau"], causal=True, softmax_scale=scaling, return_stats=True)
     RECORD["layers"][module.layer_idx] = stats
@@ -45,8 +49,7 @@ def _sdpa_ea_attention(module, query, key, value, attention_mask, scaling=None, 
     repeated here, since the memory-efficient kernel takes no enable_gqa."""
     from torch.nn.attention import sdpa_kernel
 
-    if attention_mask is not None:
-        raise ValueError("attention_mask: the study's attention takes plain causal attention only")
+    _plain_causal(attention_mask)
     rep = query.shape[1] // key.shape[1]
     if rep > 1:
         key, value = key.repeat_interleave(rep, dim=1), value.repeat_interleave(rep, dim=1)

@@ -172,6 +172,17 @@ def run_arm(tmp_path, data, tok_path, arm, steps=30, stage="pt", seqlen=64, seed
         return json.load(f)
 
 
+def run_analyze(tmp_path, data, tok_path, cmd, arm, *args):
+    """analyze.py CMD on the tiny model's pre-training run of ARM (CPU); its JSON (CMD.json)."""
+    argv = [sys.executable, os.path.join(TRAIN, "analyze.py"), cmd, "--size", "tiny", "--arm", arm, "--stage", "pt",
+            "--data", data, "--tokenizer", tok_path, "--work", str(tmp_path / "work"), "--out", str(tmp_path / "out"),
+            "--device", "cpu", *args]
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    with open(tmp_path / "out" / f"{cmd}.json") as f:
+        return json.load(f)
+
+
 def test_a_few_steps_of_each_arm_lower_the_loss(roots, tmp_path):
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
@@ -209,13 +220,8 @@ def test_a_few_steps_of_each_arm_lower_the_loss(roots, tmp_path):
     assert lct["steps"][-1]["lr"] == pytest.approx(configs.SIZES["tiny"]["lr"] * configs.LCT_LR_FACTOR)
     # The regime step on the trained tiny model (CPU): slots and the Fig. 2 fidelity per layer. At 64 keys
     # a row has one key tile, always retained, so MALA omits nothing there.
-    cmd = [sys.executable, os.path.join(TRAIN, "analyze.py"), "regime", "--size", "tiny", "--arm", "mala", "--stage",
-           "pt", "--data", data, "--tokenizer", tok_path, "--work", str(tmp_path / "work"), "--out",
-           str(tmp_path / "out"), "--lengths", "32,64", "--sequences", "1", "--device", "cpu"]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-2000:]
-    with open(tmp_path / "out" / "regime.json") as f:
-        regime = json.load(f)["tiny_mala_pt"]
+    regime = run_analyze(tmp_path, data, tok_path, "regime", "mala", "--lengths", "32,64", "--sequences", "1")
+    regime = regime["tiny_mala_pt"]
     layers = regime["fidelity"]["64"][0]
     assert len(layers) == configs.SIZES["tiny"]["layers"]
     for layer in layers:
@@ -223,13 +229,8 @@ def test_a_few_steps_of_each_arm_lower_the_loss(roots, tmp_path):
         assert layer["fwd_retained"] == [1.0] * configs.SIZES["tiny"]["heads"]
     # The gradient's fidelity on the trained dense model: on the CPU (fp32, no autocast) every
     # attention's gradient equals the reference up to fp32 rounding, MALA's at tau = 0 too.
-    cmd = [sys.executable, os.path.join(TRAIN, "analyze.py"), "grads", "--size", "tiny", "--arm", "dense", "--stage",
-           "pt", "--data", data, "--tokenizer", tok_path, "--work", str(tmp_path / "work"), "--out",
-           str(tmp_path / "out"), "--seqlen", "64", "--sequences", "2", "--device", "cpu"]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-2000:]
-    with open(tmp_path / "out" / "grads.json") as f:
-        grads = json.load(f)["tiny_dense_pt_64"]
+    grads = run_analyze(tmp_path, data, tok_path, "grads", "dense", "--seqlen", "64", "--sequences", "2")
+    grads = grads["tiny_dense_pt_64"]
     assert grads["sequences"] == 2 and set(grads["attention"]) == {"sdpa", "sdpa_ea", "mala_tau0", "mala_tau1"}
     for label in ("sdpa", "sdpa_ea", "mala_tau0"):
         g = grads["attention"][label]

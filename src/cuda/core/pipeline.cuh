@@ -92,20 +92,16 @@ struct MbarRing {
 // warpgroups) tell the producer per use whether some of them retains it.  N slots, each an mbarrier
 // that the P publishers arrive on once per use and a flag word of 8 bytes, byte i publisher i's
 // decision; no empty barriers: the kernel's ring proof says when a slot is free again.  Use u is
-// slot u % N with phase parity (u / N) & 1; its mbarrier is bar(u) = bar0 + 8 (u % N) and its word
-// flag(u) = flag0 + 8 (u % N), one offset for both.
-// The methods spell that arithmetic out instead of calling slot / parity / bar / flag, and compute
-// addresses before parities, as MbarRing's waits do: a nested helper (the publisher's offset through
-// offset()) reordered the kernel's PTX and changed the SASS of every tau > 0 instance at d = 128.
+// slot u % N with phase parity (u / N) & 1; its mbarrier is at bar0 + 8 (u % N) and its word at
+// flag0 + 8 (u % N), one offset for both.
+// Each method spells that arithmetic out, addresses before parities, as MbarRing's waits do: a
+// nested helper for the offset reordered the kernel's PTX and changed the SASS of every tau > 0
+// instance at d = 128.
 template <int N, int P>
 struct DecisionRing {
   static_assert(P == 2 || P == 8, "DecisionRing: the producer reads a word of 2 or 8 flag bytes");
   static constexpr int kSlots = N, kPublishers = P;
   uint32_t bar0, flag0;  // shared addresses of mbarrier[N] and flag[N][8]
-  __device__ __forceinline__ static uint32_t slot(uint32_t u) { return u % N; }
-  __device__ __forceinline__ static uint32_t parity(uint32_t u) { return (u / N) & 1u; }
-  __device__ __forceinline__ uint32_t bar(uint32_t u) const { return bar0 + 8 * (u % N); }
-  __device__ __forceinline__ uint32_t flag(uint32_t u) const { return flag0 + 8 * (u % N); }
   // One thread, before the fence_mbarrier_init and the CTA barrier.
   __device__ __forceinline__ void init() const {
     for (int i = 0; i < N; ++i) mbar_init(bar0 + 8 * i, P);
@@ -127,7 +123,7 @@ struct DecisionRing {
   __device__ __forceinline__ void wait(uint32_t u) const { mbar_wait<true>(bar0 + u % N * 8, (u / N) & 1u); }
   // Producer, once use u's decisions are out: whether some publisher retains it.  A C++ volatile
   // load through `flags`, the generic pointer of the flag array (flag0's bytes): an inline-PTX
-  // ld.shared from flag(u) changed how ptxas addressed it and the producer's SASS.
+  // ld.shared from use u's flag word changed how ptxas addressed it and the producer's SASS.
   __device__ __forceinline__ static bool retained(const volatile unsigned char* flags, uint32_t u) {
     const volatile unsigned char* f = flags + u % N * 8;
     if constexpr (P == 8)
