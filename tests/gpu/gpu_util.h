@@ -95,7 +95,13 @@ struct DeviceBuffer {
       poison();
     }
   }
-  void poison() { if (ptr) cudaMemset(ptr, 0xFF, count * sizeof(T)); }
+  // Complete before returning: cudaMemset runs on the legacy stream, which a test's non-blocking
+  // stream does not wait for, so an asynchronous poison could land after the kernel's writes.
+  void poison() {
+    if (!ptr) return;
+    cudaMemset(ptr, 0xFF, count * sizeof(T));
+    cudaStreamSynchronize(0);
+  }
   void upload(const std::vector<T>& h) { cudaMemcpy(ptr, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice); }
   std::vector<T> download() const {
     std::vector<T> h(count);
