@@ -1,4 +1,4 @@
-// The backward's row-wise kernels, one __global__ template (bwd_rowwise_kernel<Op, T, D>) and three
+// The backward's row-wise kernels, one kernel template (bwd_rowwise_kernel<Op, T, D>) and three
 // ops, a warp's work each: BwdPreprocess before the main kernel, one warp per (row, head) of the
 // dense or packed row space (D = rowsum(dO * O), lse in log2 units, the raw-score skip bound, the
 // fixed-point dQ unit, bwd_slots zeroed); BwdConvert after it, the same warp per row (fp32 or
