@@ -12,13 +12,14 @@
 // d = 256 the dQ kernel adds nothing.  Each kernel's tau = 0 instance runs at tau = 0.  The kernel
 // override (backend.h) forces the mma.sync kernel, the Q stages or the head splits for tests and
 // benchmarks.
-//   0. fixed-point dQ: the K/V maxima kernel (bwd/rowwise.cuh), for the rows' fixed-point units.
-//   1. preprocess kernel (bwd/rowwise.cuh): D = rowsum(dO * O) (fp32) into the workspace, lse in
+// The row-wise steps are one kernel template, bwd_rowwise_kernel<Op> (bwd/rowwise.cuh):
+//   0. fixed-point dQ: the K/V maxima (BwdKvMax), for the rows' fixed-point units.
+//   1. preprocess (BwdPreprocess): D = rowsum(dO * O) (fp32) into the workspace, lse in
 //      log2 units, (tau > 0) each row's skip bound on raw scores and (fixed point) the row's dQ
 //      unit beside it, bwd_slots zeroed; the dQ accumulator (and the dK/dV accumulators when used)
 //      zeroed with cudaMemsetAsync.
 //   2. the fused key-major main kernel, one instantiation per (dtype, head dim).
-//   3. convert kernel: dQ (and dK/dV when they went through the fp32 workspace) in the input dtype.
+//   3. convert (BwdConvert): dQ (and dK/dV when they went through the fp32 workspace) in the input dtype.
 // GQA: a CTA loops over `heads_per_cta` query heads of one KV group with dK/dV in registers.  When
 // one CTA per (key tile, KV head) would leave the GPU underfilled the group is split and the CTAs
 // add their partial dK/dV into an fp32 workspace (red.global.add), converted at the end.
@@ -384,7 +385,7 @@ cudaError_t run_typed(const BackwardArgs& a, const Plan& pl, char* ws, cudaStrea
       const int64_t warps = pl.rows_k_cap * a.heads_kv;
       const int blocks = static_cast<int>(std::min<int64_t>((warps + 7) / 8, 1024));
       if (blocks > 0) {
-        cuda::bwd_kv_max_kernel<T, D><<<blocks, 256, 0, stream>>>(km);
+        cuda::bwd_rowwise_kernel<cuda::BwdKvMax, T, D><<<blocks, 256, 0, stream>>>(km);
         if ((err = cudaGetLastError()) != cudaSuccess) return err;
       }
     }
@@ -420,7 +421,7 @@ cudaError_t run_typed(const BackwardArgs& a, const Plan& pl, char* ws, cudaStrea
   rq.rows_cap = pl.rows_q_cap;
   const int64_t q_warps = pl.rows_q_cap * a.heads_q;
   if (q_warps > 0) {
-    cuda::bwd_preprocess_kernel<T, D><<<static_cast<unsigned>((q_warps + 7) / 8), 256, 0, stream>>>(rq);
+    cuda::bwd_rowwise_kernel<cuda::BwdPreprocess, T, D><<<static_cast<unsigned>((q_warps + 7) / 8), 256, 0, stream>>>(rq);
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
   }
 
@@ -436,7 +437,7 @@ cudaError_t run_typed(const BackwardArgs& a, const Plan& pl, char* ws, cudaStrea
     rc.src_fixed = p.dq_fixed;
     rc.mul = scale;
     rc.slices = 1;
-    cuda::bwd_convert_kernel<T, D><<<static_cast<unsigned>((q_warps + 7) / 8), 256, 0, stream>>>(rc);
+    cuda::bwd_rowwise_kernel<cuda::BwdConvert, T, D><<<static_cast<unsigned>((q_warps + 7) / 8), 256, 0, stream>>>(rc);
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
   }
   if (pl.kv_atomic) {
@@ -454,11 +455,11 @@ cudaError_t run_typed(const BackwardArgs& a, const Plan& pl, char* ws, cudaStrea
       rk.dst = a.dk;
       rk.dst_s = dks;
       rk.src = dk_acc;
-      cuda::bwd_convert_kernel<T, D><<<static_cast<unsigned>((k_warps + 7) / 8), 256, 0, stream>>>(rk);
+      cuda::bwd_rowwise_kernel<cuda::BwdConvert, T, D><<<static_cast<unsigned>((k_warps + 7) / 8), 256, 0, stream>>>(rk);
       rk.dst = a.dv;
       rk.dst_s = dvs;
       rk.src = dv_acc;
-      cuda::bwd_convert_kernel<T, D><<<static_cast<unsigned>((k_warps + 7) / 8), 256, 0, stream>>>(rk);
+      cuda::bwd_rowwise_kernel<cuda::BwdConvert, T, D><<<static_cast<unsigned>((k_warps + 7) / 8), 256, 0, stream>>>(rk);
       if ((err = cudaGetLastError()) != cudaSuccess) return err;
     }
   }

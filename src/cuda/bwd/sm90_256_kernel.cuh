@@ -15,9 +15,11 @@
 //   producer (warpgroup 0, 24 registers; bwd/sm90_256_producer.cuh): warp 0 K and V once, then Q_t
 //     with its rows' lse and skip bound into a ring of 2 slots; warp 1 dO_t with D = rowsum(dO * O)
 //     into a ring of 2 slots (full / empty mbarriers: MbarRing, core/pipeline.cuh);
-//   consumers (warpgroups 1 and 2, 240 registers; this file, below): per tile S^T and dP^T by query
-//     rows, the test and the vote, P^T and dS^T into shared memory, dV and dK by head dims; after
-//     the last tile dK and dV into the outputs.
+//   consumers (warpgroups 1 and 2, 240 registers): per tile S^T and dP^T by query rows, the test and
+//     the vote, P^T and dS^T into shared memory, dV and dK by head dims; after the last tile dK and
+//     dV into the outputs.  The loop, its decisions and the rings' bookkeeping in this file's kernel
+//     body; the tile's products, the P^T / dS^T stores and the dK / dV stores in
+//     bwd/sm90_256_consumer.cuh.
 //
 // At d = 256 a warpgroup cannot keep dK and dV of all 64 keys x 256 dims (256 registers a thread),
 // so the two consumer warpgroups split the work of a tile two ways:
@@ -39,6 +41,7 @@
 #include <stdint.h>
 
 #include "cuda/bwd/common.cuh"
+#include "cuda/bwd/sm90_256_consumer.cuh"
 #include "cuda/bwd/sm90_256_dq_kernel.cuh"
 #include "cuda/bwd/sm90_256_producer.cuh"
 #include "cuda/bwd/sm90_256_traits.cuh"
@@ -56,10 +59,8 @@ __global__ void __launch_bounds__(384, 1)
     bwd_main_kernel_sm90_ws256(const BwdParams p, const __grid_constant__ BwdTmaMaps maps) {
 #ifdef MALA_WGMMA_ENABLED
   using C = BwdWs256;
-  constexpr int D = C::D, BQ = C::BQ, BK = C::BK, BH = C::BH, NS = C::kStages;
-  using KTile = typename C::KTile;
+  constexpr int BQ = C::BQ, BK = C::BK, BH = C::BH, NS = C::kStages;
   using QTile = typename C::QTile;
-  using STile = typename C::STile;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   uint32_t sbase;
   unsigned char* smem = smem_align_1024(smem_raw, sbase);
@@ -104,9 +105,9 @@ __global__ void __launch_bounds__(384, 1)
     return;
   }
 
-  // The consumers, in the kernel's body: as a function of their own (bwd256_consume, its arguments
-  // by reference, the Storage by reference or pointer, or smem) they changed the SASS of both
-  // instances (journal.md, 2026-12-02).
+  // The consumers' loop, in the kernel's body: as a function of their own (bwd256_consume) they
+  // changed the SASS of the skipping instance, in every form tried (journal.md, issue 63); their
+  // steps are bwd/sm90_256_consumer.cuh's.
   setmaxnreg_inc240();
   const int ctid = tid - 128, warp = __shfl_sync(0xffffffffu, ctid >> 5, 0), lane = ctid & 31, wg = warp >> 2,
             wl = warp & 3, gid = lane >> 2, tig = lane & 3;
@@ -142,21 +143,14 @@ __global__ void __launch_bounds__(384, 1)
     wgmma_fence_operands(dp);
     wgmma_fence();
     const uint32_t yq = sQ + qs * QTile::kBytes + qcol * 128, yd = sDO + qs * QTile::kBytes + qcol * 128;
-    wgmma_ss_kmajor<BH, D, T>(s, sK, KTile::kBlockBytes, yq, QTile::kBlockBytes);
-    wgmma_ss_kmajor<BH, D, T>(dp, sV, KTile::kBlockBytes, yd, QTile::kBlockBytes);
-    wgmma_commit();
+    bwd256_keys_x_rows<T>(s, dp, sK, sV, yq, yd);
   };
   // dV += P^T dO, dK += dS^T Q over the query steps of the retained halves (k16 steps K0 .. K1 - 1).
   auto issue_dkdv = [&](int qs, auto k0, auto k1) {
     constexpr int K0 = decltype(k0)::value, K1 = decltype(k1)::value;
     const uint32_t bdo = sDO + qs * QTile::kBytes + 2 * wg * QTile::kBlockBytes,
                    bq = sQ + qs * QTile::kBytes + 2 * wg * QTile::kBlockBytes;
-#pragma unroll
-    for (int kq = K0; kq < K1; ++kq)
-      WgmmaSS<128, 0, 1, T>::run(dv, wgmma_desc(sP + kq * 32, 16, 1024), wgmma_desc(bdo + kq * 2048, QTile::kBlockBytes, 1024));
-#pragma unroll
-    for (int kq = K0; kq < K1; ++kq)
-      WgmmaSS<128, 0, 1, T>::run(dk, wgmma_desc(sDS + kq * 32, 16, 1024), wgmma_desc(bq + kq * 2048, QTile::kBlockBytes, 1024));
+    bwd256_dkdv<T, K0, K1>(dv, dk, sP, sDS, bdo, bq);
   };
   auto release_slots = [&](int qs) {
     if (lane == 0) {
@@ -201,14 +195,7 @@ __global__ void __launch_bounds__(384, 1)
     if (t > 0) mbar_wait<true>(mb_st_free, bwd_ws_parity(t - 1));  // both warpgroups are done with tile t - 1's
     unsigned char* sp_g = st.p;
     unsigned char* sds_g = st.ds;
-#pragma unroll
-    for (int n = 0; n < 4; ++n)
-#pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-        const uint32_t off = STile::offset(krow + 8 * hh, qcol + 8 * n + 2 * tig);
-        *reinterpret_cast<uint32_t*>(sp_g + off) = pp[2 * n + hh];
-        *reinterpret_cast<uint32_t*>(sds_g + off) = dd[2 * n + hh];
-      }
+    bwd256_store_p_ds(sp_g, sds_g, pp, dd, krow, qcol, tig);
     fence_proxy_async_smem();
     named_barrier_sync(C::kBarStored, C::kConsumers);
     bool kept0 = true, kept1 = true;
@@ -252,15 +239,7 @@ __global__ void __launch_bounds__(384, 1)
   wgmma_fence_operands(dk);
   wgmma_fence_operands(dv);
 
-  // Epilogue: dK (scaled), dV.  Accumulator element 4n + 2hh + c: key krow + 8hh, dim 128 wg + 8n + 2tig + c.
-#pragma unroll
-  for (int hh = 0; hh < 2; ++hh) {
-    const int r = krow + hh * 8;
-    if (r >= kn) continue;
-    bwd_store_dkdv_row<T, D, 16>(p, w, r, 128 * wg + 2 * tig, [&](int n) {
-      return make_float4(dk[4 * n + 2 * hh], dk[4 * n + 2 * hh + 1], dv[4 * n + 2 * hh], dv[4 * n + 2 * hh + 1]);
-    });
-  }
+  bwd256_store_dkdv<T>(p, w, dk, dv, krow, kn, wg, tig);
 #endif
 }
 
