@@ -26,18 +26,19 @@
 # The task is smaller than the paper's (8,192 x 512, 256 pairs, vocab 8,192): at that size not even
 # full attention leaves chance in such a budget (the first runs: 3,000 steps of batch 32 at 1,024
 # tokens stayed at loss 8.3 = ln 4,096; on the CPU, vocab 8,192 stays at chance for 1,500-3,000
-# steps even with 8 pairs in 128 tokens, while vocab 128 with 16 pairs is solved by ~1,250).  Head:
-# 4,096 x 512, 64 pairs (N_KV), vocab 256 (VOCAB: 127 keys, 128 values, chance 1/128), seeds 0 1;
-# trend 1,024 and 2,048.  Timing assumed: per-step alone at 8192 x 512, batch 8, bf16 of about
-# full 35 ms, mala 45, swa 35, moba 45, dsa 160, nsa 150 (0.47 s for the six concurrent), 4K / 2K /
-# 1K at 0.4 / 0.2 / 0.1 of that: head 2 x 1,000 x 0.19 s = 6.3 min, trend 1,000 x 0.14 s = 2.3 min,
-# set-up and evaluation about 3 min.  Calibrate first (`calib`, about 5 minutes: full alone, its
+# steps even with 8 pairs in 128 tokens, and vocab 256 with 64 pairs at d_model 64 for 1,500 steps
+# of batch 32, while vocab 128 with 16 pairs is solved by ~1,250).  Head: 4,096 x 512, 16 pairs
+# (N_KV), vocab 128 (VOCAB: 63 keys, 64 values, chance 1/64), seed 0; trend 1,024 and 2,048.
+# Timing assumed: per-step alone at 8192 x 512, batch 8, bf16 of about full 35 ms, mala 45, swa 35,
+# moba 45, dsa 160, nsa 150 (0.47 s for the six concurrent), 4K / 2K / 1K at 0.4 / 0.2 / 0.1 of
+# that, twice at batch 16: head 1,000 x 0.38 s = 6.3 min, trend 1,000 x 0.28 s = 4.7 min, set-up
+# and evaluation about 3 min.  Calibrate first (`calib`, about 5 minutes: full alone, its
 # loss every 50 steps) and set STEPS to about 1.5x the step where full's loss leaves its ln(N_KV)
 # plateau; the caps at about twice the slowest cell's seed.
 # Environment (defaults): STORE (/tmp/mala-ar), METHODS ("full mala swa moba dsa nsa"),
-# SEQLEN_HEAD (4096), D_HEAD (512), SEEDS_HEAD ("0 1"), TREND_LENS ("1024 2048"),
-# D_TREND (512), SEEDS_TREND ("0"), GRID_LENS (""), GRID_DS (""), PAR (6), STEPS (1000), BATCH (8),
-# WARMUP (50), LR (1e-3), VOCAB (256), N_KV (64, also n_q), TIME_CAP_S (400), TREND_TIME_CAP_S (200),
+# SEQLEN_HEAD (4096), D_HEAD (512), SEEDS_HEAD ("0"), TREND_LENS ("1024 2048"),
+# D_TREND (512), SEEDS_TREND ("0"), GRID_LENS (""), GRID_DS (""), PAR (6), STEPS (1000), BATCH (16),
+# WARMUP (50), LR (1e-3), VOCAB (128), N_KV (16, also n_q), TIME_CAP_S (400), TREND_TIME_CAP_S (200),
 # N_TRAIN (1000000), N_TEST (256), LOG_EVERY (100), GPU_CHECK (1), TIMING (1),
 # TIMING_STEPS (20), TIMING_AFTER (a file the timing phase waits for, up to TIMING_WAIT_S (600), so
 # that another job sharing the GPU has ended before steps are timed); for a dry run elsewhere:
@@ -58,7 +59,7 @@ STORE=${STORE:-/tmp/mala-ar}
 METHODS=${METHODS:-"full mala swa moba dsa nsa"}
 SEQLEN_HEAD=${SEQLEN_HEAD:-4096}
 D_HEAD=${D_HEAD:-512}
-SEEDS_HEAD=${SEEDS_HEAD:-"0 1"}
+SEEDS_HEAD=${SEEDS_HEAD:-0}
 TREND_LENS=${TREND_LENS-"1024 2048"}  # set empty for no trend
 D_TREND=${D_TREND:-512}
 SEEDS_TREND=${SEEDS_TREND:-0}
@@ -66,10 +67,10 @@ GRID_LENS=${GRID_LENS-}
 GRID_DS=${GRID_DS-}
 PAR=${PAR:-6}
 STEPS=${STEPS:-1000}
-BATCH=${BATCH:-8}
+BATCH=${BATCH:-16}
 WARMUP=${WARMUP:-50}
-VOCAB=${VOCAB:-256}
-N_KV=${N_KV:-64}
+VOCAB=${VOCAB:-128}
+N_KV=${N_KV:-16}
 LR=${LR:-1e-3}
 TIME_CAP_S=${TIME_CAP_S:-400}
 TREND_TIME_CAP_S=${TREND_TIME_CAP_S:-200}
