@@ -3,7 +3,10 @@ for every method except the attention inside each layer (ar_methods.Attention).
 
 Rotary position embeddings on q and k (the task needs relative position: the first layer has to
 copy each key into the position of its value); heads of head_dim 64 (d_model / 64 of them, one head
-below d_model 64); a 4x GELU MLP; untied embedding and output.  The output head runs only at the
+below d_model 64); a 4x GELU MLP; untied embedding and output.  Initialization at PyTorch's
+default scales: embedding N(0, 1), Linear weights U(+-1/sqrt(fan_in)), zero biases (N(0, 0.02)
+everywhere, the first version, left the embedding small against the blocks' outputs, and a small
+MQAR stayed at the in-context heuristic, accuracy 1 / n_kv, where this init solves it).  The output head runs only at the
 scored (query) positions, so a batch of 8K sequences never materializes N x vocab logits.  Each
 weight is drawn from its own generator, seeded by the run's seed and the weight's name: a seed
 gives every method the same initial weights for every parameter they share (a method's own ones,
@@ -68,7 +71,11 @@ class ARModel(nn.Module):
         for name, m in self.named_modules():
             if isinstance(m, (nn.Linear, nn.Embedding)):
                 g = torch.Generator().manual_seed(zlib.crc32(f"{int(seed)}:{name}".encode()))
-                nn.init.normal_(m.weight, std=0.02, generator=g)
+                if isinstance(m, nn.Embedding):
+                    nn.init.normal_(m.weight, std=1.0, generator=g)
+                else:
+                    bound = m.in_features ** -0.5
+                    nn.init.uniform_(m.weight, -bound, bound, generator=g)
                 if getattr(m, "bias", None) is not None:
                     nn.init.zeros_(m.bias)
 

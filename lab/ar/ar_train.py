@@ -244,7 +244,9 @@ def parser():
     t.add_argument("--lr", type=float, default=1e-3)
     t.add_argument("--wd", type=float, default=0.1)
     t.add_argument("--warmup", type=int, default=30)
-    t.add_argument("--n-train", type=int, default=32000)
+    t.add_argument("--n-train", type=int, default=1_000_000,
+                   help="training pool size; examples are generated on the fly, so a pool larger than "
+                        "steps x batch costs nothing and no example repeats (a 32K pool was memorized)")
     t.add_argument("--n-test", type=int, default=256)
     t.add_argument("--eval-batch", type=int, default=16)
     t.add_argument("--n-kv", type=int, default=256)

@@ -5,6 +5,7 @@
 #
 #   there: bash lab/ar/gpu_run.sh start    copies this tree to $STORE/repo and runs every phase
 #                                          there (setsid); returns at once
+#   there: bash lab/ar/gpu_run.sh calib    the same, full alone at the head cell (see below)
 #   there: bash lab/ar/gpu_run.sh wait [S] waits up to S seconds (default 540) or until the run ends;
 #                                          prints the phase log and each log's tail; packs the results
 #                                          into $OUT/ar_results.tgz
@@ -21,42 +22,59 @@
 # the LR schedule over steps.  TIME_CAP_S (head) and TREND_TIME_CAP_S (trend and grid), per seed,
 # are a safety net only: a seed that reaches one stops, its cell records hit_time_cap and
 # steps_done, and collect (ar.json "stopped_early", phases.log) and the tables flag that cell.
-# Defaults sized for about 15 minutes of one H200 for head + trend, all six methods concurrent,
-# assuming per-step times alone at 8192 x 512, batch 8, bf16 of about full 35 ms, mala 45, swa 35,
-# moba 45, dsa 160, nsa 150 (together 0.47 s: six concurrent cells advance about one step each per
-# 0.47 s; the first run, on an H200 shared six ways plus a neighbour, took 430 ms (full) and 540 ms
-# (mala) per batch-16 step), and 4K / 2K / 1K steps at 0.4 / 0.2 / 0.1 of an 8K one: head 3 x 300 x
-# 0.47 s = 7 min, trend 300 x 0.47 s x 0.7 = 1.7 min, compilation, set-up and evaluation about
-# 4 min; build, gpu check (about 2 min) and timing (about 3 min) come on top.  To calibrate once
-# measured: STEPS, BATCH, and the caps at about twice the slowest cell's seed.
+# Defaults sized for about 15 minutes of one H200 for head + trend, all six methods concurrent.
+# The task is smaller than the paper's (8,192 x 512, 256 pairs, vocab 8,192): at that size not even
+# full attention leaves chance in such a budget (the first runs: 3,000 steps of batch 32 at 1,024
+# tokens stayed at loss 8.3 = ln 4,096; on the CPU, vocab 8,192 stays at chance for 1,500-3,000
+# steps even with 8 pairs in 128 tokens, and vocab 256 with 64 pairs at d_model 64 for 1,500 steps
+# of batch 32, while vocab 128 with 16 pairs is solved by ~1,250).  Head: 4,096 x 512, 16 pairs
+# (N_KV), vocab 128 (VOCAB: 63 keys, 64 values, chance 1/64), seed 0; trend 1,024 and 2,048.
+# Timing assumed: per-step alone at 8192 x 512, batch 8, bf16 of about full 35 ms, mala 45, swa 35,
+# moba 45, dsa 160, nsa 150 (0.47 s for the six concurrent), 4K / 2K / 1K at 0.4 / 0.2 / 0.1 of
+# that, twice at batch 16: head 1,000 x 0.38 s = 6.3 min, trend 1,000 x 0.28 s = 4.7 min, set-up
+# and evaluation about 3 min.  Calibrate first (`calib`, about 5 minutes: full alone, its
+# loss every 50 steps) and set STEPS to about 1.5x the step where full's loss leaves its ln(N_KV)
+# plateau; the caps at about twice the slowest cell's seed.
 # Environment (defaults): STORE (/tmp/mala-ar), METHODS ("full mala swa moba dsa nsa"),
-# SEQLEN_HEAD (8192), D_HEAD (512), SEEDS_HEAD ("0 1 2"), TREND_LENS ("1024 2048 4096"),
-# D_TREND (512), SEEDS_TREND ("0"), GRID_LENS (""), GRID_DS (""), PAR (6), STEPS (300), BATCH (8),
-# WARMUP (30), LR (1e-3), TIME_CAP_S (400), TREND_TIME_CAP_S (200), N_TRAIN (32000), N_TEST (256),
+# SEQLEN_HEAD (4096), D_HEAD (512), SEEDS_HEAD ("0"), TREND_LENS ("1024 2048"),
+# D_TREND (512), SEEDS_TREND ("0"), GRID_LENS (""), GRID_DS (""), PAR (6), STEPS (1000), BATCH (16),
+# WARMUP (50), LR (1e-3), VOCAB (128), N_KV (16, also n_q), TIME_CAP_S (400), TREND_TIME_CAP_S (200),
+# N_TRAIN (1000000), N_TEST (256), LOG_EVERY (100), GPU_CHECK (1), TIMING (1),
 # TIMING_STEPS (20), TIMING_AFTER (a file the timing phase waits for, up to TIMING_WAIT_S (600), so
 # that another job sharing the GPU has ended before steps are timed); for a dry run elsewhere:
 # DEVICE (cuda), BUILD (1; 0 uses the mala already on PYTHONPATH), TASK_ARGS (extra ar_train.py
 # train arguments, e.g. a tiny task).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+if [ "${1:-}" = calib ]; then
+  # About 5 minutes of one H200: full alone at the head cell, one seed, loss logged every 50 steps;
+  # no mala build, gpu check, trend or timing.  Then `wait` as after start.  The step at which the
+  # loss in logs/head_*_full.log leaves its ln(N_KV) plateau sizes STEPS for the study.
+  METHODS=${METHODS:-full} SEEDS_HEAD=${SEEDS_HEAD:-0} TREND_LENS=${TREND_LENS-} BUILD=${BUILD:-0}
+  GPU_CHECK=${GPU_CHECK:-0} TIMING=${TIMING:-0} STEPS=${STEPS:-2000} TIME_CAP_S=${TIME_CAP_S:-240}
+  LOG_EVERY=${LOG_EVERY:-50}
+  set -- start
+fi
 STORE=${STORE:-/tmp/mala-ar}
 METHODS=${METHODS:-"full mala swa moba dsa nsa"}
-SEQLEN_HEAD=${SEQLEN_HEAD:-8192}
+SEQLEN_HEAD=${SEQLEN_HEAD:-4096}
 D_HEAD=${D_HEAD:-512}
-SEEDS_HEAD=${SEEDS_HEAD:-"0 1 2"}
-TREND_LENS=${TREND_LENS-"1024 2048 4096"}  # set empty for no trend
+SEEDS_HEAD=${SEEDS_HEAD:-0}
+TREND_LENS=${TREND_LENS-"1024 2048"}  # set empty for no trend
 D_TREND=${D_TREND:-512}
 SEEDS_TREND=${SEEDS_TREND:-0}
 GRID_LENS=${GRID_LENS-}
 GRID_DS=${GRID_DS-}
 PAR=${PAR:-6}
-STEPS=${STEPS:-300}
-BATCH=${BATCH:-8}
-WARMUP=${WARMUP:-30}
+STEPS=${STEPS:-1000}
+BATCH=${BATCH:-16}
+WARMUP=${WARMUP:-50}
+VOCAB=${VOCAB:-128}
+N_KV=${N_KV:-16}
 LR=${LR:-1e-3}
 TIME_CAP_S=${TIME_CAP_S:-400}
 TREND_TIME_CAP_S=${TREND_TIME_CAP_S:-200}
-N_TRAIN=${N_TRAIN:-32000}
+N_TRAIN=${N_TRAIN:-1000000}
 N_TEST=${N_TEST:-256}
 TIMING_STEPS=${TIMING_STEPS:-20}
 TIMING_AFTER=${TIMING_AFTER:-}
@@ -64,6 +82,9 @@ TIMING_WAIT_S=${TIMING_WAIT_S:-600}
 DEVICE=${DEVICE:-cuda}
 BUILD=${BUILD:-1}
 TASK_ARGS=${TASK_ARGS:-}
+LOG_EVERY=${LOG_EVERY:-100}
+GPU_CHECK=${GPU_CHECK:-1}
+TIMING=${TIMING:-1}
 RES=$STORE/res
 
 phases() {
@@ -90,13 +111,12 @@ phases() {
     sleep 2
   done
   ph "build done"
-  ph "gpu check"
-  python3 -m pytest -q -p no:cacheprovider "$A/tests/test_ar_methods.py" -k on_gpu > "$RES/gpu_check.log" 2>&1 \
-    || ph "gpu check failed (see gpu_check.log)"
+  [ "$GPU_CHECK" = 1 ] && ph "gpu check" && python3 -m pytest -q -p no:cacheprovider "$A/tests/test_ar_methods.py" -k on_gpu > "$RES/gpu_check.log" 2>&1 \
+    || { [ "$GPU_CHECK" = 1 ] && ph "gpu check failed (see gpu_check.log)"; } || true
   # shellcheck disable=SC2206
   task=($TASK_ARGS)
   common=(--steps "$STEPS" --batch "$BATCH" --warmup "$WARMUP" --lr "$LR" --n-train "$N_TRAIN" --n-test "$N_TEST"
-          --device "$DEVICE" "${task[@]}")
+          --vocab "$VOCAB" --n-kv "$N_KV" --n-q "$N_KV" --log-every "$LOG_EVERY" --device "$DEVICE" "${task[@]}")
   # cells PHASE CAP SEEDS "LEN:D ..." : every method of every (LEN, D), PAR at a time
   cells() {
     local phase=$1 cap=$2 seeds=$3 shapes=$4 pids=() n d m
@@ -129,11 +149,11 @@ phases() {
     for _ in $(seq "$TIMING_WAIT_S"); do [ -e "$TIMING_AFTER" ] && break; sleep 1; done
     ph "timing after $TIMING_AFTER: $([ -e "$TIMING_AFTER" ] && echo present || echo "absent after ${TIMING_WAIT_S} s")"
   fi
-  ph "timing"
-  for m in $METHODS; do
+  [ "$TIMING" = 1 ] && ph "timing"
+  [ "$TIMING" = 1 ] && for m in $METHODS; do
     python3 "$A/ar_train.py" train --seqlen "$SEQLEN_HEAD" --d-model "$D_HEAD" --method "$m" --seeds 0 \
       --steps "$TIMING_STEPS" --batch "$BATCH" --warmup "$WARMUP" --lr "$LR" --n-train "$N_TRAIN" --n-test 16 \
-      --device "$DEVICE" "${task[@]}" \
+      --vocab "$VOCAB" --n-kv "$N_KV" --n-q "$N_KV" --device "$DEVICE" "${task[@]}" \
       --out "$RES/timing/${SEQLEN_HEAD}_${D_HEAD}_${m}.json" > "$RES/logs/timing_${m}.log" 2>&1 || ph "timing $m failed"
   done
   ph "collect"
@@ -148,7 +168,7 @@ start)
   cp -r . "$STORE/repo/"
   export -f phases
   export STORE METHODS SEQLEN_HEAD D_HEAD SEEDS_HEAD TREND_LENS D_TREND SEEDS_TREND GRID_LENS GRID_DS PAR STEPS \
-    BATCH WARMUP LR TIME_CAP_S TREND_TIME_CAP_S N_TRAIN N_TEST TIMING_STEPS TIMING_AFTER TIMING_WAIT_S DEVICE BUILD \
+    BATCH WARMUP VOCAB N_KV LOG_EVERY GPU_CHECK TIMING LR TIME_CAP_S TREND_TIME_CAP_S N_TRAIN N_TEST TIMING_STEPS TIMING_AFTER TIMING_WAIT_S DEVICE BUILD \
     TASK_ARGS RES
   setsid nohup bash -c phases > "$STORE/phases.out" 2>&1 < /dev/null &
   echo "gpu_run: started (log $RES/phases.log)"
@@ -162,7 +182,7 @@ wait)
   fi
   ;;
 *)
-  echo "usage: gpu_run.sh start | wait [SECONDS]" >&2
+  echo "usage: gpu_run.sh start | calib | wait [SECONDS]" >&2
   exit 2
   ;;
 esac
