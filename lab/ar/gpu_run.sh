@@ -5,7 +5,8 @@
 #
 #   there: bash lab/ar/gpu_run.sh start    copies this tree to $STORE/repo and runs every phase
 #                                          there (setsid); returns at once
-#   there: bash lab/ar/gpu_run.sh calib    the same, full alone at the head cell (see below)
+#   there: bash lab/ar/gpu_run.sh calib    the same, full alone at the head cell (see below), or
+#                                          with CALIB_LRS one full cell per learning rate
 #   there: bash lab/ar/gpu_run.sh wait [S] waits up to S seconds (default 540) or until the run ends;
 #                                          prints the phase log and each log's tail; packs the results
 #                                          into $OUT/ar_results.tgz
@@ -53,6 +54,9 @@ if [ "${1:-}" = calib ]; then
   METHODS=${METHODS:-full} SEEDS_HEAD=${SEEDS_HEAD:-0} TREND_LENS=${TREND_LENS-} BUILD=${BUILD:-0}
   GPU_CHECK=${GPU_CHECK:-0} TIMING=${TIMING:-0} STEPS=${STEPS:-2000} TIME_CAP_S=${TIME_CAP_S:-240}
   LOG_EVERY=${LOG_EVERY:-50}
+  # CALIB_LRS: one full cell per learning rate, all at once (cells/calib_lr<LR>.json and
+  # logs/calib_lr<LR>.log), instead of the head cell at LR.
+  CALIB_LRS=${CALIB_LRS:-}
   set -- start
 fi
 STORE=${STORE:-/tmp/mala-ar}
@@ -136,6 +140,20 @@ phases() {
     done
     for p in "${pids[@]}"; do wait "$p" || ph "a $phase cell failed (pid $p)"; done
   }
+  if [ -n "${CALIB_LRS:-}" ]; then
+    ph "calib lrs=[$CALIB_LRS]"
+    local pids=() lr
+    for lr in $CALIB_LRS; do
+      # shellcheck disable=SC2086
+      python3 "$A/ar_train.py" train --seqlen "$SEQLEN_HEAD" --d-model "$D_HEAD" --method full --seeds $SEEDS_HEAD \
+        --time-cap-s "$TIME_CAP_S" "${common[@]}" --lr "$lr" --out "$RES/cells/calib_lr${lr}.json" \
+        > "$RES/logs/calib_lr${lr}.log" 2>&1 &
+      pids+=($!)
+    done
+    for p in "${pids[@]}"; do wait "$p" || ph "a calib cell failed (pid $p)"; done
+    ph "all done"
+    return
+  fi
   cells head "$TIME_CAP_S" "$SEEDS_HEAD" "$SEQLEN_HEAD:$D_HEAD"
   trend=""
   for n in $TREND_LENS; do trend="$trend $n:$D_TREND"; done
@@ -168,7 +186,7 @@ start)
   cp -r . "$STORE/repo/"
   export -f phases
   export STORE METHODS SEQLEN_HEAD D_HEAD SEEDS_HEAD TREND_LENS D_TREND SEEDS_TREND GRID_LENS GRID_DS PAR STEPS \
-    BATCH WARMUP VOCAB N_KV LOG_EVERY GPU_CHECK TIMING LR TIME_CAP_S TREND_TIME_CAP_S N_TRAIN N_TEST TIMING_STEPS TIMING_AFTER TIMING_WAIT_S DEVICE BUILD \
+    BATCH WARMUP VOCAB N_KV LOG_EVERY GPU_CHECK TIMING LR CALIB_LRS TIME_CAP_S TREND_TIME_CAP_S N_TRAIN N_TEST TIMING_STEPS TIMING_AFTER TIMING_WAIT_S DEVICE BUILD \
     TASK_ARGS RES
   setsid nohup bash -c phases > "$STORE/phases.out" 2>&1 < /dev/null &
   echo "gpu_run: started (log $RES/phases.log)"
