@@ -1,5 +1,5 @@
 """CPU smoke tests of the study's loop (lab/ar/ar_train.py): dense attention learns a tiny MQAR
-well above chance, every method trains a few steps and writes its cell, training is step-matched
+(recall, beyond the in-context shortcut), every method trains a few steps and writes its cell, training is step-matched
 (the time cap only stops and flags), cells collect into the summary, and the bootstrap interval
 behaves."""
 
@@ -16,12 +16,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import ar_train  # noqa: E402
 
-# 4 pairs in 32 tokens, 16 values: chance is 1/16.  Ceiling 8 keys, MoBA blocks of 4, NSA's own
+# 4 pairs in 32 tokens, 16 values: chance is 1/16; emitting any value of the sequence (the in-context
+# heuristic a model finds before recall) scores SHORTCUT = 1/4.  Ceiling 8 keys, MoBA blocks of 4, NSA's own
 # budget (window 0, blocks of 4) never runs on the CPU.
 TINY = ["--seqlen", "32", "--n-kv", "4", "--n-q", "4", "--vocab", "32", "--d-model", "32", "--batch", "32",
-        "--lr", "1e-2", "--warmup", "10", "--n-train", "2048", "--n-test", "128", "--log-every", "0",
+        "--lr", "3e-3", "--warmup", "10", "--n-train", "2048", "--n-test", "128", "--log-every", "0",
         "--ceiling", "8", "--moba-block", "4", "--nsa-window", "0", "--nsa-block", "4", "--device", "cpu"]
 CHANCE = 1 / 16
+SHORTCUT = 1 / 4
 
 
 def _train(tmp_path, method, steps, *extra):
@@ -38,11 +40,12 @@ def _train(tmp_path, method, steps, *extra):
     return cell
 
 
-def test_full_learns_well_above_chance(tmp_path):
-    cell = _train(tmp_path, "full", 200)
-    assert cell["accuracy"] > 3 * CHANCE
+def test_full_learns_recall_beyond_the_shortcut(tmp_path):
+    # 600 steps at lr 3e-3 reach 1.0 here; the shortcut alone stays near 1/4 (lr 1e-2, or 200 steps).
+    cell = _train(tmp_path, "full", 600)
+    assert cell["accuracy"] > 0.9
     lo, hi = cell["ci95"]
-    assert 2 * CHANCE < lo <= cell["accuracy"] <= hi
+    assert 2 * SHORTCUT < lo <= cell["accuracy"] <= hi
     assert cell["mean_slots"] == pytest.approx(16.5)  # (32 + 1) / 2 keys per row, causal
 
 
