@@ -298,6 +298,7 @@ def summary_markdown(datas):
         out += decode_tables(data)
         out += sweep_tables(data)
         out += training_tables(data, "secondary", [(8, 1, 64), (8, 8, 128)])
+        out += training_tables(data, "fa4", [(8, 1, 128), (12, 2, 128), (8, 1, 64), (8, 1, 256)])
         out += dist_tables(data)
         rs = _reasons(data["records"])
         if rs:

@@ -16,6 +16,9 @@ Sections (each self-contained: every ratio it implies is measured inside it, on 
   sweep      synthetic inputs swept over sharpness: speedup over the fastest dense baseline
              against the retained fraction (fwd, bwd)
   secondary  head dim 64 and MHA (Hq = Hkv = 8), random inputs
+  fa4        (not in the default list) the shapes of issue 67's table against FlashAttention-4:
+             FA4_SHAPES at N = 8K, 32K, 128K, fwd and bwd, random inputs; kernels_vs_fa4.py turns
+             its records into bench/results/kernels_vs_fa4.json
   calibrate  (not in the default list) rule-model retained fraction vs sharpness at --sweep-ns
 A time budget (--deadline, or --budget-s) skips what would not fit and says so in the results.
 """
@@ -55,6 +58,7 @@ FULL = {
     "sweep_ns": [32, 128],
     "sweep_ops": ["fwd", "bwd"],
     "secondary_ns": [2, 8, 32],
+    "fa4_ns": [8, 32, 128],
     "ops": ["fwd", "bwd", "fwd_bwd"],
     "target_s": 0.6,
 }
@@ -66,6 +70,7 @@ QUICK = {
     "sweep_ns": [8],
     "sweep_ops": ["fwd", "bwd"],
     "secondary_ns": [4],
+    "fa4_ns": [8],
     "ops": ["fwd", "bwd", "fwd_bwd"],
     "target_s": 0.3,
 }
@@ -79,6 +84,9 @@ SWEEP_SHARPNESS = {
     128: [0.0, 2.0, 3.0, 4.0, 6.0, 10.0],
 }
 DEFAULT_SYSTEMS = ["sdpa_flash", "sdpa_cudnn", "flex", "fsa", "mala", "mala0"]
+# The fa4 section's (Hq, Hkv, d): the two d = 128 head layouts of issue 67's targets, then d = 64
+# and d = 256 (no slower than before).
+FA4_SHAPES = ((8, 1, 128), (12, 2, 128), (8, 1, 64), (8, 1, 256))
 DENSE = ("sdpa_flash", "sdpa_cudnn", "flex")
 RESERVE_S = 30.0  # kept for writing plots and the summary
 
@@ -341,6 +349,8 @@ def section_guard(ctx, systems):
     shapes = [("random", 0.0, 1, 1024, 8, 1, 128), ("synthetic", 4.0, 1, 1024, 8, 1, 128)]
     if "secondary" in ctx.args.sections.split(",") or "dist" in ctx.args.sections.split(","):
         shapes.append(("random", 0.0, 2, 512, 8, 8, 64))  # MHA and d = 64, for the secondary shapes
+    if "fa4" in ctx.args.sections.split(","):
+        shapes += [("random", 0.0, 1, 512, Hq, Hkv, d) for Hq, Hkv, d in FA4_SHAPES[1:]]
     for regime, sharp, B, N, Hq, Hkv, d in shapes:
         q, k, v, dout = common.make_inputs(regime, B, N, Hq, Hkv, d, sharp, seed=1)
         # fp32 reference from the same bf16-rounded inputs
@@ -529,6 +539,15 @@ def section_secondary(ctx, systems):
             bench_training_shape(ctx, "secondary", systems, "random", 0.0, 1, n * KI, Hq, Hkv, d, ctx.cfg["ops"])
 
 
+def section_fa4(ctx, systems):
+    ns = ctx.cfg["fa4_ns"]
+    ops = [op for op in ctx.cfg["ops"] if op in ("fwd", "bwd")]
+    ctx.log(f"fa4: (Hq, Hkv, d) in {FA4_SHAPES}, random, N = {ns} K, ops {ops}")
+    for n in ns:
+        for Hq, Hkv, d in FA4_SHAPES:
+            bench_training_shape(ctx, "fa4", systems, "random", 0.0, 1, n * KI, Hq, Hkv, d, ops)
+
+
 def section_decode(ctx, systems):
     ns, batches = ctx.cfg["decode_ns"], ctx.cfg["decode_batches"]
     sharp_dec = ctx.cfg["decode_sharpness"]
@@ -700,6 +719,8 @@ def main():
                     help="primary sequence lengths in K tokens (overrides the preset)")
     ap.add_argument("--decode-ns", type=lambda s: [int(x) for x in s.split(",")], default=None)
     ap.add_argument("--secondary-ns", type=lambda s: [int(x) for x in s.split(",")], default=None)
+    ap.add_argument("--fa4-ns", type=lambda s: [int(x) for x in s.split(",")], default=None,
+                    help="the fa4 section's sequence lengths in K tokens (default 8,32,128; --quick 8)")
     ap.add_argument("--sweep-ns", type=lambda s: [int(x) for x in s.split(",")], default=None)
     ap.add_argument("--sharpness", type=lambda s: [float(x) for x in s.split(",")], default=None)
     ap.add_argument("--calibrate", action="store_true", help="choose the sweep's sharpness with the rule model")
@@ -731,6 +752,8 @@ def main():
         cfg["decode_ns"] = args.decode_ns
     if args.secondary_ns:
         cfg["secondary_ns"] = args.secondary_ns
+    if args.fa4_ns:
+        cfg["fa4_ns"] = args.fa4_ns
     os.makedirs(args.out, exist_ok=True)
     timing.DEVICE = args.device
     if args.device != "cpu" and not torch.cuda.is_available():
@@ -754,7 +777,7 @@ def main():
                             fi_scale_factors=args.fi_scale_factors)
     sections = args.sections.split(",")
     funcs = {"calibrate": section_calibrate, "guard": section_guard, "primary": section_primary, "decode": section_decode,
-             "sweep": section_sweep, "secondary": section_secondary, "real": section_real}
+             "sweep": section_sweep, "secondary": section_secondary, "fa4": section_fa4, "real": section_real}
     for sec in sections:
         if sec not in funcs:
             raise SystemExit(f"unknown section {sec}")

@@ -105,3 +105,37 @@ def test_flops():
     # 4 * N * (N+1)/2 * d * H for causal self-attention
     assert timing.causal_flops_fwd(1, 1024, 1024, 8, 128) == 4 * 1024 * (1025 / 2) * 128 * 8
     assert timing.causal_flops_fwd(2, 1, 4096, 8, 128) == 4 * 4096 * 128 * 8 * 2
+
+
+def test_kernels_vs_fa4_rows_pair_each_mala_record_with_its_own_shapes_baselines(tmp_path):
+    import json
+
+    import kernels_vs_fa4
+
+    def rec(system, ms, status="ok", tau=None, N=8192, Hq=8, Hkv=1, op="fwd", **kw):
+        return dict(section="fa4", op=op, system=system, tau=tau, regime="random", sharpness=0.0, B=1, N=N,
+                    Hq=Hq, Hkv=Hkv, d=128, status=status, ms=ms, **kw)
+
+    data = {"meta": {"device": "GPU X"}, "records": [
+        rec("mala_tau1", 2.0, tau=1.0, fwd_slots_mean=100.0, fwd_retained_fraction=0.5),
+        rec("mala_tau0", 2.5, tau=0.0),
+        rec("fa4", 3.0), rec("sdpa_cudnn", 4.0),
+        # another head layout: its own baselines only; FA4 unavailable there
+        rec("mala_tau1", 5.0, tau=1.0, Hq=12, Hkv=2), rec("fa4", None, status="unavailable", Hq=12, Hkv=2),
+        rec("sdpa_cudnn", 6.0, Hq=12, Hkv=2),
+        rec("mala_tau1", 1.0, tau=1.0, op="fwd_bwd"),  # not an op of the table
+        dict(rec("mala_tau1", 9.0, tau=1.0), section="decode"),  # not a training section
+    ]}
+    rows = kernels_vs_fa4.rows(data)
+    assert [(r["heads"], r["tau"]) for r in rows] == [("12/2", 1.0), ("8/1", 0.0), ("8/1", 1.0)]
+    r = rows[2]
+    assert r["mala_ms"] == 2.0 and r["fa4_ms"] == 3.0 and r["cudnn_ms"] == 4.0 and r["device"] == "GPU X"
+    assert r["vs_fa4"] == pytest.approx(1.5) and r["vs_cudnn"] == pytest.approx(2.0)
+    assert r["fwd_slots"] == 100.0 and r["retained_fwd"] == 0.5 and r["input"] == "random"
+    assert rows[1]["vs_fa4"] == pytest.approx(1.2)
+    assert rows[0]["fa4_ms"] is None and rows[0]["fa4_status"] == "unavailable" and rows[0]["vs_cudnn"] == 1.2
+    p = tmp_path / "results.json"
+    p.write_text(json.dumps(data))
+    out = tmp_path / "t" / "kernels_vs_fa4.json"
+    assert kernels_vs_fa4.main([str(p), "--out", str(out)]) == 0
+    assert json.loads(out.read_text()) == rows
