@@ -202,9 +202,7 @@ struct BwdPreprocess {
   using Params = RowParams;
   template <typename T, int D>
   __device__ __forceinline__ static void run(const Params& p, int warp, int lane) {
-    const RowWarp rw = RowWarp::of(p, warp);
-    const int64_t g = rw.g;
-    const int h = rw.h;
+    const auto [g, h] = RowWarp::of(p, warp);
     const int64_t total = rp_total(p);
     if (g >= p.rows_cap) return;
     if (g >= total) {
@@ -256,9 +254,7 @@ struct BwdConvert {
   using Params = RowParams;
   template <typename T, int D>
   __device__ __forceinline__ static void run(const Params& p, int warp, int lane) {
-    const RowWarp rw = RowWarp::of(p, warp);
-    const int64_t g = rw.g;
-    const int h = rw.h;
+    const auto [g, h] = RowWarp::of(p, warp);
     if (g >= rp_total(p)) return;
     T* dst = static_cast<T*>(p.dst) + rp_offset(p, p.dst_s, g, h);
     if (p.src_fixed) {  // the fixed-point dQ: each sum to fp32 (rounded once), then out of the row's unit
