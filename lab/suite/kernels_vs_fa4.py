@@ -24,6 +24,10 @@ def _key(r):
     return tuple(r.get(k) for k in SHAPE_KEYS)
 
 
+def _ms(r):
+    return r["ms"] if r is not None and r.get("status") == "ok" else None
+
+
 def rows(data, sections=("fa4", "primary", "secondary")):
     """The table's rows from one results.json document (records of the given sections)."""
     recs = [r for r in data.get("records", []) if r.get("section") in sections and r.get("op") in ("fwd", "bwd")]
@@ -42,11 +46,7 @@ def rows(data, sections=("fa4", "primary", "secondary")):
         for name, m in sorted(systems.items()):
             if not name.startswith("mala_tau") or m.get("status") != "ok":
                 continue
-
-            def ms(r):
-                return r["ms"] if r is not None and r.get("status") == "ok" else None
-
-            mala_ms, fa4_ms, cudnn_ms = m["ms"], ms(fa4), ms(cudnn)
+            mala_ms, fa4_ms, cudnn_ms = m["ms"], _ms(fa4), _ms(cudnn)
             row = {"op": shape["op"], "N": shape["N"], "d": shape["d"], "heads": f"{shape['Hq']}/{shape['Hkv']}",
                    "tau": m.get("tau"), "input": shape["regime"], "mala_ms": mala_ms, "fa4_ms": fa4_ms,
                    "cudnn_ms": cudnn_ms, "vs_fa4": fa4_ms / mala_ms if fa4_ms else None,
