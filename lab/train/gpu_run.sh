@@ -25,7 +25,10 @@
 # $RES/loss_timing.json) and compiles where that is at least 5% faster.  FA4_SITE: a pip --target
 # folder that lab/scripts/wheels.sh install fa4 fills during the run (its wheels come in parts over
 # several calls); the speed phase waits up to FA4_WAIT_S (300) for its .ready-fa4, then times
-# FlashAttention-4 beside the others (speed.json records it unavailable otherwise).
+# FlashAttention-4 beside the others (speed.json records it unavailable otherwise).  SERIAL=1 trains
+# the runs of a stage one after another instead of at once: processes sharing the GPU are time-sliced,
+# and an s4m step that takes 93 ms alone took 406 ms beside one other run and 610 ms beside five, so
+# serial runs finish sooner; use it with fixed PT_STEPS / LCT_STEPS (budgets are then per run).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 STORE=${STORE:-/tmp/mala-train}
@@ -40,6 +43,7 @@ LCT_STEPS=${LCT_STEPS:-0}
 COMPILE_LOSS=${COMPILE_LOSS:-0}
 FA4_SITE=${FA4_SITE:-}
 FA4_WAIT_S=${FA4_WAIT_S:-300}
+SERIAL=${SERIAL:-0}
 RES=$STORE/res
 
 # Per-size overrides: SEEDS_<size>, ARMS_<size>, PT_STEPS_<size>, LCT_STEPS_<size> (for example a
@@ -53,7 +57,7 @@ phases() {
   mkdir -p "$D" "$W" "$RES" "$STORE/sync"
   cd "$R"
   ph() { echo "$(date +%T) $*" >> "$RES/phases.log"; }
-  ph "start SIZES=$SIZES SEEDS=$SEEDS ARMS=$ARMS PT_BUDGET_S=$PT_BUDGET_S LCT_BUDGET_S=$LCT_BUDGET_S PT_STEPS=$PT_STEPS LCT_STEPS=$LCT_STEPS COMPILE_LOSS=$COMPILE_LOSS" \
+  ph "start SERIAL=$SERIAL SIZES=$SIZES SEEDS=$SEEDS ARMS=$ARMS PT_BUDGET_S=$PT_BUDGET_S LCT_BUDGET_S=$LCT_BUDGET_S PT_STEPS=$PT_STEPS LCT_STEPS=$LCT_STEPS COMPILE_LOSS=$COMPILE_LOSS" \
      "$(env | grep -E '^(SEEDS|ARMS|PT_STEPS|LCT_STEPS)_' | sort | tr '\n' ' ')"
   rm -rf "$STORE/site" "$STORE/build.done" "$STORE/build.failed"
   ( CMAKE_ARGS=-DCMAKE_CUDA_ARCHITECTURES=90a CMAKE_BUILD_PARALLEL_LEVEL=16 python3 -m pip install \
@@ -98,6 +102,9 @@ PYEOF
   common=(--data "$D" --tokenizer "$TOK" --out "$RES" --work "$W")
   cl=()
   [ "$COMPILE_LOSS" = 1 ] && cl=(--compile-loss)
+  # Serial runs take no time from one another, so there is no step count for the arms to agree on.
+  sync=(--sync "$STORE/sync")
+  if [ "$SERIAL" = 1 ]; then sync=(); fi
   ph "pt"
   pids=()
   for s in $SIZES; do
@@ -105,25 +112,27 @@ PYEOF
       for arm in $(for_size ARMS "$s"); do
         python3 "$T/train.py" --size "$s" --arm "$arm" --seed "$seed" --stage pt --seqlen 4096 --budget-s "$PT_BUDGET_S" \
           --steps "$(for_size PT_STEPS "$s")" \
-          --sync "$STORE/sync" --eval-every 100 "${cl[@]}" "${common[@]}" > "$RES/pt_${s}_${arm}_s${seed}.log" 2>&1 &
+          "${sync[@]}" --eval-every 100 "${cl[@]}" "${common[@]}" > "$RES/pt_${s}_${arm}_s${seed}.log" 2>&1 &
         pids+=($!)
+        if [ "$SERIAL" = 1 ]; then wait "$!" || ph "a pt run failed (pid $!)"; fi
       done
     done
   done
-  for p in "${pids[@]}"; do wait "$p" || ph "a pt run failed (pid $p)"; done
+  [ "$SERIAL" = 1 ] || for p in "${pids[@]}"; do wait "$p" || ph "a pt run failed (pid $p)"; done
   ph "lct"
   pids=()
   for s in $LCT_SIZES; do
     for seed in $(for_size SEEDS "$s"); do
       for arm in $(for_size ARMS "$s"); do
         python3 "$T/train.py" --size "$s" --arm "$arm" --seed "$seed" --stage lct --seqlen 16384 \
-          --budget-s "$LCT_BUDGET_S" --steps "$(for_size LCT_STEPS "$s")" --probe-steps 20 --sync "$STORE/sync" --eval-every 25 "${cl[@]}" "${common[@]}" \
+          --budget-s "$LCT_BUDGET_S" --steps "$(for_size LCT_STEPS "$s")" --probe-steps 20 "${sync[@]}" --eval-every 25 "${cl[@]}" "${common[@]}" \
           > "$RES/lct_${s}_${arm}_s${seed}.log" 2>&1 &
         pids+=($!)
+        if [ "$SERIAL" = 1 ]; then wait "$!" || ph "an lct run failed (pid $!)"; fi
       done
     done
   done
-  for p in "${pids[@]}"; do wait "$p" || ph "an lct run failed (pid $p)"; done
+  [ "$SERIAL" = 1 ] || for p in "${pids[@]}"; do wait "$p" || ph "an lct run failed (pid $p)"; done
   ph "timing"
   A=(--data "$D" --tokenizer "$TOK" --out "$RES" --work "$W")
   T_A=("${A[@]}" "${cl[@]}")
@@ -201,7 +210,7 @@ start)
   rm -rf "$STORE/repo" "$RES" && mkdir -p "$STORE/repo" "$RES"
   cp -r . "$STORE/repo/"
   export -f phases arms_analyzed for_size
-  export STORE SIZES SEEDS LCT_SIZES PT_BUDGET_S LCT_BUDGET_S PT_STEPS LCT_STEPS COMPILE_LOSS RES SPEED_SIZES FA4_SITE FA4_WAIT_S ARMS
+  export SERIAL STORE SIZES SEEDS LCT_SIZES PT_BUDGET_S LCT_BUDGET_S PT_STEPS LCT_STEPS COMPILE_LOSS RES SPEED_SIZES FA4_SITE FA4_WAIT_S ARMS
   setsid nohup bash -c phases > "$STORE/phases.out" 2>&1 < /dev/null &
   echo "gpu_run: started (log $RES/phases.log)"
   ;;
