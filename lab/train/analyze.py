@@ -17,7 +17,10 @@
            attention (SDPA, SDPA's memory-efficient kernel, MALA at tau = 0 and at --tau) against the
            same model's gradient in fp32 without autocast (SDPA's math kernel): relative L2 error and
            cosine per attention, and each loss; whether MALA's kernels at tau = 0 are as faithful as
-           torch's own, which the control arm's loss cannot tell apart from trajectories drifting
+           torch's own, which the control arm's loss cannot tell apart from trajectories drifting;
+           also against the same bf16 model with its attention alone in fp32 ("sdpa_fp32"): each
+           attention's own error and its bias (the error's component along that gradient), over
+           --batches disjoint batches
 
     python3 lab/train/analyze.py timing --work W --out O --size s4m --arm mala --stage lct --seqlen 16384
 """
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -189,15 +193,19 @@ def cmd_regime(args, device):
 def cmd_grads(args, device):
     from contextlib import nullcontext
 
+    from train_summary import t_interval
+
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     import mala.integrations.transformers as mala_hf
 
     model = load(args, device)
     held = corpus.sequences(np.load(os.path.join(args.data, "heldout.npy"), mmap_mode="r"), args.seqlen)
-    x = torch.from_numpy(np.stack(held[: args.sequences]).astype(np.int64)).to(device)
+    if len(held) < args.sequences * args.batches:
+        raise ValueError(f"--batches {args.batches} x --sequences {args.sequences}: the held-out split has "
+                         f"{len(held)} sequences of {args.seqlen}")
 
-    def grad(name, amp, backend=None):
+    def grad(x, name, amp, backend=None):
         attn.set_attention(model, name)
         model.zero_grad(set_to_none=True)
         with (train.autocast(device) if amp else nullcontext()), (sdpa_kernel([backend]) if backend else nullcontext()):
@@ -207,19 +215,47 @@ def cmd_grads(args, device):
         model.zero_grad(set_to_none=True)
         return float(loss.detach()), g
 
-    loss_ref, ref = grad("sdpa", amp=False, backend=SDPBackend.MATH)
-    out = {"seqlen": args.seqlen, "sequences": int(x.shape[0]), "reference": "fp32, no autocast, SDPA math",
-           "loss_reference": loss_ref, "attention": {}}
-    for label, name, tau in (("sdpa", "sdpa", None), ("sdpa_ea", "sdpa_ea", None), ("mala_tau0", "mala", 0.0),
-                             (f"mala_tau{args.tau:g}", "mala", args.tau)):
-        if tau is not None:
-            mala_hf.register(tau=tau)
-        loss, g = grad(name, amp=True)
-        err = float((g - ref).norm() / ref.norm())
-        cos = float(torch.nn.functional.cosine_similarity(g, ref, dim=0))
-        out["attention"][label] = {"loss": loss, "grad_rel_err": err, "grad_cosine": cos}
-        train.log(f"grads {args.size} {args.arm} {label}: loss {loss:.5f} (fp32 {loss_ref:.5f}), "
-                  f"gradient rel. error {err:.3e}, cosine {cos:.6f}")
+    def vs(g, ref):
+        # Relative L2 error, cosine, and the error's component along the reference, relative to it:
+        # negative where the attention shrinks the gradient, the kind of bias a relative error hides.
+        d = g - ref
+        rr = float(ref.dot(ref))
+        return {"rel_err": float(d.norm()) / math.sqrt(rr), "cosine": float(torch.nn.functional.cosine_similarity(g, ref, dim=0)),
+                "bias": float(d.dot(ref)) / rr}
+
+    labels = (("sdpa", "sdpa", None), ("sdpa_ea", "sdpa_ea", None), ("mala_tau0", "mala", 0.0),
+              (f"mala_tau{args.tau:g}", "mala", args.tau))
+    out = {"seqlen": args.seqlen, "sequences": args.sequences, "batches": args.batches,
+           "reference": "fp32, no autocast, SDPA math",
+           "reference_attention": "bf16 autocast, attention alone in fp32 (SDPA math): the attention's own error",
+           "attention": {lab: {"per_batch": []} for lab, _, _ in labels}}
+    for b in range(args.batches):
+        x = torch.from_numpy(np.stack(held[b * args.sequences:(b + 1) * args.sequences]).astype(np.int64)).to(device)
+        loss_ref, ref = grad(x, "sdpa", amp=False, backend=SDPBackend.MATH)
+        _, ref_attn = grad(x, "sdpa_fp32", amp=True)
+        got = {}
+        for label, name, tau in labels:
+            if tau is not None:
+                mala_hf.register(tau=tau)
+            loss, g = grad(x, name, amp=True)
+            got[label] = g
+            full, own = vs(g, ref), vs(g, ref_attn)
+            out["attention"][label]["per_batch"].append(
+                {"loss": loss, "loss_reference": loss_ref, "grad_rel_err": full["rel_err"], "grad_cosine": full["cosine"],
+                 "grad_bias": full["bias"], "attn_rel_err": own["rel_err"], "attn_bias": own["bias"]})
+            train.log(f"grads {args.size} {args.arm} batch {b} {label}: loss {loss:.5f} (fp32 {loss_ref:.5f}), "
+                      f"gradient rel. error {full['rel_err']:.3e}, cosine {full['cosine']:.6f}; against fp32 attention "
+                      f"{own['rel_err']:.3e}, bias {own['bias']:+.2e}")
+        # How far the MALA-kernel gradients are from SDPA's, beside how far SDPA's two kernels are apart.
+        for label in ("sdpa_ea", "mala_tau0"):
+            out["attention"][label]["per_batch"][-1]["rel_to_sdpa"] = vs(got[label], got["sdpa"])["rel_err"]
+    for label in out["attention"]:
+        rows = out["attention"][label]["per_batch"]
+        for k in rows[0]:
+            out["attention"][label][k] = float(np.mean([r[k] for r in rows]))
+        if len(rows) > 1:
+            out["attention"][label]["attn_bias_ci95"] = t_interval([r["attn_bias"] for r in rows])
+    out["loss_reference"] = float(np.mean([r["loss_reference"] for r in out["attention"]["sdpa"]["per_batch"]]))
     merge(os.path.join(args.out, "grads.json"), f"{train.run_tag(args.size, args.arm, args.stage, args.seed)}_{args.seqlen}",
           out)
 
@@ -283,6 +319,7 @@ def main():
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--lengths", default="1024,2048,4096,8192,16384")
     ap.add_argument("--sequences", type=int, default=2)
+    ap.add_argument("--batches", type=int, default=1, help="grads: disjoint batches of --sequences held-out sequences")
     ap.add_argument("--save-states", default="")
     ap.add_argument("--save-n", type=int, default=8192)
     ap.add_argument("--n", type=int, default=16384)

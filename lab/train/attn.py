@@ -7,6 +7,8 @@
   "mala_stats"  mala.attention(tau, return_stats=True) per layer, recording the kernels' realized work
                 (forward and, once backward has run, backward slots and tile decisions) in RECORD;
                 used to measure either arm's held-out batch with MALA tau = 1
+  "sdpa_fp32"   SDPA in float32 (math kernel) inside the bf16 model: the reference that isolates an
+                attention's own error in analyze.py grads
   "timed"       whichever of the above TIMED["inner"] names, with CUDA events around each layer's
                 attention forward and backward (the backward's span runs from the output's gradient
                 to the query's)
@@ -58,6 +60,20 @@ def _sdpa_ea_attention(module, query, key, value, attention_mask, scaling=None, 
     return out.transpose(1, 2).contiguous(), None
 
 
+def _sdpa_fp32_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Causal SDPA in float32 on SDPA's math kernel, whatever the autocast: the inputs upcast (exact),
+    the output cast back to the inputs' dtype.  Under the training's bf16 autocast every other op
+    rounds as in training, so a gradient's distance from this one is its attention's own error."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    _plain_causal(attention_mask)
+    dt = query.dtype
+    with torch.autocast(query.device.type, enabled=False), sdpa_kernel([SDPBackend.MATH]):
+        out = torch.nn.functional.scaled_dot_product_attention(query.float(), key.float(), value.float(), is_causal=True,
+                                                               scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
+    return out.to(dt).transpose(1, 2).contiguous(), None
+
+
 def _timed_attention(module, query, key, value, attention_mask, **kwargs):
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -76,7 +92,7 @@ def _timed_attention(module, query, key, value, attention_mask, **kwargs):
 
 
 def register(tau: float = 1.0):
-    """Registers "mala" (the integration, at tau), "mala_stats", "sdpa_ea" and "timed"."""
+    """Registers "mala" (the integration, at tau), "mala_stats", "sdpa_ea", "sdpa_fp32" and "timed"."""
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
@@ -84,10 +100,12 @@ def register(tau: float = 1.0):
     RECORD["tau"] = float(tau)
     AttentionInterface.register("mala_stats", _stats_attention)
     AttentionInterface.register("sdpa_ea", _sdpa_ea_attention)
+    AttentionInterface.register("sdpa_fp32", _sdpa_fp32_attention)
     AttentionInterface.register("timed", _timed_attention)
     # The integration's mask builder: None for plain causal attention.
     AttentionMaskInterface.register("mala_stats", ALL_MASK_ATTENTION_FUNCTIONS["mala"])
     AttentionMaskInterface.register("sdpa_ea", ALL_MASK_ATTENTION_FUNCTIONS["mala"])
+    AttentionMaskInterface.register("sdpa_fp32", ALL_MASK_ATTENTION_FUNCTIONS["mala"])
     AttentionMaskInterface.register("timed", ALL_MASK_ATTENTION_FUNCTIONS["mala"])
 
 

@@ -163,9 +163,10 @@ PYEOF
   for s in $LCT_SIZES; do
     seed0=$(for_size SEEDS "$s"); seed0=${seed0%% *}
     arm0=$(for_size ARMS "$s"); arm0=${arm0%% *}
-    for nq in 4096:4 16384:1; do
-      python3 "$T/analyze.py" grads --size "$s" --arm "$arm0" --seed "$seed0" --stage lct --seqlen "${nq%%:*}" \
-        --sequences "${nq##*:}" "${A[@]}" >> "$RES/grads.log" 2>&1 || ph "grads $s $arm0 ${nq%%:*} failed"
+    for nq in 4096:4:8 16384:1:4; do
+      IFS=: read -r gn gs gb <<< "$nq"
+      python3 "$T/analyze.py" grads --size "$s" --arm "$arm0" --seed "$seed0" --stage lct --seqlen "$gn" \
+        --sequences "$gs" --batches "$gb" "${A[@]}" >> "$RES/grads.log" 2>&1 || ph "grads $s $arm0 $gn failed"
     done
   done
   if [ -n "$FA4_SITE" ]; then

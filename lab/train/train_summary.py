@@ -18,7 +18,9 @@ summary and "ci95" the 95% t-intervals of the mean over seeds; "paired" holds, p
 MALA-minus-dense difference of the two arms trained from the same seed (same initial weights and
 data order): mean, 95% t-interval, and the same relative to dense; "paired_pooled" the relative
 differences over every size's pairs (t-interval, sign test); "paired_control", where a mala0 or dense_ea arm
-ran, the same pairing of mala0 with dense, of mala with mala0 and of dense_ea with dense.  Timing, speed, the fidelity and
+ran, the same pairing of mala0 with dense, of mala with mala0, of dense_ea with dense and of mala0 and mala
+with dense_ea; "exact_arms", where two or more exact arms ran, their within-seed spread and MALA against
+their mean (exact_arms()).  Timing, speed, the fidelity and
 the matched-work study use the first seed.  Plots need matplotlib.
 """
 
@@ -57,7 +59,8 @@ def bootstrap_ci(x, reps=2000, seed=0, stat=np.mean):
 
 
 # Two-sided 95% quantiles of Student's t by degrees of freedom (intervals over a handful of seeds).
-T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
+T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
+        11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 16: 2.120, 17: 2.110, 18: 2.101, 19: 2.093, 20: 2.086}
 
 
 def t_interval(x):
@@ -208,6 +211,37 @@ def pooled(paired_by_size):
         p_sign = sum(math.comb(n, j) for j in range(pos, n + 1)) / 2 ** n if n else None
         out[k] = {"pairs": n, "positive": pos, "relative_mean_ci95": t_interval(r), "sign_test_p": p_sign,
                   "sizes": list(paired_by_size)}
+    return out
+
+
+def exact_arms(per_arm):
+    """Where two or more exact arms (dense, dense_ea, mala0: no tile skipped) trained the same seeds:
+    per loss, the seeds' exact runs, their within-seed spread (pooled standard deviation of one run,
+    relative to the seed's mean), MALA relative to its seed's exact mean (mean and 95% t-interval),
+    and how many (MALA-kernel run, SDPA run) pairs of one seed put the MALA-kernel run (mala or mala0)
+    above the SDPA one (dense or dense_ea)."""
+    exact = [a for a in ("dense", "dense_ea", "mala0") if a in per_arm]
+    if len(exact) < 2:
+        return None
+    seeds = [s for s in per_arm[exact[0]] if all(s in per_arm[a] for a in exact)]
+    out = {"arms": exact, "seeds": seeds}
+    for k in LOSSES:
+        runs = {str(s): {a: per_arm[a][s][k] for a in exact} for s in seeds}
+        dev = [(v - np.mean(list(r.values()))) / np.mean(list(r.values())) for r in runs.values() for v in r.values()]
+        dof = len(seeds) * (len(exact) - 1)
+        e = {"runs": runs, "run_sd_relative": float(math.sqrt(sum(x * x for x in dev) / dof))}
+        if "mala" in per_arm and all(s in per_arm["mala"] for s in seeds):
+            r = [(per_arm["mala"][s][k] - np.mean(list(runs[str(s)].values()))) / np.mean(list(runs[str(s)].values()))
+                 for s in seeds]
+            e["mala_minus_exact_mean_relative"] = [float(x) for x in r]
+            e["mala_minus_exact_mean_relative_ci95"] = t_interval(r)
+        mk = [a for a in ("mala", "mala0") if a in per_arm]
+        sd = [a for a in ("dense", "dense_ea") if a in per_arm]
+        if mk and sd:
+            cmp = [per_arm[m][s][k] > per_arm[d][s][k] for s in seeds for m in mk for d in sd
+                   if s in per_arm[m] and s in per_arm[d]]
+            e["mala_kernels_above_sdpa"] = [int(sum(cmp)), len(cmp)]
+        out[k] = e
     return out
 
 
@@ -402,10 +436,14 @@ def main(argv=None):
         if "dense" in per_arm and "mala" in per_arm:
             summary["paired"][size] = paired(per_arm["dense"], per_arm["mala"])
         controls = {f"{b}_minus_{a}": paired(per_arm[a], per_arm[b])
-                    for a, b in (("dense", "mala0"), ("mala0", "mala"), ("dense", "dense_ea"))
+                    for a, b in (("dense", "mala0"), ("mala0", "mala"), ("dense", "dense_ea"), ("dense_ea", "mala0"),
+                                 ("dense_ea", "mala"))
                     if a in per_arm and b in per_arm}
         if controls:  # the control (MALA's kernels at tau = 0) and the noise floor (a second exact kernel)
             summary.setdefault("paired_control", {})[size] = controls
+        ex = exact_arms(per_arm)
+        if ex:
+            summary.setdefault("exact_arms", {})[size] = ex
     summary["paired_pooled"] = pooled(summary["paired"])
     for res in folders:  # the gradient's fidelity (analyze.py grads), by run tag and length
         if os.path.exists(os.path.join(res, "grads.json")):
@@ -428,6 +466,14 @@ def main(argv=None):
                 ci = p[k]["relative_ci95"]
                 print(f"{size} paired {k}: {name} {p[k]['mean']:+.4f} nats, {100 * p[k]['relative_mean']:+.2f}%"
                       + (f" (95% CI {100 * ci[1]:+.2f}% .. {100 * ci[2]:+.2f}%)" if ci else ""))
+        ex = summary.get("exact_arms", {}).get(size)
+        for k in ("final_heldout_loss_4k", "final_heldout_loss_16k") if ex else ():
+            e = ex[k]
+            ci = e.get("mala_minus_exact_mean_relative_ci95")
+            print(f"{size} exact arms {ex['arms']} {k}: one run's sd {100 * e['run_sd_relative']:.2f}%"
+                  + (f"; mala - exact mean {100 * ci[0]:+.2f}% ({100 * ci[1]:+.2f}% .. {100 * ci[2]:+.2f}%)" if ci else "")
+                  + (f"; MALA-kernel runs above SDPA runs {e['mala_kernels_above_sdpa'][0]} of "
+                     f"{e['mala_kernels_above_sdpa'][1]}" if "mala_kernels_above_sdpa" in e else ""))
 
 
 if __name__ == "__main__":

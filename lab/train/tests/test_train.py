@@ -229,13 +229,22 @@ def test_a_few_steps_of_each_arm_lower_the_loss(roots, tmp_path):
         assert layer["fwd_retained"] == [1.0] * configs.SIZES["tiny"]["heads"]
     # The gradient's fidelity on the trained dense model: on the CPU (fp32, no autocast) every
     # attention's gradient equals the reference up to fp32 rounding, MALA's at tau = 0 too.
-    grads = run_analyze(tmp_path, data, tok_path, "grads", "dense", "--seqlen", "64", "--sequences", "2")
+    grads = run_analyze(tmp_path, data, tok_path, "grads", "dense", "--seqlen", "64", "--sequences", "2",
+                        "--batches", "2")
     grads = grads["tiny_dense_pt_64"]
-    assert grads["sequences"] == 2 and set(grads["attention"]) == {"sdpa", "sdpa_ea", "mala_tau0", "mala_tau1"}
+    assert grads["sequences"] == 2 and grads["batches"] == 2
+    assert set(grads["attention"]) == {"sdpa", "sdpa_ea", "mala_tau0", "mala_tau1"}
     for label in ("sdpa", "sdpa_ea", "mala_tau0"):
         g = grads["attention"][label]
+        assert len(g["per_batch"]) == 2 and len(g["attn_bias_ci95"]) == 3, label
         assert g["grad_rel_err"] < 1e-4 and g["grad_cosine"] > 0.9999, label
+        # Against the fp32-attention reference too (on the CPU the same arithmetic): no error, no bias.
+        assert g["attn_rel_err"] < 1e-4 and abs(g["attn_bias"]) < 1e-5, label
         assert g["loss"] == pytest.approx(grads["loss_reference"], rel=1e-5), label
+    # The two batches are different sequences, so their losses differ.
+    b0, b1 = grads["attention"]["sdpa"]["per_batch"]
+    assert b0["loss_reference"] != pytest.approx(b1["loss_reference"], rel=1e-4)
+    assert grads["attention"]["mala_tau0"]["rel_to_sdpa"] < 1e-4
     # Another seed: other initial weights (and data order), recorded under its own name.
     other = run_arm(tmp_path, data, tok_path, "dense", steps=2, seed=7)
     assert other["seed"] == 7

@@ -78,3 +78,25 @@ def test_pooled_counts_signs_over_every_pair():
     assert k["pairs"] == 5 and k["positive"] == 4
     assert k["sign_test_p"] == (5 + 1) / 32  # P(>= 4 heads of 5)
     assert k["relative_mean_ci95"][0] == pytest.approx((0.01 + 0.02 + 0.03 - 0.01 + 0.02) / 5)
+
+
+def test_exact_arms_spread_and_mala_against_their_mean():
+    def arm(vals):
+        return {s: {k: v for k in ts.LOSSES} for s, v in vals.items()}
+
+    per_arm = {"dense": arm({42: 2.0, 43: 3.0}), "dense_ea": arm({42: 2.2, 43: 3.0}),
+               "mala0": arm({42: 2.1, 43: 3.3}), "mala": arm({42: 2.31, 43: 3.1})}
+    e = ts.exact_arms(per_arm)
+    assert e["arms"] == ["dense", "dense_ea", "mala0"] and e["seeds"] == [42, 43]
+    k = e["final_heldout_loss_4k"]
+    assert k["runs"]["42"] == {"dense": 2.0, "dense_ea": 2.2, "mala0": 2.1}
+    # Deviations from each seed's mean, relative: seed 42 (-0.1, +0.1, 0) / 2.1, seed 43 (-0.1, -0.1, +0.2) / 3.1;
+    # pooled over 2 x (3 - 1) degrees of freedom.
+    dev = [-0.1 / 2.1, 0.1 / 2.1, 0.0, -0.1 / 3.1, -0.1 / 3.1, 0.2 / 3.1]
+    assert k["run_sd_relative"] == pytest.approx(np.sqrt(sum(x * x for x in dev) / 4))
+    assert k["mala_minus_exact_mean_relative"] == pytest.approx([0.21 / 2.1, 0.0])
+    # mala and mala0 against dense and dense_ea, per seed: 42: 2.31 > 2.0, 2.2; 2.1 > 2.0, < 2.2;
+    # 43: 3.1 > 3.0, 3.0; 3.3 > both.
+    assert k["mala_kernels_above_sdpa"] == [7, 8]
+    assert ts.exact_arms({"dense": per_arm["dense"], "mala": per_arm["mala"]}) is None
+    json.dumps(e)
