@@ -26,9 +26,9 @@
 # folder that lab/scripts/wheels.sh install fa4 fills during the run (its wheels come in parts over
 # several calls); the speed phase waits up to FA4_WAIT_S (300) for its .ready-fa4, then times
 # FlashAttention-4 beside the others (speed.json records it unavailable otherwise).  SERIAL=1 trains
-# the runs of a stage one after another instead of at once: processes sharing the GPU are time-sliced,
-# and an s4m step that takes 93 ms alone took 406 ms beside one other run and 610 ms beside five, so
-# serial runs finish sooner; use it with fixed PT_STEPS / LCT_STEPS (budgets are then per run).
+# the runs of a stage one after another instead of at once: the GPU time-slices between processes, so
+# a few small runs at once finish later than the same runs in turn (docs/training.md, "Commands");
+# use it with fixed PT_STEPS / LCT_STEPS (budgets are then per run, with no step count to agree on).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 STORE=${STORE:-/tmp/mala-train}
@@ -102,7 +102,7 @@ PYEOF
   common=(--data "$D" --tokenizer "$TOK" --out "$RES" --work "$W")
   cl=()
   [ "$COMPILE_LOSS" = 1 ] && cl=(--compile-loss)
-  # Serial runs take no time from one another, so there is no step count for the arms to agree on.
+  # Runs in turn take no time from one another: no step count for the arms to agree on.
   sync=(--sync "$STORE/sync")
   if [ "$SERIAL" = 1 ]; then sync=(); fi
   ph "pt"

@@ -227,12 +227,12 @@ def exact_arms(per_arm):
     out = {"arms": exact, "seeds": seeds}
     for k in LOSSES:
         runs = {str(s): {a: per_arm[a][s][k] for a in exact} for s in seeds}
-        dev = [(v - np.mean(list(r.values()))) / np.mean(list(r.values())) for r in runs.values() for v in r.values()]
+        mean = {s: float(np.mean(list(runs[str(s)].values()))) for s in seeds}
+        dev = [(v - mean[s]) / mean[s] for s in seeds for v in runs[str(s)].values()]
         dof = len(seeds) * (len(exact) - 1)
         e = {"runs": runs, "run_sd_relative": float(math.sqrt(sum(x * x for x in dev) / dof))}
         if "mala" in per_arm and all(s in per_arm["mala"] for s in seeds):
-            r = [(per_arm["mala"][s][k] - np.mean(list(runs[str(s)].values()))) / np.mean(list(runs[str(s)].values()))
-                 for s in seeds]
+            r = [(per_arm["mala"][s][k] - mean[s]) / mean[s] for s in seeds]
             e["mala_minus_exact_mean_relative"] = [float(x) for x in r]
             e["mala_minus_exact_mean_relative_ci95"] = t_interval(r)
         mk = [a for a in ("mala", "mala0") if a in per_arm]
