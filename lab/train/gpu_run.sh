@@ -29,6 +29,8 @@
 # the runs of a stage one after another instead of at once: the GPU time-slices between processes, so
 # a few small runs at once finish later than the same runs in turn (docs/training.md, "Commands");
 # use it with fixed PT_STEPS / LCT_STEPS (budgets are then per run, with no step count to agree on).
+# SKIP: phases left out, from "timing regime grads speed matched" (for example more seeds of a size
+# whose step time and speed a run has already measured).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 STORE=${STORE:-/tmp/mala-train}
@@ -44,11 +46,13 @@ COMPILE_LOSS=${COMPILE_LOSS:-0}
 FA4_SITE=${FA4_SITE:-}
 FA4_WAIT_S=${FA4_WAIT_S:-300}
 SERIAL=${SERIAL:-0}
+SKIP=${SKIP:-}
 RES=$STORE/res
 
 # Per-size overrides: SEEDS_<size>, ARMS_<size>, PT_STEPS_<size>, LCT_STEPS_<size> (for example a
 # control arm of one size beside both arms of another, in one run).
 for_size() { local v="${1}_$2"; echo "${!v:-${!1}}"; }
+skip() { [[ " $SKIP " == *" $1 "* ]]; }
 arms_analyzed() { for a in $(for_size ARMS "$1"); do case $a in dense|mala) echo "$a" ;; esac; done; }
 
 phases() {
@@ -136,7 +140,7 @@ PYEOF
   ph "timing"
   A=(--data "$D" --tokenizer "$TOK" --out "$RES" --work "$W")
   T_A=("${A[@]}" "${cl[@]}")
-  for s in $SIZES; do
+  for s in $(skip timing || echo "$SIZES"); do
     seed0=$(for_size SEEDS "$s"); seed0=${seed0%% *}
     for arm in $(arms_analyzed "$s"); do
       python3 "$T/analyze.py" timing --size "$s" --arm "$arm" --seed "$seed0" --stage pt --seqlen 4096 \
@@ -147,7 +151,7 @@ PYEOF
     done
   done
   ph "regime"
-  for s in $LCT_SIZES; do
+  for s in $(skip regime || echo "$LCT_SIZES"); do
     seed0=$(for_size SEEDS "$s"); seed0=${seed0%% *}
     for seed in $(for_size SEEDS "$s"); do
       for arm in $(arms_analyzed "$s"); do
@@ -159,14 +163,15 @@ PYEOF
     done
   done
   ph "grads"
-  # The gradient's fidelity (analyze.py grads) on each size's first arm, first seed.
-  for s in $LCT_SIZES; do
+  # The gradient's fidelity (analyze.py grads) on each arm of each size's first seed.
+  for s in $(skip grads || echo "$LCT_SIZES"); do
     seed0=$(for_size SEEDS "$s"); seed0=${seed0%% *}
-    arm0=$(for_size ARMS "$s"); arm0=${arm0%% *}
-    for nq in 4096:4:8 16384:1:4; do
-      IFS=: read -r gn gs gb <<< "$nq"
-      python3 "$T/analyze.py" grads --size "$s" --arm "$arm0" --seed "$seed0" --stage lct --seqlen "$gn" \
-        --sequences "$gs" --batches "$gb" "${A[@]}" >> "$RES/grads.log" 2>&1 || ph "grads $s $arm0 $gn failed"
+    for arm in $(for_size ARMS "$s"); do
+      for nq in 4096:4:8 16384:1:4; do
+        IFS=: read -r gn gs gb <<< "$nq"
+        python3 "$T/analyze.py" grads --size "$s" --arm "$arm" --seed "$seed0" --stage lct --seqlen "$gn" \
+          --sequences "$gs" --batches "$gb" "${A[@]}" >> "$RES/grads.log" 2>&1 || ph "grads $s $arm $gn failed"
+      done
     done
   done
   if [ -n "$FA4_SITE" ]; then
@@ -174,7 +179,7 @@ PYEOF
     ph "fa4 $([ -f "$FA4_SITE/.ready-fa4" ] && echo ready || echo "not ready after ${FA4_WAIT_S} s")"
   fi
   ph "speed"
-  for s in ${SPEED_SIZES:-$LCT_SIZES}; do
+  for s in $(skip speed || echo "${SPEED_SIZES:-$LCT_SIZES}"); do
     seed0=$(for_size SEEDS "$s"); seed0=${seed0%% *}
     for arm in $(arms_analyzed "$s"); do
       python3 "$T/analyze.py" speed --size "$s" --arm "$arm" --seed "$seed0" --stage lct --n 16384 "${A[@]}" >> "$RES/speed.log" 2>&1 || ph "speed $s $arm failed"
@@ -182,7 +187,7 @@ PYEOF
   done
   # The matched-work study and the states: on the MALA-trained models.
   mala_sizes=$(for s in $LCT_SIZES; do if [[ " $(for_size ARMS "$s") " == *" mala "* ]]; then echo "$s"; fi; done)
-  if [ -z "$mala_sizes" ]; then ph "all done"; return; fi
+  if [ -z "$mala_sizes" ] || skip matched; then ph "all done"; return; fi
   ph "matched"
   MW=$R/lab/real/matched_work.py
   for s in ${SPEED_SIZES:-$LCT_SIZES}; do
@@ -210,8 +215,8 @@ case "${1:-}" in
 start)
   rm -rf "$STORE/repo" "$RES" && mkdir -p "$STORE/repo" "$RES"
   cp -r . "$STORE/repo/"
-  export -f phases arms_analyzed for_size
-  export SERIAL STORE SIZES SEEDS LCT_SIZES PT_BUDGET_S LCT_BUDGET_S PT_STEPS LCT_STEPS COMPILE_LOSS RES SPEED_SIZES FA4_SITE FA4_WAIT_S ARMS
+  export -f phases arms_analyzed for_size skip
+  export SKIP SERIAL STORE SIZES SEEDS LCT_SIZES PT_BUDGET_S LCT_BUDGET_S PT_STEPS LCT_STEPS COMPILE_LOSS RES SPEED_SIZES FA4_SITE FA4_WAIT_S ARMS
   setsid nohup bash -c phases > "$STORE/phases.out" 2>&1 < /dev/null &
   echo "gpu_run: started (log $RES/phases.log)"
   ;;
