@@ -4,8 +4,8 @@
     python3 lab/train/train_summary.py --res bench/results/train/run1.tgz --res bench/results/train/run2.tgz \\
         --corpus lab/train/corpus --out bench/results/train/summary.json --plots docs/img
 
-Each --res is one run; each arm of a size is taken from the last --res that trained it (with all of
-that run's seeds), so a later run may add an arm (the mala0 control) to a size.  summary.json: {"device", "corpus": {...}, "sizes": {NAME: {"dense": {...}, "mala": {...}}},
+Each --res is one run; each seed of an arm of a size is taken from the last --res that trained it, so
+a later run may add an arm (the mala0 control) or seeds to a size.  summary.json: {"device", "corpus": {...}, "sizes": {NAME: {"dense": {...}, "mala": {...}}},
 "paired": {NAME: {...}}}.  Each arm: params (and non_embedding_params), tokens (pre-training +
 long-context), final_heldout_loss_4k / _16k (the final model), the same after pre-training (pt_*),
 fwd_slots_16k, bwd_slots_16k, fwd_retained_16k, bwd_retained_16k (MALA tau = 1 on the held-out batch,
@@ -102,6 +102,16 @@ def seeds_of(res, size, arm):
             elif rest.startswith("_s") and rest[2:].isdigit():
                 out.append(int(rest[2:]))
     return sorted(out, key=lambda s: (s != configs.SEED, s))
+
+
+def trained_runs(folders):
+    """(size, arm) -> {seed: the last of the results folders that pre-trained that seed of that arm}."""
+    where = {}
+    for res in folders:
+        for sa in {sa for sa in map(size_arm, os.listdir(res)) if sa}:
+            for seed in seeds_of(res, *sa):
+                where.setdefault(sa, {})[seed] = res
+    return where
 
 
 def layer_means(layers, key):
@@ -388,12 +398,7 @@ def main(argv=None):
     folders = [unpack(r) for r in a.res]
     manifest = load(os.path.join(a.corpus, "manifest.json"))
     streams = load(os.path.join(a.corpus, "streams.json"))
-    where = {}  # (size, arm) -> the last run that trained that arm of that size
-    for res in folders:
-        for f in os.listdir(res):
-            sa = size_arm(f)
-            if sa:
-                where[sa] = res
+    where = trained_runs(folders)
     sizes = sorted({s for s, _ in where}, key=lambda s: configs.SIZES[s]["hidden"] * configs.SIZES[s]["layers"])
     summary = {"device": None, "corpus": {"files": manifest["counts"], "tokens": {
         "train": streams["train_tokens"], "heldout": streams["heldout_tokens"]},
@@ -405,12 +410,12 @@ def main(argv=None):
         runs[size] = {}
         per_arm = {}
         for arm in [a for a in ARMS if (size, a) in where]:
-            res = where[(size, arm)]
-            regime, speed, matched = (load(os.path.join(res, f)) if os.path.exists(os.path.join(res, f)) else {}
-                                      for f in ("regime.json", "speed.json", "matched_work.json"))
             per_seed = {}
             runs[size][arm] = []
-            for seed in seeds_of(res, size, arm):
+            for seed in sorted(where[(size, arm)], key=lambda s: (s != configs.SEED, s)):
+                res = where[(size, arm)][seed]
+                regime, speed = (load(os.path.join(res, f)) if os.path.exists(os.path.join(res, f)) else {}
+                                 for f in ("regime.json", "speed.json"))
                 s, pt, lct = arm_summary(res, size, arm, seed)
                 summary["device"] = summary["device"] or pt["device"]
                 key = run_tag(size, arm, "lct", seed)
@@ -427,6 +432,9 @@ def main(argv=None):
             summary["sizes"][size][arm] = over_seeds(per_seed)
             if arm != "mala":
                 continue
+            first = where[(size, arm)][next(iter(per_seed))]
+            path = os.path.join(first, "matched_work.json")
+            matched = load(path) if os.path.exists(path) else {}
             for n in ("8192", "16384"):  # the matched-work study runs on the MALA-trained model's states
                 m = matched.get(f"{size}_{n}")
                 if m:

@@ -42,6 +42,17 @@ def test_seeds_of_reads_the_run_tags(tmp_path):
     assert ts.run_tag("s4m", "mala", "lct", 43) == "s4m_mala_lct_s43"
 
 
+def test_trained_runs_merges_seeds_across_runs_the_last_run_winning(tmp_path):
+    a, b = tmp_path / "run_a", tmp_path / "run_b"
+    for d, names in ((a, ("train_s4m_mala_pt.json", "train_s4m_mala_pt_s43.json", "train_s4m_dense_pt.json")),
+                     (b, ("train_s4m_mala_pt_s43.json", "train_s4m_mala_pt_s45.json", "regime.json"))):
+        d.mkdir()
+        for name in names:
+            (d / name).write_text("{}")
+    where = ts.trained_runs([str(a), str(b)])
+    assert where == {("s4m", "mala"): {42: str(a), 43: str(b), 45: str(b)}, ("s4m", "dense"): {42: str(a)}}
+
+
 def test_over_seeds_averages_numbers_and_lists_and_keeps_the_first_seed_elsewhere():
     per = {42: {"final_heldout_loss_4k": 3.0, "fwd_slots_16k_per_layer": [1.0, 3.0], "fidelity_16k": {"a": 1}},
            43: {"final_heldout_loss_4k": 3.2, "fwd_slots_16k_per_layer": [3.0, 5.0], "fidelity_16k": {"a": 2}}}
