@@ -191,71 +191,21 @@ def cmd_regime(args, device):
 
 
 def cmd_grads(args, device):
-    from contextlib import nullcontext
-
-    from train_summary import t_interval
-
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    import mala.integrations.transformers as mala_hf
+    import gradcheck
 
     model = load(args, device)
     held = corpus.sequences(np.load(os.path.join(args.data, "heldout.npy"), mmap_mode="r"), args.seqlen)
     if len(held) < args.sequences * args.batches:
         raise ValueError(f"--batches {args.batches} x --sequences {args.sequences}: the held-out split has "
                          f"{len(held)} sequences of {args.seqlen}")
-
-    def grad(x, name, amp, backend=None):
-        attn.set_attention(model, name)
-        model.zero_grad(set_to_none=True)
-        with (train.autocast(device) if amp else nullcontext()), (sdpa_kernel([backend]) if backend else nullcontext()):
-            loss = train.sequence_loss(model, x)
-        loss.backward()
-        g = torch.cat([p.grad.detach().float().flatten() for p in model.parameters() if p.grad is not None])
-        model.zero_grad(set_to_none=True)
-        return float(loss.detach()), g
-
-    def vs(g, ref):
-        # Relative L2 error, cosine, and the error's component along the reference, relative to it:
-        # negative where the attention shrinks the gradient, the kind of bias a relative error hides.
-        d = g - ref
-        rr = float(ref.dot(ref))
-        return {"rel_err": float(d.norm()) / math.sqrt(rr), "cosine": float(torch.nn.functional.cosine_similarity(g, ref, dim=0)),
-                "bias": float(d.dot(ref)) / rr}
-
-    labels = (("sdpa", "sdpa", None), ("sdpa_ea", "sdpa_ea", None), ("mala_tau0", "mala", 0.0),
-              (f"mala_tau{args.tau:g}", "mala", args.tau))
+    xs = [torch.from_numpy(np.stack(held[b * args.sequences:(b + 1) * args.sequences]).astype(np.int64)).to(device)
+          for b in range(args.batches)]
+    res = gradcheck.probe(model, xs, device, args.tau, (train.own_attention(args.arm), train.train_tau(args.arm, args.tau)),
+                          log=lambda m: train.log(f"grads {args.size} {args.arm} {m}"))
     out = {"seqlen": args.seqlen, "sequences": args.sequences, "batches": args.batches,
            "reference": "fp32, no autocast, SDPA math",
            "reference_attention": "bf16 autocast, attention alone in fp32 (SDPA math): the attention's own error",
-           "attention": {lab: {"per_batch": []} for lab, _, _ in labels}}
-    for b in range(args.batches):
-        x = torch.from_numpy(np.stack(held[b * args.sequences:(b + 1) * args.sequences]).astype(np.int64)).to(device)
-        loss_ref, ref = grad(x, "sdpa", amp=False, backend=SDPBackend.MATH)
-        _, ref_attn = grad(x, "sdpa_fp32", amp=True)
-        got = {}
-        for label, name, tau in labels:
-            if tau is not None:
-                mala_hf.register(tau=tau)
-            loss, g = grad(x, name, amp=True)
-            got[label] = g
-            full, own = vs(g, ref), vs(g, ref_attn)
-            out["attention"][label]["per_batch"].append(
-                {"loss": loss, "loss_reference": loss_ref, "grad_rel_err": full["rel_err"], "grad_cosine": full["cosine"],
-                 "grad_bias": full["bias"], "attn_rel_err": own["rel_err"], "attn_bias": own["bias"]})
-            train.log(f"grads {args.size} {args.arm} batch {b} {label}: loss {loss:.5f} (fp32 {loss_ref:.5f}), "
-                      f"gradient rel. error {full['rel_err']:.3e}, cosine {full['cosine']:.6f}; against fp32 attention "
-                      f"{own['rel_err']:.3e}, bias {own['bias']:+.2e}")
-        # How far the MALA-kernel gradients are from SDPA's, beside how far SDPA's two kernels are apart.
-        for label in ("sdpa_ea", "mala_tau0"):
-            out["attention"][label]["per_batch"][-1]["rel_to_sdpa"] = vs(got[label], got["sdpa"])["rel_err"]
-    for label in out["attention"]:
-        rows = out["attention"][label]["per_batch"]
-        for k in rows[0]:
-            out["attention"][label][k] = float(np.mean([r[k] for r in rows]))
-        if len(rows) > 1:
-            out["attention"][label]["attn_bias_ci95"] = t_interval([r["attn_bias"] for r in rows])
-    out["loss_reference"] = float(np.mean([r["loss_reference"] for r in out["attention"]["sdpa"]["per_batch"]]))
+           "attention": res["attention"], "loss_reference": res["loss_reference"]}
     merge(os.path.join(args.out, "grads.json"), f"{train.run_tag(args.size, args.arm, args.stage, args.seed)}_{args.seqlen}",
           out)
 

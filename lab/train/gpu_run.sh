@@ -30,7 +30,9 @@
 # a few small runs at once finish later than the same runs in turn (docs/training.md, "Commands");
 # use it with fixed PT_STEPS / LCT_STEPS (budgets are then per run, with no step count to agree on).
 # SKIP: phases left out, from "timing regime grads speed matched" (for example more seeds of a size
-# whose step time and speed a run has already measured).
+# whose step time and speed a run has already measured).  GRAD_PROBE_EVERY=N: the pre-training runs
+# probe each attention's gradient against fp32 attention every N steps (train.py --grad-probe-every,
+# 2 batches of 4 x 4K held-out sequences).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 STORE=${STORE:-/tmp/mala-train}
@@ -47,6 +49,7 @@ FA4_SITE=${FA4_SITE:-}
 FA4_WAIT_S=${FA4_WAIT_S:-300}
 SERIAL=${SERIAL:-0}
 SKIP=${SKIP:-}
+GRAD_PROBE_EVERY=${GRAD_PROBE_EVERY:-0}
 RES=$STORE/res
 
 # Per-size overrides: SEEDS_<size>, ARMS_<size>, PT_STEPS_<size>, LCT_STEPS_<size> (for example a
@@ -61,7 +64,7 @@ phases() {
   mkdir -p "$D" "$W" "$RES" "$STORE/sync"
   cd "$R"
   ph() { echo "$(date +%T) $*" >> "$RES/phases.log"; }
-  ph "start SERIAL=$SERIAL SIZES=$SIZES SEEDS=$SEEDS ARMS=$ARMS PT_BUDGET_S=$PT_BUDGET_S LCT_BUDGET_S=$LCT_BUDGET_S PT_STEPS=$PT_STEPS LCT_STEPS=$LCT_STEPS COMPILE_LOSS=$COMPILE_LOSS" \
+  ph "start SERIAL=$SERIAL GRAD_PROBE_EVERY=$GRAD_PROBE_EVERY SIZES=$SIZES SEEDS=$SEEDS ARMS=$ARMS PT_BUDGET_S=$PT_BUDGET_S LCT_BUDGET_S=$LCT_BUDGET_S PT_STEPS=$PT_STEPS LCT_STEPS=$LCT_STEPS COMPILE_LOSS=$COMPILE_LOSS" \
      "$(env | grep -E '^(SEEDS|ARMS|PT_STEPS|LCT_STEPS)_' | sort | tr '\n' ' ')"
   rm -rf "$STORE/site" "$STORE/build.done" "$STORE/build.failed"
   ( CMAKE_ARGS=-DCMAKE_CUDA_ARCHITECTURES=90a CMAKE_BUILD_PARALLEL_LEVEL=16 python3 -m pip install \
@@ -116,7 +119,8 @@ PYEOF
       for arm in $(for_size ARMS "$s"); do
         python3 "$T/train.py" --size "$s" --arm "$arm" --seed "$seed" --stage pt --seqlen 4096 --budget-s "$PT_BUDGET_S" \
           --steps "$(for_size PT_STEPS "$s")" \
-          "${sync[@]}" --eval-every 100 "${cl[@]}" "${common[@]}" > "$RES/pt_${s}_${arm}_s${seed}.log" 2>&1 &
+          "${sync[@]}" --eval-every 100 --grad-probe-every "$GRAD_PROBE_EVERY" "${cl[@]}" "${common[@]}" \
+          > "$RES/pt_${s}_${arm}_s${seed}.log" 2>&1 &
         pids+=($!)
         if [ "$SERIAL" = 1 ]; then wait "$!" || ph "a pt run failed (pid $!)"; fi
       done

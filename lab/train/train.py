@@ -21,6 +21,10 @@ held-out loss at 4K and at 16K under the arm's own attention, and the same batch
 ("mala_stats"): per layer, the kernels' realized forward and backward slots per query and retained
 tile fractions (for the dense arm: what a dense-trained model would keep).  Attention FLOPs per
 token by the paper's accounting (configs.attention_flops_per_token) from those slots.
+--grad-probe-every: at step 0 and every that many steps, gradcheck.probe on fixed held-out batches at
+--seqlen (the split's last sequences): each attention's gradient against fp32 attention on the
+run's current weights, whether MALA's kernels step as SDPA's do at every stage of training, not
+only on the final weights (analyze.py grads).
 
 --budget-s: the number of steps is set after --probe-steps from the measured step time so that the
 run ends within the budget; with --sync DIR the two arms of a size exchange their step times there
@@ -241,6 +245,10 @@ def main():
     ap.add_argument("--resume", action="store_true")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--compile-loss", action="store_true", help="the training steps' loss through torch.compile")
+    ap.add_argument("--grad-probe-every", type=int, default=0,
+                    help="every this many steps (and at step 0), gradcheck.probe on fixed held-out batches (0: never)")
+    ap.add_argument("--grad-probe-batches", type=int, default=2)
+    ap.add_argument("--grad-probe-sequences", type=int, default=4, help="held-out sequences of --seqlen per probe batch")
     a = ap.parse_args()
     device = torch.device(a.device)
     attn.register(train_tau(a.arm, a.tau))
@@ -256,6 +264,18 @@ def main():
     for n in (int(x) for x in a.eval_lengths.split(",") if x):
         s = corpus.sequences(held_stream, n)
         held[n] = np.ascontiguousarray(s[: max(1, a.eval_tokens // n)])
+    probe_x = []
+    if a.grad_probe_every:
+        # The probe's batches: held-out sequences of the training length, from the split's end (the
+        # evals read its start), the same at every probe.
+        s = corpus.sequences(held_stream, a.seqlen)
+        need = a.grad_probe_batches * a.grad_probe_sequences
+        if len(s) < need:
+            raise ValueError(f"--grad-probe-batches x --grad-probe-sequences = {need}: the held-out split has "
+                             f"{len(s)} sequences of {a.seqlen}")
+        s = s[len(s) - need:]
+        probe_x = [torch.from_numpy(np.ascontiguousarray(s[b * a.grad_probe_sequences:(b + 1) * a.grad_probe_sequences])
+                                    .astype(np.int64)).to(device) for b in range(a.grad_probe_batches)]
     batch = max(1, a.tokens_per_step // a.seqlen)
     peak = configs.SIZES[a.size]["lr"]
     init = os.path.join(a.work, f"{run_tag(a.size, a.arm, 'pt', a.seed)}.final.pt") if a.stage == "lct" else None
@@ -271,7 +291,7 @@ def main():
                                                     "vocab_size")},
            "train_sequences": int(len(train_seqs)), "heldout_batch": {str(n): list(x.shape) for n, x in held.items()},
            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-           "compile_loss": a.compile_loss, "steps": [], "evals": [], "total_steps": a.steps or None}
+           "compile_loss": a.compile_loss, "steps": [], "evals": [], "grad_probes": [], "total_steps": a.steps or None}
     step, attn_flops = 0, {"dense": 0.0, "arm": 0.0}
     ckpt = os.path.join(a.work, f"{tag}.ckpt.pt")
     if a.resume and os.path.exists(ckpt):
@@ -311,8 +331,24 @@ def main():
         log(f"{tag} step {step}: " + "; ".join(parts) + f" ({time.time() - t:.1f} s)")
         save_json()
 
+    def do_probe():
+        import gradcheck
+
+        t = time.time()
+        res = gradcheck.probe(model, probe_x, device, a.tau, (own_attention(a.arm), train_tau(a.arm, a.tau)))
+        rec.setdefault("grad_probes", []).append({"step": step, "seqlen": a.seqlen, "sequences": a.grad_probe_sequences,
+                                                  "probe_s": time.time() - t, **res})
+        g = res["attention"]
+        log(f"{tag} step {step}: gradient vs fp32 attention: " + ", ".join(
+            f"{k} {v['attn_rel_err']:.2e} (bias {v['attn_bias']:+.1e})" for k, v in g.items())
+            + f"; mala_tau0 from sdpa {g['mala_tau0']['rel_to_sdpa']:.2e}, sdpa_ea {g['sdpa_ea']['rel_to_sdpa']:.2e}"
+            + f" ({time.time() - t:.1f} s)")
+        save_json()
+
     if step == 0:
         do_eval()
+        if probe_x:
+            do_probe()
     window = []
     while step < total:
         if time.time() - T0 > a.deadline_s:
@@ -359,6 +395,8 @@ def main():
             log(f"{tag}: probe {ms_probe:.1f} ms/step (other arm {other}); {total} steps")
         if step % a.eval_every == 0 or step == total:
             do_eval()
+        if probe_x and (step % a.grad_probe_every == 0 or step == total):
+            do_probe()
         if a.ckpt_every and step % a.ckpt_every == 0:
             torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "rec": rec, "step": step,
                         "attn_flops": attn_flops}, ckpt)

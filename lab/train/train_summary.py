@@ -11,7 +11,9 @@ long-context), final_heldout_loss_4k / _16k (the final model), the same after pr
 fwd_slots_16k, bwd_slots_16k, fwd_retained_16k, bwd_retained_16k (MALA tau = 1 on the held-out batch,
 both arms, mean over layers), per-layer slots, step_ms / attn_fwd_ms / attn_bwd_ms at 16K (and _4k),
 attn_flops_per_token at 16K (the paper's accounting: dense for the dense arm, realized slots for
-MALA), and the fidelity at 16K (means over sequence x layer x head with 95% bootstrap intervals); the
+MALA), and the fidelity at 16K (means over sequence x layer x head with 95% bootstrap intervals), and where
+pre-training probed its gradient (train.py --grad-probe-every) grad_probes_pt, per probe step and
+attention the attention's own gradient error, its bias and its distance from cuDNN's; the
 MALA arm also holds the matched-work study on its states (matched_work, by N).  With several seeds,
 an arm's numbers are means over its seeds, "seeds" lists them, "per_seed" holds each seed's own
 summary and "ci95" the 95% t-intervals of the mean over seeds; "paired" holds, per loss, the
@@ -135,6 +137,10 @@ def arm_summary(res, size, arm, seed=configs.SEED):
         "pt_heldout_loss_4k": pt["evals"][-1]["len_4096"]["loss"],
         "pt_heldout_loss_16k": pt["evals"][-1]["len_16384"]["loss"],
     }
+    if pt.get("grad_probes"):  # train.py --grad-probe-every: the attention's own gradient error over pre-training
+        out["grad_probes_pt"] = [{"step": p["step"], **{lab: {k: v[k] for k in ("attn_rel_err", "attn_bias", "rel_to_sdpa")
+                                                               if k in v} for lab, v in p["attention"].items()}}
+                                 for p in pt["grad_probes"]]
     for n, tag in ((16384, "16k"), (4096, "4k")):
         layers = last[f"len_{n}"]["layers"]
         for k in ("fwd_slots", "bwd_slots", "fwd_retained", "bwd_retained"):

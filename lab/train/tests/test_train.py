@@ -159,12 +159,12 @@ def test_both_arms_agree_on_the_step_count(tmp_path):
     assert first[0] >= second[0]  # alone, the dense arm planned with its own, faster time
 
 
-def run_arm(tmp_path, data, tok_path, arm, steps=30, stage="pt", seqlen=64, seed=configs.SEED):
+def run_arm(tmp_path, data, tok_path, arm, steps=30, stage="pt", seqlen=64, seed=configs.SEED, extra=()):
     cmd = [sys.executable, os.path.join(TRAIN, "train.py"), "--size", "tiny", "--arm", arm, "--stage", stage,
            "--seed", str(seed),
            "--data", data, "--tokenizer", tok_path, "--out", str(tmp_path / "out"), "--work", str(tmp_path / "work"),
            "--seqlen", str(seqlen), "--tokens-per-step", "512", "--steps", str(steps), "--eval-every", "10",
-           "--eval-lengths", "32,64", "--eval-tokens", "64", "--device", "cpu"]
+           "--eval-lengths", "32,64", "--eval-tokens", "64", "--device", "cpu", *extra]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     tag = f"tiny_{arm}_{stage}" + ("" if seed == configs.SEED else f"_s{seed}")
@@ -245,6 +245,19 @@ def test_a_few_steps_of_each_arm_lower_the_loss(roots, tmp_path):
     b0, b1 = grads["attention"]["sdpa"]["per_batch"]
     assert b0["loss_reference"] != pytest.approx(b1["loss_reference"], rel=1e-4)
     assert grads["attention"]["mala_tau0"]["rel_to_sdpa"] < 1e-4
+    # The gradient probe during training: at step 0, every --grad-probe-every steps and at the end;
+    # on the CPU (fp32) every exact attention's gradient equals fp32 attention's, and the probe
+    # leaves the run's attention as it was: the probed run's losses equal the unprobed run's.
+    probed = run_arm(tmp_path, data, tok_path, "mala", steps=12, seed=11,
+                     extra=("--grad-probe-every", "5", "--grad-probe-batches", "2", "--grad-probe-sequences", "1"))
+    plain = run_arm(tmp_path, data, tok_path, "mala", steps=12, seed=11)
+    assert [p["step"] for p in probed["grad_probes"]] == [0, 5, 10, 12] and plain["grad_probes"] == []
+    for p in probed["grad_probes"]:
+        assert p["batches"] == 2 and set(p["attention"]) == {"sdpa", "sdpa_ea", "mala_tau0", "mala_tau1"}
+        for label in ("sdpa", "sdpa_ea", "mala_tau0"):
+            assert p["attention"][label]["attn_rel_err"] < 1e-4, (p["step"], label)
+    assert [s["loss"] for s in probed["steps"]] == pytest.approx([s["loss"] for s in plain["steps"]], rel=1e-6)
+    assert probed["tau"] == 1.0
     # Another seed: other initial weights (and data order), recorded under its own name.
     other = run_arm(tmp_path, data, tok_path, "dense", steps=2, seed=7)
     assert other["seed"] == 7
@@ -297,3 +310,24 @@ def test_compiled_loss_equals_the_eager_loss():
         grads.append((float(loss), model.lm_head.weight.grad.clone()))
     assert grads[1][0] == pytest.approx(grads[0][0], rel=1e-5)
     assert torch.allclose(grads[1][1], grads[0][1], rtol=1e-4, atol=1e-6)
+
+
+def test_the_gradient_probe_restores_the_runs_attention():
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    pytest.importorskip("mala")
+    import attn
+    import gradcheck
+    import train
+
+    attn.register(0.0)
+    model = train.build_model("tiny", 512, "dense_ea", torch.device("cpu"), None, 0)
+    x = [torch.randint(0, 512, (1, 64), generator=torch.Generator().manual_seed(b)) for b in range(2)]
+    res = gradcheck.probe(model, x, torch.device("cpu"), 1.0, ("sdpa_ea", 0.0))
+    # The probe ends on MALA at tau = 1; the run's own attention and tau are back.
+    assert model.config._attn_implementation == "sdpa_ea" and attn.RECORD["tau"] == 0.0
+    assert all(p.grad is None for p in model.parameters())
+    assert res["batches"] == 2 and len(res["attention"]["mala_tau1"]["per_batch"]) == 2
+    # Each batch's reference loss is its own.
+    b0, b1 = res["attention"]["sdpa"]["per_batch"]
+    assert b0["loss_reference"] != pytest.approx(b1["loss_reference"], rel=1e-4)
