@@ -22,7 +22,8 @@ data order): mean, 95% t-interval, and the same relative to dense; "paired_poole
 differences over every size's pairs (t-interval, sign test); "paired_control", where a mala0 or dense_ea arm
 ran, the same pairing of mala0 with dense, of mala with mala0, of dense_ea with dense and of mala0 and mala
 with dense_ea; "exact_arms", where two or more exact arms ran, their within-seed spread and MALA against
-their mean (exact_arms()).  Timing, speed, the fidelity and
+their mean (exact_arms()); "gap_over_training", per size and pair of arms, the same seed's relative
+held-out loss difference at 4K at every pre-training eval (gap_over_training()).  Timing, speed, the fidelity and
 the matched-work study use the first seed.  Plots need matplotlib.
 """
 
@@ -274,6 +275,30 @@ def paired(dense_seeds, mala_seeds):
     return out
 
 
+GAP_PAIRS = (("dense", "mala"), ("dense", "mala0"), ("dense", "dense_ea"))
+
+
+def gap_over_training(runs_size):
+    """Per pair of arms (b - a, GAP_PAIRS) of one size: the held-out loss at 4K of b relative to a at
+    every pre-training eval both runs of a seed have, per seed, with the mean and 95% t-interval over
+    seeds at each step: where in training a final gap opens."""
+    out = {}
+    by_seed = {arm: {pt["seed"]: pt for pt, _ in runs_size[arm]} for arm in runs_size}
+    for a, b in GAP_PAIRS:
+        if a not in by_seed or b not in by_seed:
+            continue
+        seeds = [sd for sd in by_seed[a] if sd in by_seed[b]]
+        if not seeds:
+            continue
+        ev = {sd: ({e["step"]: e["len_4096"]["loss"] for e in by_seed[a][sd]["evals"]},
+                   {e["step"]: e["len_4096"]["loss"] for e in by_seed[b][sd]["evals"]}) for sd in seeds}
+        steps = sorted(set.intersection(*(set(ea) & set(eb) for ea, eb in ev.values())))
+        rel = [[(ev[sd][1][st] - ev[sd][0][st]) / ev[sd][0][st] for sd in seeds] for st in steps]
+        out[f"{b}_minus_{a}"] = {"seeds": seeds, "steps": steps, "relative": rel,
+                                 "mean": [float(np.mean(r)) for r in rel], "ci95": [t_interval(r) for r in rel]}
+    return out
+
+
 def plots(summary, runs, out_dir):
     import matplotlib
 
@@ -357,6 +382,30 @@ def plots(summary, runs, out_dir):
     fig.tight_layout()
     fig.savefig(os.path.join(out_dir, "training_slots_vs_length.png"), dpi=110)
     plt.close(fig)
+    # The paired gap over pre-training: each pair of arms' relative held-out loss difference at 4K,
+    # the mean over seeds with its 95% t-interval shaded.
+    gaps = summary.get("gap_over_training", {})
+    if gaps:
+        fig, axes = plt.subplots(1, len(gaps), figsize=(5.5 * len(gaps), 4), squeeze=False)
+        for ax, (size, pairs) in zip(axes[0], gaps.items()):
+            for name, g in pairs.items():
+                arm = name.split("_minus_")[0]
+                steps, mean = np.array(g["steps"]), 100 * np.array(g["mean"])
+                ax.plot(steps, mean, color=colors[arm], label=f"{arm} - dense ({len(g['seeds'])} seed{'s' * (len(g['seeds']) > 1)})")
+                if len(g["seeds"]) > 1:
+                    lo = [100 * c[1] for c in g["ci95"]]
+                    hi = [100 * c[2] for c in g["ci95"]]
+                    ax.fill_between(steps, lo, hi, color=colors[arm], alpha=0.12)
+            ax.axhline(0, color="black", lw=0.8)
+            ax.set_ylim(-15, 15)
+            ax.set_title(f"{size}: held-out loss at 4K relative to dense, pre-training")
+            ax.set_xlabel("step")
+            ax.set_ylabel("% of dense's loss")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(os.path.join(out_dir, "training_gap.png"), dpi=110)
+        plt.close(fig)
     # Attention time per step.
     fig, ax = plt.subplots(figsize=(7, 4))
     labels, fw, bw, rest = [], [], [], []
@@ -455,6 +504,9 @@ def main(argv=None):
                     if a in per_arm and b in per_arm}
         if controls:  # the control (MALA's kernels at tau = 0) and the noise floor (a second exact kernel)
             summary.setdefault("paired_control", {})[size] = controls
+        gaps = gap_over_training(runs[size])
+        if gaps:
+            summary.setdefault("gap_over_training", {})[size] = gaps
         ex = exact_arms(per_arm)
         if ex:
             summary.setdefault("exact_arms", {})[size] = ex

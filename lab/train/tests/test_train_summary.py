@@ -111,3 +111,17 @@ def test_exact_arms_spread_and_mala_against_their_mean():
     assert k["mala_kernels_above_sdpa"] == [7, 8]
     assert ts.exact_arms({"dense": per_arm["dense"], "mala": per_arm["mala"]}) is None
     json.dumps(e)
+
+
+def test_gap_over_training_pairs_seeds_at_common_steps():
+    def pt(seed, losses):
+        return {"seed": seed, "evals": [{"step": 100 * i, "len_4096": {"loss": x}} for i, x in enumerate(losses)]}
+
+    runs = {"dense": [(pt(42, [4.0, 3.0, 2.0]), None), (pt(43, [4.0, 3.0]), None)],
+            "mala": [(pt(43, [4.0, 3.3, 9.9]), None), (pt(42, [4.0, 3.0, 2.2]), None)]}
+    g = ts.gap_over_training(runs)
+    assert set(g) == {"mala_minus_dense"}
+    g = g["mala_minus_dense"]
+    assert g["seeds"] == [42, 43] and g["steps"] == [0, 100]  # seed 43's dense run has no step 200
+    assert g["relative"][1] == pytest.approx([0.0, 0.1])
+    assert g["mean"] == pytest.approx([0.0, 0.05])
