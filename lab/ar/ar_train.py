@@ -100,7 +100,7 @@ def evaluate(model, tokens, labels, batch, dev):
 def train_seed(args, cfg, mcfg, seed, test, dev, log):
     torch.manual_seed(seed)
     model = ARModel(cfg.vocab, args.d_model, args.method, n_layers=args.layers, head_dim=args.head_dim, mcfg=mcfg,
-                    seed=seed).to(dev)
+                    seed=seed, conv=args.conv).to(dev)
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "emb" not in n]
     other = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "emb" not in n)]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.wd}, {"params": other, "weight_decay": 0.0}],
@@ -162,6 +162,7 @@ def run_train(args, log=print):
                                    nsa_window=args.nsa_window)
     dev = torch.device(args.device)
     setup = {"task": cfg.to_dict(), "methods": mcfg.to_dict(), "layers": args.layers, "head_dim": args.head_dim,
+             "conv": args.conv,
              "batch": args.batch, "steps": args.steps, "time_cap_s": args.time_cap_s, "lr": args.lr, "wd": args.wd,
              "warmup": args.warmup, "n_train": args.n_train, "n_test": args.n_test,
              "test_seed": ar_data.TEST_SEED, "train_pool_seed": ar_data.TRAIN_POOL_SEED,
@@ -256,6 +257,8 @@ def parser():
     t.add_argument("--power-a", type=float, default=0.01)
     t.add_argument("--layers", type=int, default=2)
     t.add_argument("--head-dim", type=int, default=64)
+    t.add_argument("--conv", type=int, default=3,
+                   help="taps of the short causal depthwise conv on each attention input (0: none, the first model)")
     t.add_argument("--ceiling", type=int, default=1024)
     t.add_argument("--moba-block", type=int, default=128)
     t.add_argument("--nsa-block", type=int, default=64)

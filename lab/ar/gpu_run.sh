@@ -30,7 +30,8 @@
 # steps even with 8 pairs in 128 tokens, and vocab 256 with 64 pairs at d_model 64 for 1,500 steps
 # of batch 32, while vocab 128 with 16 pairs is solved by ~1,250).  Head: 4,096 x 512, 16 pairs
 # (N_KV), vocab 128 (VOCAB: 63 keys, 64 values, chance 1/64), seed 0; trend 1,024 and 2,048.
-# STEPS = 1000 is not enough for this head cell: its GPU calibration (docs/evaluation.md) ended at
+# STEPS = 1000 is not enough for this head cell: its GPU calibration (docs/evaluation.md), before the
+# short conv in ar_model.py, ended at
 # the in-context heuristic after 2,000 steps.  Calibrate first (`calib`: full alone, its loss every
 # 50 steps; CALIB_LRS for several learning rates at once) and set STEPS to about 1.5x the step where
 # full's accuracy leaves 1/N_KV; the caps at about twice the slowest cell's seed.

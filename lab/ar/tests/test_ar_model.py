@@ -37,3 +37,20 @@ def test_init_is_a_function_of_seed_and_name():
         assert torch.equal(p, q), n
         if p.dim() >= 2:
             assert not torch.equal(p, r), n
+
+
+def test_conv_is_causal_and_optional():
+    # The short conv on each attention input sees the current token and the two before it, never a
+    # later one: logits before a changed position do not move.  --conv 0 builds the first model.
+    m = ARModel(vocab=32, d_model=64, method="full", seed=0).eval()
+    assert all(b.conv.weight.shape == (64, 1, 3) and b.conv.weight.abs().max() <= 3 ** -0.5 for b in m.blocks)
+    t = torch.randint(0, 32, (2, 16), generator=torch.Generator().manual_seed(0))
+    u = t.clone()
+    u[:, 9] = (u[:, 9] + 1) % 32
+    where = torch.ones_like(t, dtype=torch.bool)
+    with torch.no_grad():
+        a, _ = m(t, where)
+        b, _ = m(u, where)
+    a, b = a.view(2, 16, -1), b.view(2, 16, -1)
+    assert torch.equal(a[:, :9], b[:, :9]) and not torch.allclose(a[:, 9:], b[:, 9:])
+    assert all(b.conv is None for b in ARModel(vocab=32, d_model=64, method="full", conv=0).blocks)
