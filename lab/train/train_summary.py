@@ -299,6 +299,13 @@ def gap_over_training(runs_size):
     return out
 
 
+def probed_seeds(arm_summary_over_seeds):
+    """(seed, grad_probes_pt) for each seed of an arm whose pre-training probed its gradient."""
+    a = arm_summary_over_seeds
+    per = a.get("per_seed") or {str(a["seeds"][0]): a}
+    return [(int(sd), x["grad_probes_pt"]) for sd, x in per.items() if x.get("grad_probes_pt")]
+
+
 def plots(summary, runs, out_dir):
     import matplotlib
 
@@ -405,6 +412,28 @@ def plots(summary, runs, out_dir):
             ax.legend(fontsize=8)
         fig.tight_layout()
         fig.savefig(os.path.join(out_dir, "training_gap.png"), dpi=110)
+        plt.close(fig)
+    # The gradient probes over pre-training (train.py --grad-probe-every): each attention's own error
+    # against fp32 attention, and its component along the gradient, per size and arm (first seed).
+    probed = [(size, arm, seed, probes) for size in sizes for arm in summary["sizes"][size]
+              for seed, probes in probed_seeds(summary["sizes"][size][arm])]
+    if probed:
+        fig, axes = plt.subplots(2, len(probed), figsize=(5.5 * len(probed), 7), squeeze=False)
+        for col, (size, arm, seed, probes) in enumerate(probed):
+            steps = [p["step"] for p in probes]
+            for label in (k for k in probes[0] if k != "step"):
+                axes[0][col].plot(steps, [100 * p[label]["attn_rel_err"] for p in probes], "o-", label=label)
+                axes[1][col].plot(steps, [100 * p[label]["attn_bias"] for p in probes], "o-", label=label)
+            axes[0][col].set_title(f"{size} {arm} seed {seed}: gradient error vs fp32 attention", fontsize=9)
+            axes[0][col].set_ylabel("relative error (%)")
+            axes[1][col].set_ylabel("component along the gradient (%)")
+            axes[1][col].axhline(0, color="black", lw=0.8)
+            for ax in axes[:, col]:
+                ax.set_xlabel("pre-training step")
+                ax.grid(alpha=0.3)
+                ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(os.path.join(out_dir, "training_grad_probes.png"), dpi=110)
         plt.close(fig)
     # Attention time per step.
     fig, ax = plt.subplots(figsize=(7, 4))

@@ -125,3 +125,11 @@ def test_gap_over_training_pairs_seeds_at_common_steps():
     assert g["seeds"] == [42, 43] and g["steps"] == [0, 100]  # seed 43's dense run has no step 200
     assert g["relative"][1] == pytest.approx([0.0, 0.1])
     assert g["mean"] == pytest.approx([0.0, 0.05])
+
+
+def test_probed_seeds_reads_every_seed_that_probed():
+    probes = [{"step": 0, "sdpa": {"attn_rel_err": 0.01, "attn_bias": 0.0}}]
+    per = {42: {"final_heldout_loss_4k": 3.0}, 45: {"final_heldout_loss_4k": 3.1, "grad_probes_pt": probes}}
+    assert ts.probed_seeds(ts.over_seeds(per)) == [(45, probes)]  # the first seed did not probe
+    assert ts.probed_seeds(ts.over_seeds({45: per[45]})) == [(45, probes)]
+    assert ts.probed_seeds(ts.over_seeds({42: per[42]})) == []
