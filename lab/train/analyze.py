@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import time
@@ -195,11 +194,7 @@ def cmd_grads(args, device):
 
     model = load(args, device)
     held = corpus.sequences(np.load(os.path.join(args.data, "heldout.npy"), mmap_mode="r"), args.seqlen)
-    if len(held) < args.sequences * args.batches:
-        raise ValueError(f"--batches {args.batches} x --sequences {args.sequences}: the held-out split has "
-                         f"{len(held)} sequences of {args.seqlen}")
-    xs = [torch.from_numpy(np.stack(held[b * args.sequences:(b + 1) * args.sequences]).astype(np.int64)).to(device)
-          for b in range(args.batches)]
+    xs = gradcheck.batches(held, args.batches, args.sequences, device)
     res = gradcheck.probe(model, xs, device, args.tau, (train.own_attention(args.arm), train.train_tau(args.arm, args.tau)),
                           log=lambda m: train.log(f"grads {args.size} {args.arm} {m}"))
     out = {"seqlen": args.seqlen, "sequences": args.sequences, "batches": args.batches,

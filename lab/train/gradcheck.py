@@ -21,6 +21,7 @@ import torch
 
 import attn
 import train
+from train_summary import t_interval
 
 
 def labels(tau):
@@ -36,10 +37,14 @@ def _vs(g, ref):
             "cosine": float(torch.nn.functional.cosine_similarity(g, ref, dim=0)), "bias": float(d.dot(ref)) / rr}
 
 
-def _t_interval(x):
-    from train_summary import t_interval
-
-    return t_interval(x)
+def batches(seqs, n_batches, per_batch, device, args=("--batches", "--sequences")):
+    """The first n_batches x per_batch of the sequences seqs ([S, N] array), as n_batches disjoint [per_batch,
+    N] int64 tensors on device; where seqs has fewer, a ValueError naming the two arguments (args)."""
+    if len(seqs) < n_batches * per_batch:
+        raise ValueError(f"{args[0]} {n_batches} x {args[1]} {per_batch}: the held-out split has {len(seqs)} "
+                         f"sequences of that length")
+    return [torch.from_numpy(np.ascontiguousarray(seqs[b * per_batch:(b + 1) * per_batch]).astype(np.int64)).to(device)
+            for b in range(n_batches)]
 
 
 def probe(model, xs, device, tau, restore, log=None):
@@ -88,6 +93,6 @@ def probe(model, xs, device, tau, restore, log=None):
         for k in rows[0]:
             out["attention"][label][k] = float(np.mean([r[k] for r in rows]))
         if len(rows) > 1:
-            out["attention"][label]["attn_bias_ci95"] = _t_interval([r["attn_bias"] for r in rows])
+            out["attention"][label]["attn_bias_ci95"] = t_interval([r["attn_bias"] for r in rows])
     out["loss_reference"] = float(np.mean([r["loss_reference"] for r in out["attention"]["sdpa"]["per_batch"]]))
     return out

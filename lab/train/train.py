@@ -268,14 +268,12 @@ def main():
     if a.grad_probe_every:
         # The probe's batches: held-out sequences of the training length, from the split's end (the
         # evals read its start), the same at every probe.
+        import gradcheck
+
         s = corpus.sequences(held_stream, a.seqlen)
         need = a.grad_probe_batches * a.grad_probe_sequences
-        if len(s) < need:
-            raise ValueError(f"--grad-probe-batches x --grad-probe-sequences = {need}: the held-out split has "
-                             f"{len(s)} sequences of {a.seqlen}")
-        s = s[len(s) - need:]
-        probe_x = [torch.from_numpy(np.ascontiguousarray(s[b * a.grad_probe_sequences:(b + 1) * a.grad_probe_sequences])
-                                    .astype(np.int64)).to(device) for b in range(a.grad_probe_batches)]
+        probe_x = gradcheck.batches(s[max(0, len(s) - need):], a.grad_probe_batches, a.grad_probe_sequences, device,
+                                    ("--grad-probe-batches", "--grad-probe-sequences"))
     batch = max(1, a.tokens_per_step // a.seqlen)
     peak = configs.SIZES[a.size]["lr"]
     init = os.path.join(a.work, f"{run_tag(a.size, a.arm, 'pt', a.seed)}.final.pt") if a.stage == "lct" else None
@@ -331,9 +329,7 @@ def main():
         log(f"{tag} step {step}: " + "; ".join(parts) + f" ({time.time() - t:.1f} s)")
         save_json()
 
-    def do_probe():
-        import gradcheck
-
+    def do_probe():  # gradcheck: imported above, where probe_x was made
         t = time.time()
         res = gradcheck.probe(model, probe_x, device, a.tau, (own_attention(a.arm), train_tau(a.arm, a.tau)))
         rec.setdefault("grad_probes", []).append({"step": step, "seqlen": a.seqlen, "sequences": a.grad_probe_sequences,

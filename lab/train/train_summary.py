@@ -414,7 +414,7 @@ def plots(summary, runs, out_dir):
         fig.savefig(os.path.join(out_dir, "training_gap.png"), dpi=110)
         plt.close(fig)
     # The gradient probes over pre-training (train.py --grad-probe-every): each attention's own error
-    # against fp32 attention, and its component along the gradient, per size and arm (first seed).
+    # against fp32 attention, and its component along the gradient, per size, arm and probed seed.
     probed = [(size, arm, seed, probes) for size in sizes for arm in summary["sizes"][size]
               for seed, probes in probed_seeds(summary["sizes"][size][arm])]
     if probed:

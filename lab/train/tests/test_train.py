@@ -331,3 +331,16 @@ def test_the_gradient_probe_restores_the_runs_attention():
     # Each batch's reference loss is its own.
     b0, b1 = res["attention"]["sdpa"]["per_batch"]
     assert b0["loss_reference"] != pytest.approx(b1["loss_reference"], rel=1e-4)
+
+
+def test_probe_batches_are_disjoint_and_a_shortfall_names_the_arguments():
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    pytest.importorskip("mala")
+    import gradcheck
+
+    seqs = np.arange(40).reshape(5, 8)
+    xs = gradcheck.batches(seqs, 2, 2, torch.device("cpu"))
+    assert [x.tolist() for x in xs] == [seqs[0:2].tolist(), seqs[2:4].tolist()] and xs[0].dtype == torch.int64
+    with pytest.raises(ValueError, match="--grad-probe-batches 3 x --grad-probe-sequences 2"):
+        gradcheck.batches(seqs, 3, 2, torch.device("cpu"), ("--grad-probe-batches", "--grad-probe-sequences"))
